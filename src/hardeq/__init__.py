@@ -1,0 +1,19 @@
+"""hardeq: hard linear equality constraints for deep generative models, by exact conditioning."""
+
+from __future__ import annotations
+
+from . import estimators
+from .constraints import EqualityConstraint, LinearConstraint, SumConstraint
+from .errors import NotPSDError, NumericalWarning
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "EqualityConstraint",
+    "LinearConstraint",
+    "SumConstraint",
+    "NotPSDError",
+    "NumericalWarning",
+    "estimators",
+    "__version__",
+]

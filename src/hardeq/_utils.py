@@ -1,0 +1,86 @@
+"""Small tensor helpers shared across the package (private)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = ["batch_mv", "validate_default", "check_tensor", "check_finite", "check_same_dtype_device"]
+
+
+def batch_mv(matrix: Tensor, vec: Tensor) -> Tensor:
+    r"""Matrix-vector product ``matrix @ vec`` with broadcasting, without copying ``matrix``.
+
+    ``matrix`` has shape ``(*bm, p, q)`` and ``vec`` has shape ``(*sample, *bv, q)`` where ``bv`` is
+    broadcastable with ``bm``; leading dimensions of ``vec`` beyond ``bm`` (sample dimensions) are folded
+    into the columns of one matrix-matrix product, so a matrix shared by many samples is read once.
+
+    Shapes:
+        matrix: ``(*bm, p, q)``; vec: ``(*sample, *bv, q)``; returns ``(*sample, *broadcast(bm, bv), p)``.
+    """
+    if matrix.dim() == 2:
+        return vec @ matrix.mT
+    num_batch = matrix.dim() - 2
+    extra = vec.dim() - 1 - num_batch
+    if extra <= 0:
+        return (matrix @ vec.unsqueeze(-1)).squeeze(-1)
+    sample_shape = vec.shape[:extra]
+    cols = vec.reshape((-1,) + vec.shape[extra:])  # (s, *bv, q)
+    cols = cols.movedim(0, -1)  # (*bv, q, s)
+    out = matrix @ cols  # (*b, p, s)
+    out = out.movedim(-1, 0)  # (s, *b, p)
+    return out.reshape(sample_shape + out.shape[1:])
+
+
+def validate_default(validate_args: bool | None) -> bool:
+    """Resolve ``validate_args=None`` to torch.distributions' global default."""
+    if validate_args is None:
+        return bool(torch.distributions.Distribution._validate_args)
+    return bool(validate_args)
+
+
+def check_tensor(name: str, value: object, *, min_dim: int = 0, floating: bool = True) -> Tensor:
+    """Raise ``TypeError``/``ValueError`` naming ``name`` unless ``value`` is a suitable tensor."""
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}.")
+    if floating and not value.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor (float32 or float64), got dtype {value.dtype}.")
+    if value.dim() < min_dim:
+        raise ValueError(
+            f"{name} must have at least {min_dim} dimension(s), got shape {tuple(value.shape)}."
+        )
+    return value
+
+
+def check_finite(name: str, value: Tensor) -> None:
+    """Raise ``ValueError`` if ``value`` holds NaN or infinity."""
+    if not bool(torch.isfinite(value).all()):
+        bad = (~torch.isfinite(value)).sum().item()
+        raise ValueError(
+            f"{name} (shape {tuple(value.shape)}) must be finite, but found {bad} NaN/inf entr"
+            f"{'y' if bad == 1 else 'ies'}."
+        )
+
+
+def check_same_dtype_device(**tensors: Tensor) -> None:
+    """Raise ``TypeError`` if the given tensors disagree in dtype, ``ValueError`` if in device."""
+    items = [(k, v) for k, v in tensors.items() if v is not None]
+    if not items:
+        return
+    ref_name, ref = items[0]
+    for name, t in items[1:]:
+        if t.dtype != ref.dtype:
+            raise TypeError(
+                f"{name} has dtype {t.dtype} but {ref_name} has dtype {ref.dtype}; all floating-point "
+                "arguments must share one dtype."
+            )
+        if t.device != ref.device:
+            raise ValueError(
+                f"{name} is on device {t.device} but {ref_name} is on {ref.device}; all arguments must "
+                "be on one device."
+            )
+
+
+LOG_2PI = math.log(2 * math.pi)

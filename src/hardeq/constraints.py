@@ -1,0 +1,322 @@
+r"""Linear equality constraints :math:`A z = k` as operators.
+
+A constraint object knows how to apply :math:`A` and :math:`A^\top`, and how to form
+:math:`A\,\mathrm{diag}(v)\,A^\top`, without materialising :math:`A` when it has structure:
+
+* :class:`LinearConstraint` holds a dense, possibly batched ``A`` of shape ``(*batch, a, n)``.
+* :class:`SumConstraint` holds a group id per coordinate (like PyG's ``batch`` vector); every operation is a
+  scatter / gather, O(n), and :math:`A\,\mathrm{diag}(v)A^\top` is diagonal.
+
+Both carry the right-hand side ``k`` (``value``), which may have batch dimensions, e.g. one ``k = b - B x``
+per input ``x``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ._utils import batch_mv, check_finite, check_same_dtype_device, check_tensor, validate_default
+from .linalg.cholesky import psd_cholesky
+from .linalg.gram import DenseGram, DiagonalGram, Gram
+
+__all__ = ["EqualityConstraint", "LinearConstraint", "SumConstraint"]
+
+
+class EqualityConstraint:
+    """Base class of the constraint operators. Subclasses implement the operator methods below."""
+
+    #: right-hand side k, shape ``(*batch, a)``
+    value: Tensor
+
+    @property
+    def num_constraints(self) -> int:
+        """Number of constraint rows ``a``."""
+        raise NotImplementedError
+
+    @property
+    def event_size(self) -> int:
+        """Dimension ``n`` of the constrained vector."""
+        raise NotImplementedError
+
+    @property
+    def batch_shape(self) -> torch.Size:
+        raise NotImplementedError
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.value.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.value.device
+
+    def matvec(self, z: Tensor) -> Tensor:
+        """``A z``: ``(*sample, *batch, n) -> (*sample, *batch, a)``."""
+        raise NotImplementedError
+
+    def rmatvec(self, u: Tensor) -> Tensor:
+        """``A^T u``: ``(*sample, *batch, a) -> (*sample, *batch, n)``."""
+        raise NotImplementedError
+
+    def matmul(self, X: Tensor) -> Tensor:
+        """``A X``: ``(*batch, n, m) -> (*batch, a, m)``."""
+        raise NotImplementedError
+
+    def gram(self, variance: Tensor) -> Gram:
+        r""":math:`A\,\mathrm{diag}(v)\,A^\top` in factored form, for ``v`` of shape ``(*batch, n)``."""
+        raise NotImplementedError
+
+    def dense_matrix(self) -> Tensor:
+        """``A`` as a dense tensor ``(*batch, a, n)`` (materialised; used by dense oracles and baselines)."""
+        raise NotImplementedError
+
+    def logdet_gram_identity(self) -> Tensor:
+        r""":math:`\log\det(A A^\top)`, shape: the batch shape of ``A``."""
+        raise NotImplementedError
+
+    def residual(self, z: Tensor) -> Tensor:
+        """``A z - k``, shape ``(*sample, *batch, a)``."""
+        return self.matvec(z) - self.value
+
+    def check(self, z: Tensor, rtol: float | None = None) -> Tensor:
+        r"""Boolean tensor ``(*sample, *batch)``: does ``z`` satisfy ``A z = k`` to round-off?
+
+        The tolerance is ``rtol * (1 + max_i (|A| |z| + |k|)_i)`` with ``rtol = 1e3 * eps(dtype)`` by default,
+        i.e. relative to the size of the summed terms.
+        """
+        if rtol is None:
+            rtol = 1e3 * torch.finfo(z.dtype).eps
+        residual = self.residual(z).abs().amax(-1)
+        scale = (self._abs_matvec(z.abs()) + self.value.abs()).amax(-1)
+        return residual <= rtol * (1 + scale)
+
+    def _abs_matvec(self, z_abs: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def expand(self, batch_shape: torch.Size) -> "EqualityConstraint":
+        raise NotImplementedError
+
+    def with_value(self, value: Tensor) -> "EqualityConstraint":
+        """The same ``A`` with a new right-hand side ``value`` (shape ``(*batch, a)``)."""
+        raise NotImplementedError
+
+
+class LinearConstraint(EqualityConstraint):
+    r"""Dense linear equality constraint :math:`A z = k`.
+
+    Args:
+        A (Tensor): constraint matrix, shape ``(*batch, a, n)`` with full row rank ``a < n``.
+        k (Tensor): right-hand side, shape ``(*batch, a)``; batch dims of ``A`` and ``k`` broadcast (a shared
+            ``A`` with one ``k = b - B x`` per input is the common case).
+        validate_args (bool, optional): check the rank of ``A`` (an SVD) and finiteness; defaults to
+            torch.distributions' global setting. Shapes, dtypes and devices are always checked.
+
+    Example:
+        >>> c = LinearConstraint(torch.ones(1, 3), torch.tensor([1.0]))
+        >>> c.num_constraints, c.event_size, c.batch_shape
+        (1, 3, torch.Size([]))
+    """
+
+    def __init__(self, A: Tensor, k: Tensor, *, validate_args: bool | None = None) -> None:
+        check_tensor("A", A, min_dim=2)
+        if isinstance(k, (int, float)):
+            k = torch.full(A.shape[-2:-1], float(k), dtype=A.dtype, device=A.device)
+        check_tensor("k", k, min_dim=1)
+        check_same_dtype_device(A=A, k=k)
+        a, n = A.shape[-2:]
+        if k.shape[-1] != a:
+            raise ValueError(
+                f"k must have shape (..., a) with a = A.shape[-2] = {a}, got k.shape = {tuple(k.shape)} "
+                f"for A.shape = {tuple(A.shape)}."
+            )
+        if a >= n:
+            raise ValueError(
+                f"A must have fewer rows than columns (a < n) so that A z = k leaves freedom, got "
+                f"A.shape = {tuple(A.shape)}."
+            )
+        try:
+            self._batch_shape = torch.broadcast_shapes(A.shape[:-2], k.shape[:-1])
+        except RuntimeError:
+            raise ValueError(
+                f"batch dimensions of A {tuple(A.shape[:-2])} and k {tuple(k.shape[:-1])} do not broadcast."
+            ) from None
+        self.A = A
+        self.value = k
+        self._validate_args = validate_default(validate_args)
+        if self._validate_args:
+            check_finite("A", A)
+            check_finite("k", k)
+            rank = torch.linalg.matrix_rank(A)
+            if bool((rank < a).any()):
+                raise ValueError(
+                    f"A must have full row rank {a}, but some batch element has rank {int(rank.min())} "
+                    f"(A.shape = {tuple(A.shape)}); remove linearly dependent rows."
+                )
+
+    @property
+    def k(self) -> Tensor:
+        return self.value
+
+    @property
+    def num_constraints(self) -> int:
+        return self.A.shape[-2]
+
+    @property
+    def event_size(self) -> int:
+        return self.A.shape[-1]
+
+    @property
+    def batch_shape(self) -> torch.Size:
+        return self._batch_shape
+
+    def matvec(self, z: Tensor) -> Tensor:
+        return batch_mv(self.A, z)
+
+    def rmatvec(self, u: Tensor) -> Tensor:
+        return batch_mv(self.A.mT, u)
+
+    def matmul(self, X: Tensor) -> Tensor:
+        return self.A @ X
+
+    def gram(self, variance: Tensor) -> Gram:
+        return DenseGram((self.A * variance.unsqueeze(-2)) @ self.A.mT)
+
+    def dense_matrix(self) -> Tensor:
+        return self.A
+
+    def logdet_gram_identity(self) -> Tensor:
+        chol = psd_cholesky(self.A @ self.A.mT, name="A A^T")
+        return 2 * chol.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+
+    def _abs_matvec(self, z_abs: Tensor) -> Tensor:
+        return batch_mv(self.A.abs(), z_abs)
+
+    def expand(self, batch_shape: torch.Size) -> "LinearConstraint":
+        batch_shape = torch.Size(batch_shape)
+        new = object.__new__(LinearConstraint)
+        new.A = self.A if self.A.dim() == 2 else self.A.expand(batch_shape + self.A.shape[-2:])
+        new.value = self.value.expand(batch_shape + self.value.shape[-1:])
+        new._batch_shape = batch_shape
+        new._validate_args = False
+        return new
+
+    def with_value(self, value: Tensor) -> "LinearConstraint":
+        return LinearConstraint(self.A, value, validate_args=False)
+
+    def __repr__(self) -> str:
+        return (f"LinearConstraint(a={self.num_constraints}, n={self.event_size}, "
+                f"batch_shape={tuple(self.batch_shape)})")
+
+
+class SumConstraint(EqualityConstraint):
+    r"""Grouped sum constraints: :math:`\sum_{i : g(i) = j} z_i = t_j` for every group ``j``.
+
+    Equivalent to a :class:`LinearConstraint` whose ``A`` is the ``a x n`` group-indicator matrix, but every
+    operation is a scatter-add or a gather (O(n) time and memory): applying ``A`` sums coordinates per group,
+    ``A^T`` broadcasts a group value to its members, and :math:`A\,\mathrm{diag}(v)A^\top` is the diagonal
+    of per-group sums of ``v``.
+
+    Args:
+        index (LongTensor): group id of each coordinate, shape ``(n,)``, values in ``[0, a)``, every group
+            non-empty (PyG's ``batch`` vector, an image's channel id, ...). ``index = torch.zeros(n)`` is the
+            single sum-to-total constraint.
+        total (Tensor): required sum of each group, shape ``(*batch, a)``.
+        validate_args (bool, optional): check finiteness of ``total``; defaults to torch.distributions'
+            global setting. Shapes, index range and non-empty groups are always checked.
+
+    Example:
+        >>> c = SumConstraint(torch.tensor([0, 0, 1, 1, 1]), torch.tensor([1.0, 2.0]))
+        >>> c.matvec(torch.ones(5))
+        tensor([2., 3.])
+    """
+
+    def __init__(self, index: Tensor, total: Tensor, *, validate_args: bool | None = None) -> None:
+        if not isinstance(index, Tensor):
+            raise TypeError(f"index must be a torch.Tensor of dtype torch.long, got {type(index).__name__}.")
+        if index.dtype != torch.long:
+            raise TypeError(f"index must have dtype torch.long, got {index.dtype}.")
+        if index.dim() != 1:
+            raise ValueError(f"index must be 1-D (one group id per coordinate), got shape {tuple(index.shape)}.")
+        if isinstance(total, (int, float)):
+            total = torch.tensor([float(total)], device=index.device)
+        check_tensor("total", total, min_dim=1)
+        if total.device != index.device:
+            raise ValueError(f"total is on device {total.device} but index is on {index.device}.")
+        a, n = total.shape[-1], index.shape[0]
+        if n == 0:
+            raise ValueError("index must not be empty.")
+        if int(index.min()) < 0 or int(index.max()) >= a:
+            raise ValueError(
+                f"index values must lie in [0, a) with a = total.shape[-1] = {a}, got range "
+                f"[{int(index.min())}, {int(index.max())}]."
+            )
+        counts = torch.bincount(index, minlength=a)
+        if bool((counts == 0).any()):
+            empty = torch.nonzero(counts == 0)[:5, 0].tolist()
+            raise ValueError(f"every group must have at least one coordinate; groups {empty} are empty.")
+        if a >= n:
+            raise ValueError(
+                f"there must be fewer groups than coordinates (a < n), got a = {a} groups for n = {n}."
+            )
+        self.index = index
+        self.value = total
+        self.counts = counts
+        self._validate_args = validate_default(validate_args)
+        if self._validate_args:
+            check_finite("total", total)
+
+    @property
+    def total(self) -> Tensor:
+        return self.value
+
+    @property
+    def num_constraints(self) -> int:
+        return self.value.shape[-1]
+
+    @property
+    def event_size(self) -> int:
+        return self.index.shape[0]
+
+    @property
+    def batch_shape(self) -> torch.Size:
+        return self.value.shape[:-1]
+
+    def matvec(self, z: Tensor) -> Tensor:
+        out = z.new_zeros(z.shape[:-1] + (self.num_constraints,))
+        return out.index_add(-1, self.index, z)
+
+    def rmatvec(self, u: Tensor) -> Tensor:
+        return u.index_select(-1, self.index)
+
+    def matmul(self, X: Tensor) -> Tensor:
+        out = X.new_zeros(X.shape[:-2] + (self.num_constraints, X.shape[-1]))
+        return out.index_add(-2, self.index, X)
+
+    def gram(self, variance: Tensor) -> Gram:
+        return DiagonalGram(self.matvec(variance))
+
+    def dense_matrix(self) -> Tensor:
+        onehot = torch.nn.functional.one_hot(self.index, self.num_constraints).mT.to(self.value.dtype)
+        return onehot
+
+    def logdet_gram_identity(self) -> Tensor:
+        return self.counts.to(self.value.dtype).log().sum()
+
+    def _abs_matvec(self, z_abs: Tensor) -> Tensor:
+        return self.matvec(z_abs)
+
+    def expand(self, batch_shape: torch.Size) -> "SumConstraint":
+        new = object.__new__(SumConstraint)
+        new.index, new.counts, new._validate_args = self.index, self.counts, False
+        new.value = self.value.expand(torch.Size(batch_shape) + self.value.shape[-1:])
+        return new
+
+    def with_value(self, value: Tensor) -> "SumConstraint":
+        return SumConstraint(self.index, value, validate_args=False)
+
+    def __repr__(self) -> str:
+        return (f"SumConstraint(groups={self.num_constraints}, n={self.event_size}, "
+                f"batch_shape={tuple(self.batch_shape)})")

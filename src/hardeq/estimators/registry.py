@@ -1,0 +1,61 @@
+"""Registry of gradient estimators, keyed by their string id.
+
+An estimator is a function of plain tensors (never of a ``Distribution``) returning the exact constrained
+sample in the forward pass; estimators differ only in their backward pass. Two families are kept apart:
+``"normal"`` (Gaussian conditioned on ``A z = k``) and ``"poisson"`` (Poissons conditioned on their sums).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+__all__ = ["Estimator", "register_estimator", "get_estimator", "available_estimators", "ESTIMATORS"]
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """A registered estimator: its id, family, function, and whether its gradient is exact (unbiased)."""
+
+    name: str
+    family: str
+    fn: Callable
+    exact: bool
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+ESTIMATORS: dict[str, dict[str, Estimator]] = {"normal": {}, "poisson": {}}
+
+
+def register_estimator(name: str, *, family: str = "normal", exact: bool = False) -> Callable:
+    """Decorator registering ``fn`` under ``name`` in ``family`` (``"normal"`` or ``"poisson"``)."""
+    if family not in ESTIMATORS:
+        raise ValueError(f"family must be one of {sorted(ESTIMATORS)}, got {family!r}.")
+
+    def decorator(fn: Callable) -> Callable:
+        if name in ESTIMATORS[family]:
+            raise ValueError(f"estimator {name!r} is already registered for family {family!r}.")
+        ESTIMATORS[family][name] = Estimator(name, family, fn, exact)
+        return fn
+
+    return decorator
+
+
+def get_estimator(name: str, family: str = "normal") -> Estimator:
+    """Look up an estimator by id; unknown ids raise ``ValueError`` listing the known ones."""
+    if not isinstance(name, str):
+        raise TypeError(f"estimator must be a string id, got {type(name).__name__}.")
+    try:
+        return ESTIMATORS[family][name]
+    except KeyError:
+        raise ValueError(
+            f"unknown estimator {name!r} for the {family} family; expected one of "
+            f"{sorted(ESTIMATORS[family])}."
+        ) from None
+
+
+def available_estimators(family: str = "normal") -> list[str]:
+    """Sorted ids of the estimators registered for ``family``."""
+    return sorted(ESTIMATORS[family])

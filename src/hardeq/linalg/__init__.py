@@ -1,0 +1,1 @@
+"""Pure tensor linear algebra: Cholesky with precise errors, Gram factors, covariance structures, conditioning."""
