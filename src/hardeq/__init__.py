@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from . import estimators
 from .constraints import EqualityConstraint, LinearConstraint, SumConstraint
+from .distributions import ConstrainedNormal
 from .errors import NotPSDError, NumericalWarning
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ConstrainedNormal",
     "EqualityConstraint",
     "LinearConstraint",
     "SumConstraint",
