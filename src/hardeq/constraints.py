@@ -1,11 +1,11 @@
 r"""Linear equality constraints :math:`A z = k` as operators.
 
-A constraint object knows how to apply :math:`A` and :math:`A^\top`, and how to form
-:math:`A\,\mathrm{diag}(v)\,A^\top`, without materialising :math:`A` when it has structure:
+A constraint object knows how to apply :math:`A` and :math:`A^\top` without materialising :math:`A` when
+it has structure:
 
 * :class:`LinearConstraint` holds a dense, possibly batched ``A`` of shape ``(*batch, a, n)``.
 * :class:`SumConstraint` holds a group id per coordinate (like PyG's ``batch`` vector); every operation is a
-  scatter / gather, O(n), and :math:`A\,\mathrm{diag}(v)A^\top` is diagonal.
+  scatter / gather, O(n).
 
 Both carry the right-hand side ``k`` (``value``), which may have batch dimensions, e.g. one ``k = b - B x``
 per input ``x``.
@@ -20,7 +20,6 @@ from torch import Tensor
 
 from ._utils import batch_mv, check_finite, check_same_dtype_device, check_tensor, validate_default
 from .linalg.cholesky import psd_cholesky
-from .linalg.gram import DenseGram, DiagonalGram, Gram
 
 __all__ = ["EqualityConstraint", "LinearConstraint", "SumConstraint"]
 
@@ -63,10 +62,6 @@ class EqualityConstraint:
 
     def matmul(self, X: Tensor) -> Tensor:
         """``A X``: ``(*batch, n, m) -> (*batch, a, m)``."""
-        raise NotImplementedError
-
-    def gram(self, variance: Tensor) -> Gram:
-        r""":math:`A\,\mathrm{diag}(v)\,A^\top` in factored form, for ``v`` of shape ``(*batch, n)``."""
         raise NotImplementedError
 
     def dense_matrix(self) -> Tensor:
@@ -181,9 +176,6 @@ class LinearConstraint(EqualityConstraint):
     def matmul(self, X: Tensor) -> Tensor:
         return self.A @ X
 
-    def gram(self, variance: Tensor) -> Gram:
-        return DenseGram((self.A * variance.unsqueeze(-2)) @ self.A.mT)
-
     def dense_matrix(self) -> Tensor:
         return self.A
 
@@ -216,8 +208,8 @@ class SumConstraint(EqualityConstraint):
 
     Equivalent to a :class:`LinearConstraint` whose ``A`` is the ``a x n`` group-indicator matrix, but every
     operation is a scatter-add or a gather (O(n) time and memory): applying ``A`` sums coordinates per group,
-    ``A^T`` broadcasts a group value to its members, and :math:`A\,\mathrm{diag}(v)A^\top` is the diagonal
-    of per-group sums of ``v``.
+    ``A^T`` broadcasts a group value to its members, and :math:`A\,\mathrm{diag}(v)A^\top` is diagonal
+    (per-group sums of ``v``).
 
     Args:
         index (LongTensor): group id of each coordinate, shape ``(n,)``, values in ``[0, a)``, every group
@@ -294,9 +286,6 @@ class SumConstraint(EqualityConstraint):
     def matmul(self, X: Tensor) -> Tensor:
         out = X.new_zeros(X.shape[:-2] + (self.num_constraints, X.shape[-1]))
         return out.index_add(-2, self.index, X)
-
-    def gram(self, variance: Tensor) -> Gram:
-        return DiagonalGram(self.matvec(variance))
 
     def dense_matrix(self) -> Tensor:
         onehot = torch.nn.functional.one_hot(self.index, self.num_constraints).mT.to(self.value.dtype)

@@ -8,7 +8,9 @@ With :math:`d = \bar\mu_q - \bar\mu_p` and :math:`S_\cdot = A\Sigma_\cdot A^\top
 
 where :math:`\mathrm{tr}(\Sigma_p^{-1}\bar\Sigma_q) = \mathrm{tr}(\Sigma_p^{-1}\Sigma_q)
 - \mathrm{tr}(S_q^{-1} A\Sigma_q\Sigma_p^{-1}\Sigma_q A^\top)`. Distributions on different affine subspaces
-are mutually singular: their KL is ``inf``.
+are mutually singular: their KL is ``inf``. When ``q`` and ``p`` describe the same plane with different
+``A`` (e.g. rescaled rows), :math:`\tfrac12[\log\det A_pA_p^\top - \log\det A_qA_q^\top]` is added, from the
+:math:`-\tfrac12\log\det AA^\top` term of each density.
 """
 
 from __future__ import annotations
@@ -54,21 +56,21 @@ def kl_constrained_normal(q: ConstrainedNormal, p: ConstrainedNormal) -> Tensor:
     cq, cp = q._conditioner, p._conditioner
     A = q.constraint
     n, a = q.event_shape[0], A.num_constraints
-    if isinstance(cq.cov, DiagonalCovariance) and isinstance(cp.cov, DiagonalCovariance):
-        # A Sigma_q Sigma_p^{-1} Sigma_q A^T = A diag(dq^2 / dp) A^T
-        cross = A.gram(cq.cov.variance.square() / cp.cov.variance)
-        correction = cq.gram.trace_inv(cross)
+    # tr(S_q^{-1} A Sigma_q Sigma_p^{-1} Sigma_q A^T) = tr(G^T Sigma_p^{-1} G) with G G^T = Sigma_q A^T S_q^{-1} A Sigma_q
+    if cq.grouped and isinstance(cp.cov, DiagonalCovariance):
+        d_q = cq.cov.variance
+        correction = (d_q.square() / cp.cov.variance / A.rmatvec(cq.group_variance)).sum(-1)
     else:
-        Gq_t = cq.cov.right_apply(A.dense_matrix())  # A Sigma_q, (*batch, a, n)
-        X = cp.cov.inv_matvec(Gq_t.movedim(-2, 0)).movedim(0, -2)  # (Sigma_p^{-1} Sigma_q A^T)^T
-        V = cq.gram.whiten_matrix(Gq_t)
-        W = cq.gram.whiten_matrix(X)
-        correction = (V * W).sum((-2, -1))
+        G = cq.gain_factor()  # (*batch, n, a)
+        G = G.expand(batch_shape + G.shape[-2:])
+        correction = (G * cp.cov.inv_matvec(G.movedim(-1, 0)).movedim(0, -1)).sum((-2, -1))
     trace = cp.cov.trace_inv_mul(cq.cov) - correction
     d = mean_q - p.mean
     kl = 0.5 * (
         trace + cp.cov.inv_quad(d) - (n - a)
-        + cp.cov.logdet() - cp.gram.logdet() - cq.cov.logdet() + cq.gram.logdet()
+        + cp.cov.logdet() - cp.logdet() - cq.cov.logdet() + cq.logdet()
     )
+    if p.constraint is not q.constraint:  # the same plane may be written with differently scaled rows
+        kl = kl + 0.5 * (p.constraint.logdet_gram_identity() - q.constraint.logdet_gram_identity())
     kl = kl.expand(batch_shape)
     return torch.where(same_plane, kl, torch.full_like(kl, float("inf")))

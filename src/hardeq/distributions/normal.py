@@ -299,14 +299,14 @@ class ConstrainedNormal(Distribution):
         cond = self._conditioner
         a = self.constraint.num_constraints
         r = self.constraint.value - self.constraint.matvec(self._unbroadcasted_loc)
-        return -0.5 * (a * LOG_2PI + cond.gram.logdet() + cond.gram.inv_quad(r))
+        return -0.5 * (a * LOG_2PI + cond.logdet() + cond.inv_quad(r))
 
     def entropy(self) -> Tensor:
         r""":math:`\tfrac{n-a}{2}(1 + \log 2\pi) + \tfrac12[\log\det\Sigma - \log\det S + \log\det AA^\top]`."""
         cond = self._conditioner
         n, a = self.event_shape[0], self.constraint.num_constraints
         h = 0.5 * (n - a) * (1 + LOG_2PI) + 0.5 * (
-            cond.cov.logdet() - cond.gram.logdet() + self.constraint.logdet_gram_identity()
+            cond.cov.logdet() - cond.logdet() + self.constraint.logdet_gram_identity()
         )
         return h.expand(self.batch_shape)
 

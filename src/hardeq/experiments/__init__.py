@@ -17,7 +17,10 @@ import importlib
 __all__ = ["STUDIES", "load_study"]
 
 #: study name -> module (relative to this package). Only studies that exist are listed.
-STUDIES: dict[str, str] = {}
+STUDIES: dict[str, str] = {
+    "chemical": "chemical",
+    "synthetic": "synthetic",
+}
 
 
 def load_study(name: str):

@@ -6,6 +6,7 @@ forming an ``n x n`` matrix unless the user supplied one (``scale_tril``).
 * :class:`DiagonalCovariance`: :math:`\Sigma = \mathrm{diag}(\sigma^2)`.
 * :class:`FullCovariance`: :math:`\Sigma = L L^\top` with ``L`` lower triangular.
 * :class:`LowRankCovariance`: :math:`\Sigma = W W^\top + \mathrm{diag}(\sigma^2)` (``W``: ``n x r``);
+  square root :math:`F = [\mathrm{diag}(\sigma), W]` (``n x (n + r)``);
   inverse and log-determinant through the ``r x r`` capacitance matrix (Woodbury), as in
   :class:`torch.distributions.LowRankMultivariateNormal`.
 """
@@ -16,11 +17,6 @@ import torch
 from torch import Tensor
 
 from .._utils import batch_mv
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ..constraints import EqualityConstraint
-from .gram import Gram
 
 __all__ = ["Covariance", "DiagonalCovariance", "FullCovariance", "LowRankCovariance"]
 
@@ -38,7 +34,13 @@ class Covariance:
     def matvec(self, x: Tensor) -> Tensor:  # Sigma x
         raise NotImplementedError
 
-    def sqrt_matvec(self, noise: Tensor) -> Tensor:  # L eps, eps of size noise_size
+    def sqrt_matvec(self, noise: Tensor) -> Tensor:  # F eps, eps of size noise_size
+        raise NotImplementedError
+
+    def sqrt_matmul(self, X: Tensor) -> Tensor:  # F X: (*batch, noise_size, m) -> (*batch, n, m)
+        raise NotImplementedError
+
+    def sqrt_t_matmul(self, Y: Tensor) -> Tensor:  # F^T Y: (*batch, n, m) -> (*batch, noise_size, m)
         raise NotImplementedError
 
     def inv_matvec(self, x: Tensor) -> Tensor:  # Sigma^{-1} x
@@ -48,9 +50,6 @@ class Covariance:
         return (x * self.inv_matvec(x)).sum(-1)
 
     def logdet(self) -> Tensor:
-        raise NotImplementedError
-
-    def gram(self, constraint: EqualityConstraint) -> Gram:  # A Sigma A^T
         raise NotImplementedError
 
     def right_apply(self, A: Tensor) -> Tensor:  # A Sigma for dense A (*batch, a, n)
@@ -80,6 +79,11 @@ class DiagonalCovariance(Covariance):
     def sqrt_matvec(self, noise: Tensor) -> Tensor:
         return self.scale * noise
 
+    def sqrt_matmul(self, X: Tensor) -> Tensor:
+        return self.scale.unsqueeze(-1) * X
+
+    sqrt_t_matmul = sqrt_matmul
+
     def inv_matvec(self, x: Tensor) -> Tensor:
         return x / self.variance
 
@@ -88,9 +92,6 @@ class DiagonalCovariance(Covariance):
 
     def logdet(self) -> Tensor:
         return 2 * self.scale.log().sum(-1)
-
-    def gram(self, constraint: EqualityConstraint) -> Gram:
-        return constraint.gram(self.variance)
 
     def right_apply(self, A: Tensor) -> Tensor:
         return A * self.variance.unsqueeze(-2)
@@ -122,27 +123,27 @@ class FullCovariance(Covariance):
     def sqrt_matvec(self, noise: Tensor) -> Tensor:
         return batch_mv(self.scale_tril, noise)
 
-    def _whiten(self, x: Tensor) -> Tensor:
-        from .gram import _tri_solve_vec
+    def sqrt_matmul(self, X: Tensor) -> Tensor:
+        return self.scale_tril @ X
 
-        return _tri_solve_vec(self.scale_tril, x, upper=False)
+    def sqrt_t_matmul(self, Y: Tensor) -> Tensor:
+        return self.scale_tril.mT @ Y
+
+    def _whiten(self, x: Tensor) -> Tensor:
+        from .triangular import tri_solve_vec
+
+        return tri_solve_vec(self.scale_tril, x, upper=False)
 
     def inv_matvec(self, x: Tensor) -> Tensor:
-        from .gram import _tri_solve_vec
+        from .triangular import tri_solve_vec
 
-        return _tri_solve_vec(self.scale_tril.mT, self._whiten(x), upper=True)
+        return tri_solve_vec(self.scale_tril.mT, self._whiten(x), upper=True)
 
     def inv_quad(self, x: Tensor) -> Tensor:
         return self._whiten(x).square().sum(-1)
 
     def logdet(self) -> Tensor:
         return 2 * self.scale_tril.diagonal(dim1=-2, dim2=-1).log().sum(-1)
-
-    def gram(self, constraint: EqualityConstraint) -> Gram:
-        from .gram import DenseGram
-
-        AL = constraint.matmul(self.scale_tril)  # (*batch, a, n)
-        return DenseGram(AL @ AL.mT)
 
     def right_apply(self, A: Tensor) -> Tensor:
         return (A @ self.scale_tril) @ self.scale_tril.mT
@@ -199,21 +200,28 @@ class LowRankCovariance(Covariance):
         eps_d, eps_w = noise[..., :n], noise[..., n:]
         return batch_mv(self.cov_factor, eps_w) + self.scale * eps_d
 
+    def sqrt_matmul(self, X: Tensor) -> Tensor:
+        n = self.event_size
+        return self.scale.unsqueeze(-1) * X[..., :n, :] + self.cov_factor @ X[..., n:, :]
+
+    def sqrt_t_matmul(self, Y: Tensor) -> Tensor:
+        top = self.scale.unsqueeze(-1) * Y
+        bottom = self.cov_factor.mT @ Y
+        shape = torch.broadcast_shapes(top.shape[:-2], bottom.shape[:-2])
+        return torch.cat([top.expand(shape + top.shape[-2:]), bottom.expand(shape + bottom.shape[-2:])], dim=-2)
+
     def inv_matvec(self, x: Tensor) -> Tensor:
-        from .gram import _tri_solve_vec
+        from .triangular import tri_solve_vec
 
         # Woodbury: Sigma^{-1} = D^{-1} - D^{-1} W C^{-1} W^T D^{-1}
         Dinv_x = x / self.cov_diag
-        t = _tri_solve_vec(self._capacitance_tril, batch_mv(self.cov_factor.mT, Dinv_x), upper=False)
-        t = _tri_solve_vec(self._capacitance_tril.mT, t, upper=True)
+        t = tri_solve_vec(self._capacitance_tril, batch_mv(self.cov_factor.mT, Dinv_x), upper=False)
+        t = tri_solve_vec(self._capacitance_tril.mT, t, upper=True)
         return Dinv_x - batch_mv(self.cov_factor, t) / self.cov_diag
 
     def logdet(self) -> Tensor:
         cap_logdet = 2 * self._capacitance_tril.diagonal(dim1=-2, dim2=-1).log().sum(-1)
         return cap_logdet + self.cov_diag.log().sum(-1)
-
-    def gram(self, constraint: EqualityConstraint) -> Gram:
-        return constraint.gram(self.cov_diag).add_lowrank(constraint.matmul(self.cov_factor))
 
     def right_apply(self, A: Tensor) -> Tensor:
         W = self.cov_factor

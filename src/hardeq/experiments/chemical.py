@@ -1,0 +1,500 @@
+r"""Study ``chemical``: neural surrogates of chemical processes that must respect mass balances.
+
+Three Aspen data sets (CSTR, a DME/DEE plant, a distillation train; ``hardeq/data/chemical_process``) map
+process inputs ``x`` to outputs ``y`` that satisfy linear balances :math:`B y = b - A x` exactly. Every
+method is the same MLP (2 x 32 ReLU) trained with Adam; they differ in how the output is produced:
+
+============  ==========================================================================================
+NN            unconstrained MLP, MSE loss
+PINN          MSE + soft penalty :math:`w \cdot \mathrm{mean}_j (B\hat y - k)_j^2` (``penalty_loss``, w = 1)
+KKT-hPINN     orthogonal projection of the MLP output onto :math:`\{By = k\}` (``KKTProjection``), MSE
+ECNN          MLP predicts the ``n - a`` independent outputs, the dependent ones are solved
+              (``EqualityCompletion.complete``), MSE
+CL            constraint layer (``ConstraintLayer``, default variable order), MSE
+ours          MLP outputs a mean and a log-variance per output; ``ConstrainedNormal`` conditioned on
+              ``LinearConstraint(B, b - A x)``; closed-form expected L2 loss; prediction = conditional mean
+ours-L1       the same with the closed-form expected L1 loss
+ours-NLL      the same trained by the negative log-density of the target on the constraint plane
+============  ==========================================================================================
+
+Protocol (the KKT-hPINN reference code's): every column MaxAbs-scaled on the whole file, constraint
+coefficients rescaled so the balances hold exactly in scaled units, split in file order 60/20/20, batch 16,
+lr 1e-4, 1000 epochs, 10 seeds; each seed's epoch with the lowest validation MSE is evaluated on the test
+set. Settings live in ``configs/chemical.json``; ``docs/chemical.md`` discusses every choice.
+
+All seeds *and* all methods of a data set train at once as one :class:`~hardeq.experiments.harness.BatchedMLP`
+(members ordered method-major); see :mod:`hardeq.experiments.harness`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .harness import BatchedMLP, DistContext, Task, TrainConfig, evaluate, init_distributed, train
+
+DESCRIPTION = "chemical-process surrogates with mass balances (CSTR, plant, distillation)"
+
+__all__ = ["DESCRIPTION", "ChemicalData", "ChemicalTask", "add_arguments", "load_config", "load_dataset",
+           "reproduce", "run", "summarize"]
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+OURS = ("ours", "ours-L1", "ours-NLL")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# configuration and data
+# ----------------------------------------------------------------------------------------------------------
+
+
+def load_config(path: str | Path | None = None) -> dict[str, Any]:
+    """The study's settings (``configs/chemical.json`` shipped with the package, or ``path``)."""
+    if path is None:
+        text = resources.files("hardeq.experiments").joinpath("configs/chemical.json").read_text()
+    else:
+        text = Path(path).read_text()
+    return json.loads(text)
+
+
+@dataclass
+class ChemicalData:
+    r"""One data set, MaxAbs-scaled, with the balances in scaled units :math:`B_s y_s = b - A_s x_s`.
+
+    Attributes:
+        name: ``"cstr"``, ``"plant"`` or ``"distillation"``.
+        x, y: scaled inputs ``(N, n_x)`` and outputs ``(N, n)``, float64, file order.
+        B, A, b: scaled constraint ``B_s = B diag(s_y)`` ``(a, n)``, ``A_s = A diag(s_x)`` ``(a, n_x)``, ``b``.
+        scale_x, scale_y: the MaxAbs scales (max |column| over the whole file).
+        columns: header names.
+        splits: ``{"train": slice, "val": slice, "test": slice}`` (file order).
+    """
+
+    name: str
+    x: np.ndarray
+    y: np.ndarray
+    B: np.ndarray
+    A: np.ndarray
+    b: np.ndarray
+    scale_x: np.ndarray
+    scale_y: np.ndarray
+    columns: list[str]
+    splits: dict[str, slice]
+
+    def residual(self) -> np.ndarray:
+        r""":math:`B_s y_s + A_s x_s - b` of the data, ``(N, a)`` (round-off: the balances hold exactly)."""
+        return self.y @ self.B.T + self.x @ self.A.T - self.b
+
+    def tensors(self, split: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, Tensor]:
+        sl = self.splits[split]
+        return {"x": torch.as_tensor(self.x[sl], dtype=dtype, device=device),
+                "y": torch.as_tensor(self.y[sl], dtype=dtype, device=device)}
+
+
+def load_dataset(name: str, config: Mapping[str, Any] | None = None) -> ChemicalData:
+    """Load, scale and split data set ``name`` as the reference code does (see the module docstring)."""
+    config = config or load_config()
+    if name not in config["datasets"]:
+        raise ValueError(f"unknown data set {name!r}; available: {sorted(config['datasets'])}.")
+    spec = config["datasets"][name]
+    res = resources.files("hardeq").joinpath("data/chemical_process").joinpath(spec["file"])
+    with res.open("r") as fh:
+        header = fh.readline().strip().split(",")
+        raw = np.loadtxt(fh, delimiter=",", dtype=np.float64)
+    nx = int(spec["num_inputs"])
+    scale = np.abs(raw).max(axis=0)  # sklearn's MaxAbsScaler fitted on the whole file
+    scale[scale == 0] = 1.0
+    scaled = raw / scale
+    B = np.asarray(spec["B"], dtype=np.float64) * scale[nx:]
+    A = np.asarray(spec["A"], dtype=np.float64) * scale[:nx]
+    b = np.asarray(spec["b"], dtype=np.float64)
+    N = raw.shape[0]
+    f_train, f_val, f_test = config["split"]
+    n_val, n_test = int(f_val * N), int(f_test * N)  # as the reference: train gets the remainder
+    n_train = N - n_val - n_test
+    splits = {"train": slice(0, n_train), "val": slice(n_train, n_train + n_val),
+              "test": slice(n_train + n_val, N)}
+    return ChemicalData(name, scaled[:, :nx], scaled[:, nx:], B, A, b, scale[:nx], scale[nx:], header, splits)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the task: eight methods on one batched MLP
+# ----------------------------------------------------------------------------------------------------------
+
+
+class ChemicalTask(Task):
+    r"""Losses and metrics of all methods; members are ordered method-major (``method * S + seed``).
+
+    Args:
+        data: the data set (its scaled constraint).
+        methods: method names (see the module docstring).
+        num_seeds: ``S`` members per method.
+        pinn_weight: the reference's penalty weight ``w`` on the *mean* over constraint rows of the squared
+            residual; :func:`hardeq.baselines.penalty_loss` sums over rows, so it gets ``w / a``.
+        ecnn_dependent: the dependent outputs of ECNN (the reference's: the first ``a``).
+    """
+
+    def __init__(self, data: ChemicalData, methods: Sequence[str], num_seeds: int, *, pinn_weight: float,
+                 ecnn_dependent: Sequence[int], dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        from hardeq.baselines import ConstraintLayer, EqualityCompletion, KKTProjection
+
+        unknown = [m for m in methods if m not in _METHOD_NAMES]
+        if unknown:
+            raise ValueError(f"unknown methods {unknown}; available: {list(_METHOD_NAMES)}.")
+        self.methods = list(methods)
+        self.S = int(num_seeds)
+        self.B = torch.as_tensor(data.B, dtype=dtype, device=device)  # (a, n)
+        self.A = torch.as_tensor(data.A, dtype=dtype, device=device)  # (a, n_x)
+        self.b = torch.as_tensor(data.b, dtype=dtype, device=device)  # (a,)
+        a, n = self.B.shape
+        self.n, self.a = n, a
+        self.pinn_weight = float(pinn_weight) / a
+        self.kkt = KKTProjection(self.B)
+        self.cl = ConstraintLayer(self.B)
+        self.ecnn = EqualityCompletion(self.B, dependent=list(ecnn_dependent))
+        sizes = {"ECNN": n - a}
+        sizes.update({m: 2 * n for m in OURS})
+        self.out_sizes = [sizes.get(m, n) for m in self.methods for _ in range(self.S)]
+
+    @property
+    def num_members(self) -> int:
+        return len(self.methods) * self.S
+
+    def member_seeds(self, seeds: Sequence[int]) -> list[int]:
+        return [int(s) for _ in self.methods for s in seeds]
+
+    def constraint_value(self, x: Tensor) -> Tensor:
+        """Per-sample right-hand side ``k = b - A x``, ``(..., a)``."""
+        return self.b - x @ self.A.T
+
+    def _dist(self, out: Tensor, k: Tensor):
+        from hardeq import ConstrainedNormal, LinearConstraint
+
+        n = self.n
+        loc, log_var = out[..., :n], out[..., n: 2 * n]
+        return ConstrainedNormal(loc, torch.exp(0.5 * log_var),
+                                 constraint=LinearConstraint(self.B, k, validate_args=False), validate_args=False)
+
+    def _outputs(self, output: Tensor, batch: Mapping[str, Tensor]):
+        """Yield ``(method, member slice, raw output, k, y)`` per method."""
+        k = self.constraint_value(batch["x"])
+        y = batch["y"]
+        for i, m in enumerate(self.methods):
+            sl = slice(i * self.S, (i + 1) * self.S)
+            width = {"ECNN": self.n - self.a}.get(m, 2 * self.n if m in OURS else self.n)
+            km = k[sl] if k.dim() == 3 else k
+            ym = y[sl] if y.dim() == 3 else y
+            yield m, sl, output[sl, :, :width], km, ym
+
+    def _predict(self, method: str, out: Tensor, k: Tensor):
+        """Point prediction (and the distribution for ours) of one method's members."""
+        if method in ("NN", "PINN"):
+            return out, None
+        if method == "KKT-hPINN":
+            return self.kkt(out, k.expand(out.shape[:-1] + (self.a,))), None
+        if method == "ECNN":
+            return self.ecnn.complete(out, k.expand(out.shape[:-1] + (self.a,))), None
+        if method == "CL":
+            return self.cl(out, k.expand(out.shape[:-1] + (self.a,))), None
+        dist = self._dist(out, k)
+        return dist.mean, dist
+
+    def loss(self, output: Tensor, batch: Mapping[str, Tensor]) -> Tensor:
+        from hardeq import LinearConstraint
+        from hardeq.baselines import penalty_loss
+
+        losses = []
+        for m, _, out, k, y in self._outputs(output, batch):
+            pred, dist = self._predict(m, out, k)
+            if m == "ours":
+                loss = dist.expected_l2(y).mean(-1)
+            elif m == "ours-L1":
+                loss = dist.expected_l1(y).mean(-1)
+            elif m == "ours-NLL":
+                loss = -dist.log_prob(y) / self.n
+            else:
+                loss = (pred - y).square().mean(-1)
+                if m == "PINN":
+                    c = LinearConstraint(self.B, k, validate_args=False)
+                    loss = loss + penalty_loss(pred, c, weight=self.pinn_weight, reduction="none")
+            losses.append(loss)
+        return torch.cat(losses, 0)
+
+    def metrics(self, output: Tensor, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        M = self.num_members
+        mse = output.new_full((M,), math.nan)
+        violation = output.new_full((M,), math.nan)
+        log_var = output.new_full((M,), math.nan)
+        for m, sl, out, k, y in self._outputs(output, batch):
+            pred, _ = self._predict(m, out, k)
+            mse[sl] = (pred - y).square().mean((-2, -1))
+            violation[sl] = (pred @ self.B.T - k).abs().mean((-2, -1))
+            if m in OURS:
+                log_var[sl] = out[..., self.n:].mean((-2, -1))
+        return {"mse": mse, "violation": violation, "log_var": log_var}
+
+
+_METHOD_NAMES = ("NN", "PINN", "KKT-hPINN", "ECNN", "CL", "ours", "ours-L1", "ours-NLL")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# running the study
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _summary(values: Tensor) -> tuple[float, float]:
+    v = values.to(torch.float64)
+    return float(v.mean()), float(v.std(unbiased=True)) if v.numel() > 1 else 0.0
+
+
+def _paper(config: Mapping[str, Any], dataset: str, method: str) -> tuple[float | None, float | None]:
+    p = config["paper"]
+    if method not in p["methods"] or dataset not in p:
+        return None, None
+    mean, std = p[dataset][p["methods"].index(method)]
+    return mean * p["unit"], std * p["unit"]
+
+
+def run(
+    config: Mapping[str, Any],
+    seeds: Sequence[int],
+    *,
+    epochs: int,
+    datasets: Sequence[str] | None = None,
+    methods: Sequence[str] | None = None,
+    dtype: str | None = None,
+    checkpoint_dir: Path | None = None,
+    resume: bool = False,
+    progress: bool = True,
+    callback: Callable[[str, int, dict], None] | None = None,
+    ctx: DistContext | None = None,
+) -> dict[str, Any]:
+    """Train and evaluate every method on every data set; prints nothing.
+
+    Returns:
+        ``{"records": [...], "curves": {dataset: {method: {"train_mse": [...], "val_mse": [...]}}},
+        "per_seed": {dataset: {method: {metric: [...]}}}, "timing": {dataset: seconds}}``; records follow
+        DESIGN.md section 5 (``dataset``, ``method``, ``metric``, ``mean``, ``std``, ``n_seeds``, ``paper``).
+    """
+    ctx = ctx or DistContext()
+    datasets = list(datasets or config["datasets"])
+    methods = list(methods or config["methods"])
+    torch_dtype = _DTYPES[dtype or config["dtype"]]
+    seeds = [int(s) for s in seeds]
+    S = len(seeds)
+    records: list[dict[str, Any]] = []
+    curves: dict[str, Any] = {}
+    per_seed: dict[str, Any] = {}
+    timing: dict[str, float] = {}
+    train_cfg = TrainConfig(epochs=int(epochs), batch_size=int(config["train"]["batch_size"]),
+                            lr=float(config["train"]["lr"]), select_metric=config["train"]["select_metric"],
+                            checkpoint_every=int(config["train"]["checkpoint_every"]))
+    for name in datasets:
+        t0 = time.perf_counter()
+        data = load_dataset(name, config)
+        task = ChemicalTask(data, methods, S, pinn_weight=config["pinn_weight"],
+                            ecnn_dependent=config["datasets"][name]["ecnn_dependent"], dtype=torch_dtype,
+                            device=ctx.device)
+        member_seeds = task.member_seeds(seeds)
+        model = BatchedMLP(data.x.shape[1], config["model"]["hidden"], task.out_sizes, member_seeds,
+                           activation=config["model"]["activation"], dtype=torch_dtype, device=ctx.device)
+        splits = {s: data.tensors(s, torch_dtype, ctx.device) for s in ("train", "val", "test")}
+        ckpt = None if checkpoint_dir is None else Path(checkpoint_dir) / f"chemical-{name}.pt"
+        cb = None if callback is None else (lambda epoch, info, _n=name: callback(_n, epoch, info))
+        result = train(model, task, splits["train"], splits["val"], train_cfg, member_seeds,
+                       checkpoint_path=ckpt, resume=resume, progress=progress, desc=name, callback=cb, ctx=ctx,
+                       run_id={"study": "chemical", "dataset": name, "methods": methods, "seeds": seeds,
+                               "dtype": str(torch_dtype), "model": config["model"],
+                               "pinn_weight": config["pinn_weight"]})
+        test_best = evaluate(model, task, splits["test"], result.best_state)
+        test_last = evaluate(model, task, splits["test"], result.final_state)
+        val_best = evaluate(model, task, splits["val"], result.best_state)
+        timing[name] = time.perf_counter() - t0
+        per_seed[name], curves[name] = {}, {}
+        for i, m in enumerate(methods):
+            sl = slice(i * S, (i + 1) * S)
+            metrics = {
+                "test_mse": test_best["mse"][sl],
+                "violation": test_best["violation"][sl],
+                "val_mse": val_best["mse"][sl],
+                "test_mse_last_epoch": test_last["mse"][sl],
+                "violation_last_epoch": test_last["violation"][sl],
+                "best_epoch": result.best_epoch[sl].to(torch.float64),
+            }
+            if m in OURS:
+                metrics["mean_log_variance"] = test_best["log_var"][sl]
+            per_seed[name][m] = {k: [float(v) for v in t.cpu()] for k, t in metrics.items()}
+            for metric, values in metrics.items():
+                mean, std = _summary(values.cpu())
+                rec: dict[str, Any] = {"dataset": name, "method": m, "metric": metric, "mean": mean, "std": std,
+                                       "n_seeds": S}
+                if metric == "test_mse":
+                    rec["paper"], rec["paper_std"] = _paper(config, name, m)
+                records.append(rec)
+            curves[name][m] = {k.removesuffix("_mse"): [float(v) for v in result.history[k][:, sl].mean(1)]
+                               for k in ("train_mse", "val_mse") if k in result.history}
+    return {"records": records, "curves": curves, "per_seed": per_seed, "timing": timing}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# rendering
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _fmt(mean: float | None, std: float | None, unit: float = 1e-4) -> str:
+    if mean is None or (isinstance(mean, float) and math.isnan(mean)):
+        return "–"
+    return f"{mean / unit:.3g} ± {std / unit:.2g}"
+
+
+def summarize(records: Sequence[Mapping[str, Any]], methods: Sequence[str], datasets: Sequence[str]) -> str:
+    """Markdown tables: test MSE (x 1e-4) next to the paper's, and mean absolute constraint violation."""
+    from .results import markdown_table
+
+    idx = {(r["dataset"], r["method"], r["metric"]): r for r in records}
+    lines = ["### Test MSE (scaled outputs, x 1e-4; mean ± std over seeds) — ours vs paper", ""]
+    header = ["method"] + [f"{d} (here)" for d in datasets] + [f"{d} (paper)" for d in datasets]
+    rows = []
+    for m in methods:
+        here = [_fmt(idx[(d, m, "test_mse")]["mean"], idx[(d, m, "test_mse")]["std"])
+                if (d, m, "test_mse") in idx else "–" for d in datasets]
+        paper = [_fmt(idx[(d, m, "test_mse")].get("paper"), idx[(d, m, "test_mse")].get("paper_std"))
+                 if (d, m, "test_mse") in idx else "–" for d in datasets]
+        rows.append([m] + here + paper)
+    lines.append(markdown_table(header, rows))
+    extra = [("violation", "Mean absolute constraint violation on the test set (scaled units)", 1.0, ".2e"),
+             ("test_mse_last_epoch", "Test MSE after the last epoch (x 1e-4; the reference code's effective "
+              "choice)", 1e-4, ".3g"),
+             ("val_mse", "Validation MSE at the selected epoch (x 1e-4)", 1e-4, ".3g"),
+             ("best_epoch", "Selected (best-validation) epoch", 1.0, ".0f"),
+             ("mean_log_variance", "Mean predicted log-variance (ours; scaled units)", 1.0, ".2f")]
+    for metric, title, unit, spec in extra:
+        if not any(k[2] == metric for k in idx):
+            continue
+        rows = []
+        for m in methods:
+            row = [m]
+            for d in datasets:
+                r = idx.get((d, m, metric))
+                row.append("–" if r is None else f"{r['mean'] / unit:{spec}} ± {r['std'] / unit:{spec}}")
+            rows.append(row)
+        lines += ["", f"### {title}", "", markdown_table(["method"] + list(datasets), rows)]
+    return "\n".join(lines)
+
+
+def plot_curves(curves: Mapping[str, Any], out: Path, prefix: str = "chemical") -> list[Path]:
+    """One PNG per data set: training and validation MSE per epoch (mean over seeds), one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for name, per_method in curves.items():
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+        for ax, split in zip(axes, ("train", "val")):
+            for m, c in per_method.items():
+                if split in c:
+                    ax.plot(np.arange(1, len(c[split]) + 1), c[split], label=m, lw=1.2,
+                            ls="-" if m not in OURS else "--")
+            ax.set_yscale("log")
+            ax.set_xlabel("epoch")
+            ax.set_title(f"{name}: {'training' if split == 'train' else 'validation'} MSE (mean over seeds)")
+            ax.grid(alpha=0.3)
+        axes[0].set_ylabel("MSE (scaled outputs)")
+        axes[1].legend(fontsize=8)
+        fig.tight_layout()
+        path = Path(out) / f"{prefix}.{name}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CLI entry points
+# ----------------------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--datasets", nargs="+", default=None, metavar="NAME",
+                        help="subset of cstr, plant, distillation (default: all)")
+    parser.add_argument("--methods", nargs="+", default=None, metavar="NAME",
+                        help="subset of the methods (default: all in the config)")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="default: the config's")
+    parser.add_argument("--checkpoint-dir", type=Path, default=None,
+                        help="default: OUT/checkpoints (removed after a completed run unless --keep-checkpoints)")
+    parser.add_argument("--checkpoint-every", type=int, default=None, help="epochs between checkpoints")
+    parser.add_argument("--keep-checkpoints", action="store_true")
+    parser.add_argument("--config", type=Path, default=None, help="alternative config JSON")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars or table")
+
+
+def reproduce(args: argparse.Namespace) -> dict[str, Any]:
+    """``hardeq reproduce chemical``: run, print the table, write ``OUT/chemical.{json,md}`` and PNGs."""
+    from .results import atomic_write_text, write_json
+
+    config = load_config(getattr(args, "config", None))
+    preset = config["presets"][args.preset]
+    num_seeds = args.seeds if args.seeds is not None else preset["seeds"]
+    epochs = args.epochs if args.epochs is not None else preset["epochs"]
+    if getattr(args, "checkpoint_every", None):
+        config["train"]["checkpoint_every"] = int(args.checkpoint_every)
+    out = Path(args.out)
+    ckpt_dir = getattr(args, "checkpoint_dir", None) or out / "checkpoints"
+    quiet = bool(getattr(args, "quiet", False))
+    ctx = init_distributed()
+    t0 = time.perf_counter()
+    result = run(config, list(range(num_seeds)), epochs=epochs, datasets=getattr(args, "datasets", None),
+                 methods=getattr(args, "methods", None), dtype=getattr(args, "dtype", None),
+                 checkpoint_dir=ckpt_dir, resume=bool(args.resume), progress=not quiet, ctx=ctx)
+    wall = time.perf_counter() - t0
+    datasets = list(result["curves"])
+    methods = list(next(iter(result["curves"].values())))
+    used = {**config, "preset": args.preset, "seeds": list(range(num_seeds)), "epochs": epochs,
+            "datasets_run": datasets, "methods_run": methods, "dtype_run": getattr(args, "dtype", None)
+            or config["dtype"], "world_size": ctx.world_size}
+    if ctx.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        doc = write_json(out / "chemical.json", "chemical", args.preset, used, result["records"],
+                         per_seed=result["per_seed"], timing={"total_s": wall, **result["timing"]})
+        atomic_write_text(out / "chemical.curves.json", json.dumps(result["curves"]) + "\n")
+        table = summarize(result["records"], methods, datasets)
+        md = (f"# chemical — mass-balance surrogates ({args.preset} preset)\n\n"
+              f"{len(range(num_seeds))} seeds x {epochs} epochs, dtype {used['dtype_run']}, "
+              f"world size {ctx.world_size}; wall time {wall:.0f} s "
+              f"({', '.join(f'{k} {v:.0f} s' for k, v in result['timing'].items())}). "
+              f"Environment: torch {doc['environment']['torch']}, {doc['environment']['device']}, "
+              f"{doc['environment']['threads']} threads, git {doc['environment']['git']}.\n\n"
+              f"{table}\n\nLearning curves: "
+              + ", ".join(f"`chemical.{d}.png`" for d in datasets) + ". Protocol and discussion: docs/chemical.md.\n")
+        atomic_write_text(out / "chemical.md", md)
+        plot_curves(result["curves"], out)
+        if not quiet:
+            print(table)
+            print(f"\nwrote {out / 'chemical.json'}, {out / 'chemical.md'} and plots in {wall:.1f} s")
+        if not getattr(args, "keep_checkpoints", False):
+            for name in datasets:
+                p = Path(ckpt_dir) / f"chemical-{name}.pt"
+                if p.exists():
+                    p.unlink()
+            try:
+                Path(ckpt_dir).rmdir()
+            except OSError:
+                pass
+    if ctx.enabled:
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+    return result

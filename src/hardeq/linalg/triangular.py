@@ -1,0 +1,24 @@
+"""Triangular solves for vectors carrying leading sample dimensions."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["tri_solve_vec"]
+
+
+def tri_solve_vec(tri: Tensor, rhs: Tensor, *, upper: bool) -> Tensor:
+    """Solve ``tri @ x = rhs`` for vectors ``rhs`` of shape ``(*sample, *batch, a)``.
+
+    ``tri`` has shape ``(*batch_t, a, a)`` with ``batch_t`` broadcastable to ``batch``. Leading sample
+    dimensions are folded into the columns of one batched solve, so ``tri`` is read once for all samples.
+    """
+    num_batch = tri.dim() - 2
+    extra = rhs.dim() - 1 - num_batch
+    if extra <= 0:
+        return torch.linalg.solve_triangular(tri, rhs.unsqueeze(-1), upper=upper).squeeze(-1)
+    sample_shape = rhs.shape[:extra]
+    cols = rhs.reshape((-1,) + rhs.shape[extra:]).movedim(0, -1)  # (*batch, a, s)
+    out = torch.linalg.solve_triangular(tri, cols, upper=upper).movedim(-1, 0)
+    return out.reshape(sample_shape + out.shape[1:])
