@@ -49,11 +49,11 @@ def enumerate_outcomes(totals, index, n):
     """All count vectors (numpy, (num, n)) with group sums ``totals`` for the group ids ``index``."""
     index = np.asarray(index)
     groups = [np.nonzero(index == g)[0] for g in range(len(totals))]
-    per_group = [list(compositions(int(t), len(members))) for t, members in zip(totals, groups)]
+    per_group = [list(compositions(int(t), len(members))) for t, members in zip(totals, groups, strict=True)]
     rows = []
     for combo in itertools.product(*per_group):
         z = np.zeros(n)
-        for members, part in zip(groups, combo):
+        for members, part in zip(groups, combo, strict=True):
             z[members] = part
         rows.append(z)
     return np.array(rows)
@@ -166,7 +166,9 @@ def test_log_prob_gradcheck():
     index = torch.tensor([0, 1, 0, 1, 1])
     total = torch.tensor([[3.0, 2.0], [1.0, 4.0]], dtype=torch.float64)
     value = ConstrainedPoisson(rate.detach(), total, index=index).sample((3,))
-    assert torch.autograd.gradcheck(lambda r: ConstrainedPoisson(r, total, index=index).log_prob(value), (rate,))
+    assert torch.autograd.gradcheck(
+        lambda r: ConstrainedPoisson(r, total, index=index).log_prob(value), (rate,)
+    )
 
 
 # ---------------------------------------------------------------------------------------------- binomial math
@@ -191,8 +193,9 @@ def test_binomial_expected_l1_large_total():
     m = np.arange(2001)
     pmf = scipy.stats.binom.pmf(m[None, :], k, p.numpy()[:, None])
     expected = (pmf * np.abs(m[None, :] - y.numpy()[:, None])).sum(-1)
-    np.testing.assert_allclose(binomial_expected_l1(y, torch.tensor(k, dtype=torch.float64), p).numpy(),
-                               expected, rtol=1e-9)
+    np.testing.assert_allclose(
+        binomial_expected_l1(y, torch.tensor(k, dtype=torch.float64), p).numpy(), expected, rtol=1e-9
+    )
     # float32 is computed through a float64 cdf and stays accurate
     out32 = binomial_expected_l1(y.float(), torch.tensor(k), p.float())
     np.testing.assert_allclose(out32.numpy(), expected, rtol=2e-4)
@@ -201,22 +204,29 @@ def test_binomial_expected_l1_large_total():
 def test_binomial_cdf_value_and_gradient():
     k = torch.tensor([1.0, 5.0, 40.0, 300.0], dtype=torch.float64)[:, None]
     x = torch.tensor([0.0, 0.0, 17.0, 160.0], dtype=torch.float64)[:, None] + torch.tensor([0.0, 0.7])
-    p = torch.tensor([0.2, 0.6, 0.45, 0.5], dtype=torch.float64)[:, None].expand(4, 2).clone().requires_grad_()
+    p = (
+        torch.tensor([0.2, 0.6, 0.45, 0.5], dtype=torch.float64)[:, None]
+        .expand(4, 2)
+        .clone()
+        .requires_grad_()
+    )
     F = binomial_cdf(x, k, p)
     expected = scipy.stats.binom.cdf(np.floor(x.numpy()), k.numpy(), p.detach().numpy())
     np.testing.assert_allclose(F.detach().numpy(), expected, rtol=1e-10, atol=1e-14)
     # regularized incomplete beta identity F(m; k, p) = I_{1-p}(k - m, m + 1)
     m = np.floor(x.numpy())
-    np.testing.assert_allclose(F.detach().numpy(), scipy.special.betainc(k.numpy() - m, m + 1, 1 - p.detach().numpy()),
-                               rtol=1e-10)
+    np.testing.assert_allclose(
+        F.detach().numpy(), scipy.special.betainc(k.numpy() - m, m + 1, 1 - p.detach().numpy()), rtol=1e-10
+    )
     (grad,) = torch.autograd.grad(F.sum(), p)
     expected_grad = -k.numpy() * scipy.stats.binom.pmf(m, k.numpy() - 1, p.detach().numpy())
     np.testing.assert_allclose(grad.numpy(), expected_grad, rtol=1e-9, atol=1e-14)
     assert torch.autograd.gradcheck(lambda q: binomial_cdf(x, k, q), (p,))
     assert torch.autograd.gradgradcheck(lambda q: binomial_cdf(x, k, q), (p,))
     # edges: below / above the support, degenerate probabilities
-    edge = binomial_cdf(torch.tensor([-1.0, 3.0, 5.0, 0.0, 2.0]), torch.tensor(3.0),
-                        torch.tensor([0.5, 0.5, 0.5, 0.0, 1.0]))
+    edge = binomial_cdf(
+        torch.tensor([-1.0, 3.0, 5.0, 0.0, 2.0]), torch.tensor(3.0), torch.tensor([0.5, 0.5, 0.5, 0.0, 1.0])
+    )
     assert edge.tolist() == [0.0, 1.0, 1.0, 1.0, 0.0]
 
 
@@ -269,7 +279,7 @@ def _chisquare_pvalue(samples: np.ndarray, outcomes: np.ndarray, pmf: np.ndarray
     codes = {int(c): i for i, c in enumerate(outcomes @ weights)}
     observed = np.zeros(len(outcomes))
     idx, counts = np.unique((samples @ weights).astype(np.int64), return_counts=True)
-    for c, cnt in zip(idx, counts):
+    for c, cnt in zip(idx, counts, strict=True):
         observed[codes[int(c)]] += cnt  # KeyError would mean a sample outside the support
     expected = pmf * len(samples)
     assert expected.min() >= 5, "test design: every outcome needs >= 5 expected counts"
@@ -431,32 +441,60 @@ R3 = torch.tensor([1.0, 2.0, 3.0])
 IDX = torch.tensor([0, 1, 1])
 
 BAD_INPUTS = {
-    "rate not a tensor": (dict(rate=[1.0, 2.0], total=torch.tensor(2)), TypeError, "rate"),
-    "rate integer dtype": (dict(rate=torch.tensor([1, 2]), total=torch.tensor(2)), TypeError, "rate.*dtype"),
-    "rate 0-d": (dict(rate=torch.tensor(1.0), total=torch.tensor(2)), ValueError, r"rate.*shape \(\*batch, n\)"),
-    "rate negative": (dict(rate=torch.tensor([1.0, -2.0]), total=torch.tensor(2)), ValueError, "rate"),
-    "rate zero": (dict(rate=torch.tensor([1.0, 0.0]), total=torch.tensor(2)), ValueError, "rate"),
-    "rate nan": (dict(rate=torch.tensor([1.0, math.nan]), total=torch.tensor(2)), ValueError, "rate"),
-    "rate inf": (dict(rate=torch.tensor([1.0, math.inf]), total=torch.tensor(2)), ValueError, "rate"),
-    "total negative": (dict(rate=R3, total=torch.tensor([2.0, -1.0])), ValueError, "total"),
-    "total non-integer": (dict(rate=R3, total=torch.tensor(2.5)), ValueError, "total"),
-    "total nan": (dict(rate=R3, total=torch.tensor(math.nan)), ValueError, "total"),
-    "total bool": (dict(rate=R3, total=torch.tensor(True)), TypeError, "total.*dtype"),
-    "total list": (dict(rate=R3, total=[1, 2]), TypeError, "total"),
-    "batch mismatch": (dict(rate=torch.ones(2, 3), total=torch.ones(4)), ValueError, r"batch shapes.*\(2, 3\)"),
-    "index float": (dict(rate=R3, total=torch.ones(2), index=IDX.float()), TypeError, "index.*long"),
-    "index not a tensor": (dict(rate=R3, total=torch.ones(2), index=[0, 1, 1]), TypeError, "index"),
-    "index wrong length": (dict(rate=R3, total=torch.ones(2), index=torch.tensor([0, 1])), ValueError,
-                           r"index.*\(3,\).*\(2,\)"),
-    "index 2-d": (dict(rate=R3, total=torch.ones(2), index=IDX[None]), ValueError, "index.*shape"),
-    "index out of range": (dict(rate=R3, total=torch.ones(2), index=torch.tensor([0, 2, 1])), ValueError,
-                           r"index.*\[0, a\).*a = .*2.*\[0, 2\]"),
-    "index negative": (dict(rate=R3, total=torch.ones(2), index=torch.tensor([0, -1, 1])), ValueError, "index"),
-    "empty group": (dict(rate=R3, total=torch.ones(3), index=torch.tensor([0, 2, 2])), ValueError,
-                    r"group.*\[1\]"),
-    "index with number total": (dict(rate=R3, total=2, index=IDX), ValueError, "total"),
-    "index with 0-d total": (dict(rate=R3, total=torch.tensor(2.0), index=IDX), ValueError,
-                             r"total.*\(\*batch, a\)"),
+    "rate not a tensor": ({"rate": [1.0, 2.0], "total": torch.tensor(2)}, TypeError, "rate"),
+    "rate integer dtype": (
+        {"rate": torch.tensor([1, 2]), "total": torch.tensor(2)},
+        TypeError,
+        "rate.*dtype",
+    ),
+    "rate 0-d": (
+        {"rate": torch.tensor(1.0), "total": torch.tensor(2)},
+        ValueError,
+        r"rate.*shape \(\*batch, n\)",
+    ),
+    "rate negative": ({"rate": torch.tensor([1.0, -2.0]), "total": torch.tensor(2)}, ValueError, "rate"),
+    "rate zero": ({"rate": torch.tensor([1.0, 0.0]), "total": torch.tensor(2)}, ValueError, "rate"),
+    "rate nan": ({"rate": torch.tensor([1.0, math.nan]), "total": torch.tensor(2)}, ValueError, "rate"),
+    "rate inf": ({"rate": torch.tensor([1.0, math.inf]), "total": torch.tensor(2)}, ValueError, "rate"),
+    "total negative": ({"rate": R3, "total": torch.tensor([2.0, -1.0])}, ValueError, "total"),
+    "total non-integer": ({"rate": R3, "total": torch.tensor(2.5)}, ValueError, "total"),
+    "total nan": ({"rate": R3, "total": torch.tensor(math.nan)}, ValueError, "total"),
+    "total bool": ({"rate": R3, "total": torch.tensor(True)}, TypeError, "total.*dtype"),
+    "total list": ({"rate": R3, "total": [1, 2]}, TypeError, "total"),
+    "batch mismatch": (
+        {"rate": torch.ones(2, 3), "total": torch.ones(4)},
+        ValueError,
+        r"batch shapes.*\(2, 3\)",
+    ),
+    "index float": ({"rate": R3, "total": torch.ones(2), "index": IDX.float()}, TypeError, "index.*long"),
+    "index not a tensor": ({"rate": R3, "total": torch.ones(2), "index": [0, 1, 1]}, TypeError, "index"),
+    "index wrong length": (
+        {"rate": R3, "total": torch.ones(2), "index": torch.tensor([0, 1])},
+        ValueError,
+        r"index.*\(3,\).*\(2,\)",
+    ),
+    "index 2-d": ({"rate": R3, "total": torch.ones(2), "index": IDX[None]}, ValueError, "index.*shape"),
+    "index out of range": (
+        {"rate": R3, "total": torch.ones(2), "index": torch.tensor([0, 2, 1])},
+        ValueError,
+        r"index.*\[0, a\).*a = .*2.*\[0, 2\]",
+    ),
+    "index negative": (
+        {"rate": R3, "total": torch.ones(2), "index": torch.tensor([0, -1, 1])},
+        ValueError,
+        "index",
+    ),
+    "empty group": (
+        {"rate": R3, "total": torch.ones(3), "index": torch.tensor([0, 2, 2])},
+        ValueError,
+        r"group.*\[1\]",
+    ),
+    "index with number total": ({"rate": R3, "total": 2, "index": IDX}, ValueError, "total"),
+    "index with 0-d total": (
+        {"rate": R3, "total": torch.tensor(2.0), "index": IDX},
+        ValueError,
+        r"total.*\(\*batch, a\)",
+    ),
 }
 
 

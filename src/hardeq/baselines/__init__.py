@@ -46,9 +46,9 @@ from .projection import KKTProjection, kkt_projection
 
 __all__ = [
     "ConstraintLayer",
-    "constraint_layer",
-    "KKTProjection",
-    "kkt_projection",
     "EqualityCompletion",
+    "KKTProjection",
+    "constraint_layer",
+    "kkt_projection",
     "penalty_loss",
 ]

@@ -28,6 +28,7 @@ def penalty_loss(y: Tensor, constraint: EqualityConstraint, weight: float | Tens
         Tensor: a scalar, or ``(*sample, *batch)`` for ``reduction="none"``.
 
     Example:
+        >>> import torch
         >>> from hardeq import SumConstraint
         >>> c = SumConstraint(torch.zeros(3, dtype=torch.long), torch.tensor([1.0]))
         >>> penalty_loss(torch.tensor([[1.0, 1.0, 1.0], [0.5, 0.5, 0.0]]), c, weight=0.5, reduction="none")

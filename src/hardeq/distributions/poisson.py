@@ -10,7 +10,7 @@ from torch.distributions import Binomial, Distribution, constraints
 
 from .._utils import check_finite
 from ..estimators import poisson as _poisson_estimators  # noqa: F401  (registers the estimators)
-from ..estimators.poisson import _coordinate_totals, _gather, _group_probs, _group_sum
+from ..estimators.poisson import _gather, _group_probs, _group_sum
 from ..estimators.registry import get_estimator
 from .poisson_losses import binomial_expected_l1, binomial_expected_l2
 
@@ -70,8 +70,8 @@ class ConstrainedPoisson(Distribution):
     Args:
         rate (Tensor): :math:`\theta > 0`, floating point, shape ``(*batch, n)``.
         total (Tensor or int): :math:`k`, non-negative integer valued (float or integer tensor; converted to
-            ``rate``'s dtype), shape ``(*batch,)`` without ``index`` and ``(*batch, a)`` with it; its batch dims
-            broadcast with ``rate``'s.
+            ``rate``'s dtype), shape ``(*batch,)`` without ``index`` and ``(*batch, a)`` with it; its batch
+            dims broadcast with ``rate``'s.
         index (LongTensor, optional): group id of every coordinate, shape ``(n,)``, values in ``[0, a)``,
             every group non-empty (PyG's ``batch`` vector).
         validate_args (bool, optional): value checks (``rate`` positive and finite, ``total`` a non-negative
@@ -89,7 +89,7 @@ class ConstrainedPoisson(Distribution):
         (torch.Size([6, 4]), True)
     """
 
-    arg_constraints = {
+    arg_constraints = {  # noqa: RUF012  (torch's convention: a class-level dict)
         "rate": constraints.independent(constraints.positive, 1),
         "total": constraints.nonnegative_integer,
     }
@@ -106,14 +106,18 @@ class ConstrainedPoisson(Distribution):
         if not isinstance(rate, Tensor):
             raise TypeError(f"rate must be a torch.Tensor, got {type(rate).__name__}.")
         if not rate.is_floating_point():
-            raise TypeError(f"rate must be a floating-point tensor (float32 or float64), got dtype {rate.dtype}.")
+            raise TypeError(
+                f"rate must be a floating-point tensor (float32 or float64), got dtype {rate.dtype}."
+            )
         if rate.dim() < 1 or rate.shape[-1] == 0:
             raise ValueError(f"rate must have shape (*batch, n) with n >= 1, got {tuple(rate.shape)}.")
         n = rate.shape[-1]
 
         if index is not None:
             if not isinstance(index, Tensor):
-                raise TypeError(f"index must be a torch.Tensor of dtype torch.long, got {type(index).__name__}.")
+                raise TypeError(
+                    f"index must be a torch.Tensor of dtype torch.long, got {type(index).__name__}."
+                )
             if index.dtype != torch.long:
                 raise TypeError(f"index must have dtype torch.long, got {index.dtype}.")
             if index.shape != (n,):
@@ -125,10 +129,14 @@ class ConstrainedPoisson(Distribution):
 
         if isinstance(total, numbers.Number) and not isinstance(total, bool):
             if index is not None:
-                raise ValueError("with index, total must be a tensor of shape (*batch, a), got a Python number.")
+                raise ValueError(
+                    "with index, total must be a tensor of shape (*batch, a), got a Python number."
+                )
             total = torch.tensor(total, dtype=rate.dtype, device=rate.device)
         if not isinstance(total, Tensor):
-            raise TypeError(f"total must be a torch.Tensor (float or integer dtype), got {type(total).__name__}.")
+            raise TypeError(
+                f"total must be a torch.Tensor (float or integer dtype), got {type(total).__name__}."
+            )
         if total.dtype == torch.bool or total.is_complex():
             raise TypeError(f"total must have a floating-point or integer dtype, got {total.dtype}.")
         if total.device != rate.device:
@@ -157,8 +165,8 @@ class ConstrainedPoisson(Distribution):
             if bool((counts == 0).any()):
                 empty = torch.nonzero(counts == 0)[:5, 0].tolist()
                 raise ValueError(
-                    f"every group must have at least one coordinate, but groups {empty} (of a = {num_groups}) "
-                    "have none in index."
+                    f"every group must have at least one coordinate, but groups {empty} "
+                    f"(of a = {num_groups}) have none in index."
                 )
             group_total = total
         try:
@@ -173,7 +181,7 @@ class ConstrainedPoisson(Distribution):
         self.num_groups = num_groups
         self._unbroadcasted_rate = rate
         self.rate = rate.expand(batch_shape + (n,))
-        self.total = total.expand(batch_shape + total.shape[len(total_batch):])
+        self.total = total.expand(batch_shape + total.shape[len(total_batch) :])
         self._group_total = group_total.expand(batch_shape + (num_groups,))  # shape: (*batch, a)
         self._layout = _group_layout(index, n, num_groups, rate.device)
         super().__init__(batch_shape, torch.Size([n]), validate_args=validate_args)
@@ -189,7 +197,7 @@ class ConstrainedPoisson(Distribution):
         new.num_groups = self.num_groups
         new._unbroadcasted_rate = self._unbroadcasted_rate
         new.rate = self.rate.expand(batch_shape + (n,))
-        new.total = self.total.expand(batch_shape + self.total.shape[len(self.batch_shape):])
+        new.total = self.total.expand(batch_shape + self.total.shape[len(self.batch_shape) :])
         new._group_total = self._group_total.expand(batch_shape + (self.num_groups,))
         new._layout = self._layout
         super(ConstrainedPoisson, new).__init__(batch_shape, self.event_shape, validate_args=False)
@@ -227,7 +235,9 @@ class ConstrainedPoisson(Distribution):
     def marginal(self) -> Binomial:
         r"""The conditional marginals :math:`z_i \sim \mathrm{Binomial}(k_{g(i)}, p_i)` as one
         ``torch.distributions.Binomial`` of batch shape ``(*batch, n)`` (the coordinates are dependent)."""
-        return Binomial(total_count=self._coordinate_total, probs=self.probs, validate_args=self._validate_args)
+        return Binomial(
+            total_count=self._coordinate_total, probs=self.probs, validate_args=self._validate_args
+        )
 
     # ------------------------------------------------------------------------------------------ losses
     def _check_target(self, y: Tensor | float) -> Tensor:
@@ -281,7 +291,7 @@ class ConstrainedPoisson(Distribution):
             :math:`\partial_p F(m; k, p) = -k\, b(m; k - 1, p)`).
 
         Cost: O(N (max y + 1)) time for N = the output's size (a float64 cumulative sum of pmf values for the
-        cdf, memory bounded by chunks of 2^22 terms): fine for totals up to a few thousand.
+        cdf, memory bounded by chunks of 2^20 terms): fine for totals up to a few thousand.
         """
         y = self._check_target(y)
         return binomial_expected_l1(y, self._coordinate_total, self.probs)
@@ -296,9 +306,10 @@ class ConstrainedPoisson(Distribution):
         expected = self.batch_shape + self.event_shape
         if value.dim() < 1 or value.shape[-1] != n:
             raise ValueError(
-                f"value must have shape (*sample_shape, *batch_shape, n) with n = {n}, got {tuple(value.shape)}."
+                f"value must have shape (*sample_shape, *batch_shape, n) with n = {n}, got "
+                f"{tuple(value.shape)}."
             )
-        for actual, want in zip(reversed(value.shape), reversed(expected)):
+        for actual, want in zip(reversed(value.shape), reversed(expected), strict=False):
             if actual != 1 and want != 1 and actual != want:
                 raise ValueError(
                     f"value (shape {tuple(value.shape)}) does not broadcast with batch_shape + event_shape = "
@@ -340,7 +351,7 @@ class ConstrainedPoisson(Distribution):
         return logp.masked_fill(~in_support, float("-inf"))
 
     # ------------------------------------------------------------------------------------------ sampling
-    def sample(self, sample_shape: _size = torch.Size()) -> Tensor:
+    def sample(self, sample_shape: _size = ()) -> Tensor:
         r"""Exact sample of the product of multinomials, a float tensor of counts in ``rate``'s dtype.
 
         Every total :math:`k_j` is realised as :math:`k_j` categorical draws restricted to its group (inverse
@@ -350,7 +361,9 @@ class ConstrainedPoisson(Distribution):
 
         Cost: O(B n + S K log(B n)) time and O(B n + S K) memory, with S = ``sample_shape.numel()``,
         B = ``batch_shape.numel()`` and K the sum of all B a totals (so linear in the totals; for totals in
-        the millions a conditional-binomial splitting would be cheaper).
+        the millions a conditional-binomial splitting would be cheaper). The search runs in float64 on keys
+        ``group offset + cumulative probability``, so probabilities are resolved to about
+        :math:`2^{-52} B a`; counts are exact integers (in float32 up to :math:`2^{24}` per coordinate).
 
         Returns:
             Tensor: ``(*sample_shape, *batch, n)``.
@@ -358,14 +371,15 @@ class ConstrainedPoisson(Distribution):
         with torch.no_grad():
             return self._sample(torch.Size(sample_shape))
 
-    def rsample(self, sample_shape: _size = torch.Size(), estimator: str = "marginal_expectation") -> Tensor:
+    def rsample(self, sample_shape: _size = (), estimator: str = "marginal_expectation") -> Tensor:
         r"""The exact sample of :meth:`sample`, carrying the gradient w.r.t. ``rate`` of ``estimator``.
 
         Args:
             sample_shape (torch.Size): leading sample dimensions.
             estimator (str): one of ``"marginal_expectation"`` (proxy :math:`k p`), ``"constrained_marginal"``
                 (binomial pmf at the sample), ``"unconstrained_marginal"`` (Poisson pmf at the sample),
-                ``"random"`` (N(0, I) in place of the gradient). All biased; see ``hardeq.estimators.poisson``.
+                ``"random"`` (N(0, I) in place of the gradient). All biased; see
+                ``hardeq.estimators.poisson``.
 
         Returns:
             Tensor: ``(*sample_shape, *batch, n)``, equal to an exact sample.
@@ -408,8 +422,9 @@ class ConstrainedPoisson(Distribution):
         return counts.reshape(shape).to(self.rate.dtype)
 
 
-def _group_layout(index: Tensor | None, n: int, num_groups: int, device: torch.device
-                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _group_layout(
+    index: Tensor | None, n: int, num_groups: int, device: torch.device
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Group-sorted order of the coordinates: ``perm`` (n,), ``index[perm]`` (n,), and every group's
     ``starts``/``ends`` (a,) in that order."""
     if index is None:

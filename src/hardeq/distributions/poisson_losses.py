@@ -33,14 +33,14 @@ from ..estimators.poisson import _binomial_log_pmf
 __all__ = ["binomial_cdf", "binomial_expected_l1", "binomial_expected_l2"]
 
 #: Largest number of pmf terms held in memory at once by the cdf's cumulative sum.
-_CDF_CHUNK_ELEMENTS = 2**22
+_CDF_CHUNK_ELEMENTS = 2**20
 
 
 def _binomial_cdf_forward(value: Tensor, total_count: Tensor, probs: Tensor) -> Tensor:
     r""":math:`F(x; k, p) = \sum_{m=0}^{x} b(m; k, p)` for broadcast tensors with integer ``0 <= x <= k``.
 
     Summed in float64 over ``m = 0 .. max(x)`` in chunks of at most ``_CDF_CHUNK_ELEMENTS`` pmf values.
-    Cost: O(N (max x + 1)) time and O(min(N (max x + 1), 2^22)) memory for N entries.
+    Cost: O(N (max x + 1)) time and O(min(N (max x + 1), 2^20)) memory for N entries.
     """
     out = torch.zeros(probs.shape, dtype=torch.float64, device=probs.device)
     if probs.numel() == 0:
@@ -93,11 +93,12 @@ def binomial_cdf(value: Tensor, total_count: Tensor, probs: Tensor) -> Tensor:
         Tensor: broadcast shape of the inputs, dtype of ``probs``.
 
     Cost: a float64 cumulative sum of pmf values, O(N (max x + 1)) time for N entries, memory bounded by
-    chunks of 2^22 terms. Accurate to round-off in absolute terms (not in relative terms deep in the upper
+    chunks of 2^20 terms. Accurate to round-off in absolute terms (not in relative terms deep in the upper
     tail, where :math:`1 - F` is tiny).
     """
-    x, k, p = torch.broadcast_tensors(torch.floor(value.detach()).to(probs.dtype), total_count.to(probs.dtype),
-                                      probs)
+    x, k, p = torch.broadcast_tensors(
+        torch.floor(value.detach()).to(probs.dtype), total_count.to(probs.dtype), probs
+    )
     return _cdf_with_edges(x, k, p)
 
 
@@ -140,8 +141,9 @@ def binomial_expected_l1(target: Tensor, total_count: Tensor, probs: Tensor) -> 
     ``probs``.
     """
     dtype = torch.promote_types(target.dtype, probs.dtype)
-    y, k, p = torch.broadcast_tensors(target.to(torch.float64), total_count.to(torch.float64),
-                                      probs.to(torch.float64))
+    y, k, p = torch.broadcast_tensors(
+        target.to(torch.float64), total_count.to(torch.float64), probs.to(torch.float64)
+    )
     j = torch.floor(y.detach())
     interior = (p > 0) & (p < 1)
     p_s = torch.where(interior, p, torch.full_like(p, 0.5))

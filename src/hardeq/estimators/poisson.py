@@ -38,10 +38,10 @@ from torch.autograd.function import once_differentiable
 from .registry import register_estimator
 
 __all__ = [
-    "poisson_marginal_expectation",
     "poisson_constrained_marginal",
-    "poisson_unconstrained_marginal",
+    "poisson_marginal_expectation",
     "poisson_random",
+    "poisson_unconstrained_marginal",
 ]
 
 
@@ -125,8 +125,9 @@ def _num_groups(total: Tensor, index: Tensor | None) -> int:
 
 
 @register_estimator("marginal_expectation", family="poisson", exact=False)
-def poisson_marginal_expectation(rate: Tensor, total: Tensor, sample: Tensor, *, index: Tensor | None = None
-                                 ) -> Tensor:
+def poisson_marginal_expectation(
+    rate: Tensor, total: Tensor, sample: Tensor, *, index: Tensor | None = None
+) -> Tensor:
     r"""Proxy: the conditional mean :math:`m_i(\theta) = k_{g(i)}\, p_i(\theta)`.
 
     The gradient w.r.t. ``rate`` is :math:`(\partial (k p)/\partial\theta)^\top \partial\ell/\partial z`
@@ -145,8 +146,9 @@ def poisson_marginal_expectation(rate: Tensor, total: Tensor, sample: Tensor, *,
 
 
 @register_estimator("constrained_marginal", family="poisson", exact=False)
-def poisson_constrained_marginal(rate: Tensor, total: Tensor, sample: Tensor, *, index: Tensor | None = None
-                                 ) -> Tensor:
+def poisson_constrained_marginal(
+    rate: Tensor, total: Tensor, sample: Tensor, *, index: Tensor | None = None
+) -> Tensor:
     r"""Proxy: the conditional marginal pmf at the sample, :math:`m_i(\theta) = \mathrm{Bin}(z_i;
     k_{g(i)}, p_i(\theta))`.
 
@@ -167,8 +169,9 @@ def poisson_constrained_marginal(rate: Tensor, total: Tensor, sample: Tensor, *,
 
 
 @register_estimator("unconstrained_marginal", family="poisson", exact=False)
-def poisson_unconstrained_marginal(rate: Tensor, total: Tensor, sample: Tensor, *, index: Tensor | None = None
-                                   ) -> Tensor:
+def poisson_unconstrained_marginal(
+    rate: Tensor, total: Tensor, sample: Tensor, *, index: Tensor | None = None
+) -> Tensor:
     r"""Proxy: the *unconstrained* Poisson pmf at the sample, :math:`m_i(\theta) = \mathrm{Poisson}(z_i;
     \theta_i) = \theta_i^{z_i} e^{-\theta_i} / z_i!`.
 

@@ -544,27 +544,32 @@ def plot(doc: dict, out: Path) -> list[Path]:
     for group in _groups(records):
         by_family_loss.setdefault((group[0], group[2]), []).append(group)
     for (family, loss), groups in by_family_loss.items():
-        fig, axes = plt.subplots(len(groups), 1, figsize=(10, 3.2 * len(groups)), squeeze=False)
+        fig, axes = plt.subplots(len(groups), 1, figsize=(10, 2.9 * len(groups) + 1.2), squeeze=False)
+        handles: dict[str, Any] = {}
         for ax, group in zip(axes[:, 0], groups):
             methods = _methods(records, group)
             width = 0.8 / len(methods)
+            positive = [idx[group + (m, k)]["mean"] for m in methods for k in METRICS]
+            positive = [v for v in positive if v is not None and v > 0]
+            floor = 10 ** math.floor(math.log10(min(positive) / 2)) if positive else 1e-6
             for j, method in enumerate(methods):
                 means = [idx[group + (method, m)]["mean"] for m in METRICS]
                 stds = [idx[group + (method, m)]["std"] for m in METRICS]
-                lower = [min(s, 0.999 * mu) if mu > 0 else 0.0 for mu, s in zip(means, stds)]
+                lower = [min(s, mu - floor) if mu > floor else 0.0 for mu, s in zip(means, stds)]
                 xs = [i - 0.4 + width * (j + 0.5) for i in range(len(METRICS))]
-                ax.bar(xs, means, width, yerr=[lower, stds], capsize=2, label=method,
-                       color=colors.get(method), error_kw={"elinewidth": 0.8})
+                handles[method] = ax.bar(xs, [mu - floor for mu in means], width, bottom=floor,
+                                         yerr=[lower, stds], capsize=2, label=method, color=colors.get(method),
+                                         error_kw={"elinewidth": 0.8})
             ax.set_yscale("log")
+            ax.set_ylim(bottom=floor)
             ax.set_xticks(range(len(METRICS)), [LABELS[m] for m in METRICS])
-            ax.set_title(f"{FAMILY_NAMES.get(family, family)} {loss.upper()}, {group[1]} constraint, "
-                         f"gradient w.r.t. {group[3]}", fontsize=10)
+            ax.set_title(f"{group[1]} constraint, gradient w.r.t. {group[3]}", fontsize=10)
             ax.grid(axis="y", alpha=0.3, which="both")
-        axes[0, 0].legend(fontsize=8, ncol=2, loc="lower left")
-        fig.suptitle(f"Gradient estimators, {FAMILY_NAMES.get(family, family)}, {loss.upper()} loss "
-                     f"({doc['config']['n_sets']} sets x {doc['config']['n_estimates']} estimates; mean ± std over sets)",
-                     fontsize=11)
-        fig.tight_layout()
+        fig.suptitle(f"Gradient estimators, {FAMILY_NAMES.get(family, family)}, {loss.upper()} loss: "
+                     f"{doc['config']['n_sets']} sets x {doc['config']['n_estimates']} estimates, "
+                     f"mean ± std over sets (log scale; lower is better)", fontsize=11)
+        fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=4, fontsize=8, frameon=False)
+        fig.tight_layout(rect=(0, 0.06 if len(handles) > 4 else 0.04, 1, 1))
         path = Path(out) / f"synthetic_{family}_{loss}.png"
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=110)
