@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
-from . import estimators
+from . import baselines, estimators
 from .constraints import EqualityConstraint, LinearConstraint, SumConstraint
-from .distributions import ConstrainedNormal
+from .distributions import ConstrainedNormal, ConstrainedPoisson
 from .errors import NotPSDError, NumericalWarning
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ConstrainedNormal",
+    "ConstrainedPoisson",
     "EqualityConstraint",
     "LinearConstraint",
     "SumConstraint",
     "NotPSDError",
     "NumericalWarning",
+    "baselines",
     "estimators",
     "__version__",
 ]

@@ -13,8 +13,6 @@ per input ``x``.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 

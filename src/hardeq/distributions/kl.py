@@ -56,7 +56,7 @@ def kl_constrained_normal(q: ConstrainedNormal, p: ConstrainedNormal) -> Tensor:
     cq, cp = q._conditioner, p._conditioner
     A = q.constraint
     n, a = q.event_shape[0], A.num_constraints
-    # tr(S_q^{-1} A Sigma_q Sigma_p^{-1} Sigma_q A^T) = tr(G^T Sigma_p^{-1} G) with G G^T = Sigma_q A^T S_q^{-1} A Sigma_q
+    # tr(S_q^-1 A Sigma_q Sigma_p^-1 Sigma_q A^T) = tr(G^T Sigma_p^-1 G), G G^T = Sigma_q A^T S_q^-1 A Sigma_q
     if cq.grouped and isinstance(cp.cov, DiagonalCovariance):
         d_q = cq.cov.variance
         correction = (d_q.square() / cp.cov.variance / A.rmatvec(cq.group_variance)).sum(-1)

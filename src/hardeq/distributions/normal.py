@@ -248,7 +248,7 @@ class ConstrainedNormal(Distribution):
 
     # ------------------------------------------------------------------ sampling
     def rsample(
-        self, sample_shape: torch.Size | tuple = torch.Size(), estimator: str = "pathwise", *,
+        self, sample_shape: torch.Size | tuple = (), estimator: str = "pathwise", *,
         noise: Tensor | None = None, **estimator_kwargs,
     ) -> Tensor:
         r"""Exact sample of shape ``sample_shape + batch_shape + (n,)``, differentiable.
@@ -272,7 +272,7 @@ class ConstrainedNormal(Distribution):
                 **estimator_kwargs)
         return z.expand(shape[:-1] + self.event_shape)
 
-    def sample(self, sample_shape: torch.Size | tuple = torch.Size()) -> Tensor:
+    def sample(self, sample_shape: torch.Size | tuple = ()) -> Tensor:
         """Exact sample without gradient; uses the cached factorisation."""
         with torch.no_grad():
             shape = torch.Size(sample_shape) + self.batch_shape + (self.noise_size,)
