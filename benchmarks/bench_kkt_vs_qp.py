@@ -125,41 +125,42 @@ def forward_backward(solve, y, k, w):
     return out.detach(), y.grad, k.grad
 
 
-def run_size(n: int, a: int, batch: int, repeats: int, kkt_repeats: int, reference: str, seed: int,
-             solver_defaults: bool):
+def make_problem(n: int, a: int, batch: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     A = torch.randn(a, n, generator=g, dtype=torch.float64)
     y = torch.randn(batch, n, generator=g, dtype=torch.float64)
     k = torch.randn(batch, a, generator=g, dtype=torch.float64)
     w = torch.randn(batch, n, generator=g, dtype=torch.float64)  # random linear loss for the backward pass
+    return A, y, k, w
 
-    label, version, qp_solve, differentiable = make_reference(A, reference, solver_defaults)
+
+def run_kkt(A, y, k, w, kkt_repeats: int) -> dict:
+    """Phase 1: KKTProjection results and timings (no reference solver has run in the process yet)."""
     layer = KKTProjection(A)
     constraint = LinearConstraint(A, k)
+    out, gy, gk = forward_backward(layer, y, k, w)
+    with torch.no_grad():
+        t_fwd = median_time(lambda: layer(y, k), kkt_repeats)
+        t_fn_fwd = median_time(lambda: kkt_projection(y, constraint), kkt_repeats)
+    t_fb = median_time(lambda: forward_backward(layer, y, k, w), kkt_repeats)
+    return {"out": out, "gy": gy, "gk": gk, "kkt_fwd": t_fwd, "fn_fwd": t_fn_fwd, "kkt_fb": t_fb}
 
-    # agreement (float64)
-    out_kkt, gy_kkt, gk_kkt = forward_backward(layer, y, k, w)
+
+def run_reference(A, y, k, w, kkt: dict, repeats: int, reference: str, solver_defaults: bool) -> dict:
+    """Phase 2: the reference QP layer, its agreement with phase 1, and its timings."""
+    label, version, qp_solve, differentiable = make_reference(A, reference, solver_defaults)
     if differentiable:
-        out_qp, gy_qp, gk_qp = forward_backward(qp_solve, y, k, w)
-        grad_err = max((gy_qp - gy_kkt).abs().max().item(), (gk_qp - gk_kkt).abs().max().item())
+        out, gy, gk = forward_backward(qp_solve, y, k, w)
+        grad_err = max((gy - kkt["gy"]).abs().max().item(), (gk - kkt["gk"]).abs().max().item())
     else:
         with torch.no_grad():
-            out_qp = qp_solve(y, k)
+            out = qp_solve(y, k)
         grad_err = float("nan")
-    sol_err = (out_qp - out_kkt).abs().max().item()
-
-    # timings, all in this run
     with torch.no_grad():
-        t_qp_fwd = median_time(lambda: qp_solve(y, k), repeats)
-        t_kkt_fwd = median_time(lambda: layer(y, k), kkt_repeats)
-        t_fn_fwd = median_time(lambda: kkt_projection(y, constraint), kkt_repeats)
-    t_qp_fb = median_time(lambda: forward_backward(qp_solve, y, k, w), repeats) if differentiable else float("nan")
-    t_kkt_fb = median_time(lambda: forward_backward(layer, y, k, w), kkt_repeats)
-    return {
-        "n": n, "a": a, "batch": batch, "label": label, "version": version,
-        "sol_err": sol_err, "grad_err": grad_err,
-        "qp_fwd": t_qp_fwd, "kkt_fwd": t_kkt_fwd, "fn_fwd": t_fn_fwd, "qp_fb": t_qp_fb, "kkt_fb": t_kkt_fb,
-    }
+        t_fwd = median_time(lambda: qp_solve(y, k), repeats)
+    t_fb = median_time(lambda: forward_backward(qp_solve, y, k, w), repeats) if differentiable else float("nan")
+    return {"label": label, "version": version, "sol_err": (out - kkt["out"]).abs().max().item(),
+            "grad_err": grad_err, "qp_fwd": t_fwd, "qp_fb": t_fb}
 
 
 def main(argv=None) -> int:
@@ -171,14 +172,26 @@ def main(argv=None) -> int:
     parser.add_argument("--reference", default="auto", choices=["auto", "cvxpylayers", "qpth", "scipy"])
     parser.add_argument("--tol", type=float, default=1e-6, help="required agreement (max abs, float64)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads for the KKT side (default: torch's default)")
     parser.add_argument("--solver-defaults", action="store_true",
                         help="run cvxpylayers with its default (looser) tolerances: faster, but it then misses --tol")
     args = parser.parse_args(argv)
     sizes = [tuple(int(v) for v in s.split(":")) for s in args.sizes.split(",")]
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
-    rows = [run_size(n, a, args.batch, args.repeats, args.kkt_repeats, args.reference, args.seed + i,
-                     args.solver_defaults)
-            for i, (n, a) in enumerate(sizes)]
+    problems = [make_problem(n, a, args.batch, args.seed + i) for i, (n, a) in enumerate(sizes)]
+    # All KKTProjection timings come first: after a reference solve, the solver's bundled BLAS / OpenMP
+    # worker threads keep spinning and, on a 2-core machine, slow torch's own thread pool down by orders of
+    # magnitude (seen: 0.08 ms -> 80 ms per call). That is an interaction of two runtimes in one process,
+    # not a property of either layer, so the phases are kept apart.
+    kkts = [run_kkt(*p, args.kkt_repeats) for p in problems]
+    rows = []
+    for (n, a), p, kkt in zip(sizes, problems, kkts):
+        row = run_reference(*p, kkt, args.repeats, args.reference, args.solver_defaults)
+        row.update(n=n, a=a, batch=args.batch, kkt_fwd=kkt["kkt_fwd"], fn_fwd=kkt["fn_fwd"], kkt_fb=kkt["kkt_fb"])
+        rows.append(row)
     ref = rows[0]["label"]
 
     print(f"reference: {rows[0]['version']}")

@@ -133,7 +133,11 @@ def load_dataset(name: str, config: Mapping[str, Any] | None = None) -> Chemical
 
 
 class ChemicalTask(Task):
-    r"""Losses and metrics of all methods; members are ordered method-major (``method * S + seed``).
+    r"""Losses and metrics of all methods on one batched MLP.
+
+    Members are laid out method-major, ``S`` consecutive members (seeds) per method, in the order
+    :attr:`layout` (the given methods with the ``ours*`` variants moved to the end, so that they form one
+    block and share one :class:`~hardeq.ConstrainedNormal`: one factorisation per step instead of three).
 
     Args:
         data: the data set (its scaled constraint).
@@ -148,11 +152,17 @@ class ChemicalTask(Task):
                  ecnn_dependent: Sequence[int], dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         from hardeq.baselines import ConstraintLayer, EqualityCompletion, KKTProjection
 
-        unknown = [m for m in methods if m not in _METHOD_NAMES]
-        if unknown:
-            raise ValueError(f"unknown methods {unknown}; available: {list(_METHOD_NAMES)}.")
-        self.methods = list(methods)
-        self.S = int(num_seeds)
+        unknown = [m for m in methods if m not in METHOD_NAMES]
+        if unknown or not methods:
+            raise ValueError(f"unknown methods {unknown or methods}; available: {list(METHOD_NAMES)}.")
+        if len(set(methods)) != len(methods):
+            raise ValueError(f"methods must not repeat, got {list(methods)}.")
+        self.layout = [m for m in methods if m not in OURS] + [m for m in methods if m in OURS]
+        self.S = S = int(num_seeds)
+        self.slices = {m: slice(i * S, (i + 1) * S) for i, m in enumerate(self.layout)}
+        n_plain = sum(m not in OURS for m in self.layout)
+        self.ours = [m for m in self.layout if m in OURS]
+        self.ours_block = slice(n_plain * S, len(self.layout) * S)
         self.B = torch.as_tensor(data.B, dtype=dtype, device=device)  # (a, n)
         self.A = torch.as_tensor(data.A, dtype=dtype, device=device)  # (a, n_x)
         self.b = torch.as_tensor(data.b, dtype=dtype, device=device)  # (a,)
@@ -160,24 +170,28 @@ class ChemicalTask(Task):
         self.n, self.a = n, a
         self.pinn_weight = float(pinn_weight) / a
         self.kkt = KKTProjection(self.B)
-        self.cl = ConstraintLayer(self.B)
+        # CL: variables ranked by their largest |coefficient| in B (ascending): each balance is solved for a
+        # variable with a large coefficient. The default (coordinate) order is the extra method "CL-coord".
+        self.cl_order = [int(i) for i in np.argsort(np.abs(data.B).max(0), kind="stable")]
+        self.cl = ConstraintLayer(self.B, order=self.cl_order)
+        self.cl_coord = ConstraintLayer(self.B)
         self.ecnn = EqualityCompletion(self.B, dependent=list(ecnn_dependent))
-        sizes = {"ECNN": n - a}
-        sizes.update({m: 2 * n for m in OURS})
-        self.out_sizes = [sizes.get(m, n) for m in self.methods for _ in range(self.S)]
+        self.widths = {m: (n - a if m == "ECNN" else 2 * n if m in OURS else n) for m in self.layout}
+        self.out_sizes = [self.widths[m] for m in self.layout for _ in range(S)]
 
     @property
     def num_members(self) -> int:
-        return len(self.methods) * self.S
+        return len(self.layout) * self.S
 
     def member_seeds(self, seeds: Sequence[int]) -> list[int]:
-        return [int(s) for _ in self.methods for s in seeds]
+        return [int(s) for _ in self.layout for s in seeds]
 
     def constraint_value(self, x: Tensor) -> Tensor:
         """Per-sample right-hand side ``k = b - A x``, ``(..., a)``."""
         return self.b - x @ self.A.T
 
-    def _dist(self, out: Tensor, k: Tensor):
+    def distribution(self, out: Tensor, k: Tensor):
+        """``ConstrainedNormal`` with mean ``out[..., :n]`` and variance ``exp(out[..., n:2n])`` given ``B y = k``."""
         from hardeq import ConstrainedNormal, LinearConstraint
 
         n = self.n
@@ -185,66 +199,78 @@ class ChemicalTask(Task):
         return ConstrainedNormal(loc, torch.exp(0.5 * log_var),
                                  constraint=LinearConstraint(self.B, k, validate_args=False), validate_args=False)
 
-    def _outputs(self, output: Tensor, batch: Mapping[str, Tensor]):
-        """Yield ``(method, member slice, raw output, k, y)`` per method."""
-        k = self.constraint_value(batch["x"])
-        y = batch["y"]
-        for i, m in enumerate(self.methods):
-            sl = slice(i * self.S, (i + 1) * self.S)
-            width = {"ECNN": self.n - self.a}.get(m, 2 * self.n if m in OURS else self.n)
-            km = k[sl] if k.dim() == 3 else k
-            ym = y[sl] if y.dim() == 3 else y
-            yield m, sl, output[sl, :, :width], km, ym
-
-    def _predict(self, method: str, out: Tensor, k: Tensor):
-        """Point prediction (and the distribution for ours) of one method's members."""
+    def _plain_prediction(self, method: str, out: Tensor, k: Tensor) -> Tensor:
         if method in ("NN", "PINN"):
-            return out, None
+            return out
+        k = k.expand(out.shape[:-1] + (self.a,))
         if method == "KKT-hPINN":
-            return self.kkt(out, k.expand(out.shape[:-1] + (self.a,))), None
+            return self.kkt(out, k)
         if method == "ECNN":
-            return self.ecnn.complete(out, k.expand(out.shape[:-1] + (self.a,))), None
+            return self.ecnn.complete(out, k)
         if method == "CL":
-            return self.cl(out, k.expand(out.shape[:-1] + (self.a,))), None
-        dist = self._dist(out, k)
-        return dist.mean, dist
+            return self.cl(out, k)
+        if method == "CL-coord":
+            return self.cl_coord(out, k)
+        raise ValueError(method)
 
-    def loss(self, output: Tensor, batch: Mapping[str, Tensor]) -> Tensor:
+    @staticmethod
+    def _rows(t: Tensor, sl: slice) -> Tensor:
+        """Members ``sl`` of a per-member tensor ``(M, b, ...)``; a shared ``(N, ...)`` tensor passes through."""
+        return t[sl] if t.dim() == 3 else t
+
+    def _predictions(self, output: Tensor, batch: Mapping[str, Tensor]):
+        """Predictions ``(M, b, n)`` in layout order, plus the ours block's distribution and its targets."""
+        k = self.constraint_value(batch["x"])
+        preds, dist = [], None
+        for m in self.layout:
+            if m in OURS:
+                break
+            sl = self.slices[m]
+            preds.append(self._plain_prediction(m, output[sl, :, : self.widths[m]], self._rows(k, sl)))
+        if self.ours:
+            blk = self.ours_block
+            dist = self.distribution(output[blk, :, : 2 * self.n], self._rows(k, blk))
+            preds.append(dist.mean)
+        return torch.cat(preds, 0), dist, k
+
+    def loss(self, output: Tensor, batch: Mapping[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         from hardeq import LinearConstraint
         from hardeq.baselines import penalty_loss
 
-        losses = []
-        for m, _, out, k, y in self._outputs(output, batch):
-            pred, dist = self._predict(m, out, k)
-            if m == "ours":
-                loss = dist.expected_l2(y).mean(-1)
-            elif m == "ours-L1":
-                loss = dist.expected_l1(y).mean(-1)
-            elif m == "ours-NLL":
-                loss = -dist.log_prob(y) / self.n
-            else:
-                loss = (pred - y).square().mean(-1)
-                if m == "PINN":
-                    c = LinearConstraint(self.B, k, validate_args=False)
-                    loss = loss + penalty_loss(pred, c, weight=self.pinn_weight, reduction="none")
-            losses.append(loss)
-        return torch.cat(losses, 0)
+        y = batch["y"]
+        pred, dist, k = self._predictions(output, batch)
+        sq = (pred - y).square().mean(-1)  # (M, b): squared error of every member's prediction
+        losses = [sq[: self.ours_block.start]]
+        if "PINN" in self.slices:
+            sl = self.slices["PINN"]
+            c = LinearConstraint(self.B, k[sl], validate_args=False)
+            losses[0] = torch.cat([sq[: sl.start], sq[sl] + penalty_loss(pred[sl], c, weight=self.pinn_weight,
+                                                                          reduction="none"),
+                                   sq[sl.stop: self.ours_block.start]])
+        if self.ours:
+            y_o = y[self.ours_block]
+            for m in self.ours:
+                rel = slice(self.slices[m].start - self.ours_block.start, self.slices[m].stop - self.ours_block.start)
+                if m == "ours":
+                    losses.append(dist.expected_l2(y_o)[rel].mean(-1))
+                elif m == "ours-L1":
+                    losses.append(dist.expected_l1(y_o)[rel].mean(-1))
+                else:  # ours-NLL: per output coordinate, like the MSE
+                    losses.append(-dist.log_prob(y_o)[rel] / self.n)
+        return torch.cat(losses, 0), {"mse": sq.detach()}
 
     def metrics(self, output: Tensor, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        M = self.num_members
-        mse = output.new_full((M,), math.nan)
-        violation = output.new_full((M,), math.nan)
-        log_var = output.new_full((M,), math.nan)
-        for m, sl, out, k, y in self._outputs(output, batch):
-            pred, _ = self._predict(m, out, k)
-            mse[sl] = (pred - y).square().mean((-2, -1))
-            violation[sl] = (pred @ self.B.T - k).abs().mean((-2, -1))
-            if m in OURS:
-                log_var[sl] = out[..., self.n:].mean((-2, -1))
+        pred, _, k = self._predictions(output, batch)
+        mse = (pred - batch["y"]).square().mean((-2, -1))
+        violation = (pred @ self.B.T - k).abs().mean((-2, -1))
+        log_var = output.new_full((self.num_members,), math.nan)
+        if self.ours:
+            log_var[self.ours_block] = output[self.ours_block, :, self.n: 2 * self.n].mean((-2, -1))
         return {"mse": mse, "violation": violation, "log_var": log_var}
 
 
-_METHOD_NAMES = ("NN", "PINN", "KKT-hPINN", "ECNN", "CL", "ours", "ours-L1", "ours-NLL")
+#: every method the task knows (the config lists the ones a run trains)
+METHOD_NAMES = ("NN", "PINN", "KKT-hPINN", "ECNN", "CL", "CL-coord", "ours", "ours-L1", "ours-NLL")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -265,6 +291,89 @@ def _paper(config: Mapping[str, Any], dataset: str, method: str) -> tuple[float 
     return mean * p["unit"], std * p["unit"]
 
 
+def run_dataset(
+    name: str,
+    config: Mapping[str, Any],
+    seeds: Sequence[int],
+    *,
+    epochs: int,
+    methods: Sequence[str] | None = None,
+    dtype: str | None = None,
+    checkpoint_dir: Path | None = None,
+    resume: bool = False,
+    progress: bool = True,
+    callback: Callable[[str, int, dict], None] | None = None,
+    ctx: DistContext | None = None,
+    position: int = 0,
+) -> dict[str, Any]:
+    """Train every method (x every seed, as one batched model) on data set ``name`` and evaluate it.
+
+    Returns ``{"records", "curves", "per_seed", "seconds"}`` for this data set (see :func:`run`).
+    """
+    ctx = ctx or DistContext()
+    methods = list(methods or config["methods"])
+    torch_dtype = _DTYPES[dtype or config["dtype"]]
+    seeds = [int(s) for s in seeds]
+    S = len(seeds)
+    t0 = time.perf_counter()
+    train_cfg = TrainConfig(epochs=int(epochs), batch_size=int(config["train"]["batch_size"]),
+                            lr=float(config["train"]["lr"]), select_metric=config["train"]["select_metric"],
+                            checkpoint_every=int(config["train"]["checkpoint_every"]))
+    data = load_dataset(name, config)
+    task = ChemicalTask(data, methods, S, pinn_weight=config["pinn_weight"],
+                        ecnn_dependent=config["datasets"][name]["ecnn_dependent"], dtype=torch_dtype,
+                        device=ctx.device)
+    member_seeds = task.member_seeds(seeds)
+    model = BatchedMLP(data.x.shape[1], config["model"]["hidden"], task.out_sizes, member_seeds,
+                       activation=config["model"]["activation"], dtype=torch_dtype, device=ctx.device)
+    splits = {s: data.tensors(s, torch_dtype, ctx.device) for s in ("train", "val", "test")}
+    ckpt = None if checkpoint_dir is None else Path(checkpoint_dir) / f"chemical-{name}.pt"
+    cb = None if callback is None else (lambda epoch, info: callback(name, epoch, info))
+    result = train(model, task, splits["train"], splits["val"], train_cfg, member_seeds,
+                   checkpoint_path=ckpt, resume=resume, progress=progress, desc=name, callback=cb, ctx=ctx,
+                   position=position, log_every=int(config["train"].get("log_every", 0)),
+                   run_id={"study": "chemical", "dataset": name, "layout": task.layout, "seeds": seeds,
+                           "dtype": str(torch_dtype), "model": config["model"],
+                           "pinn_weight": config["pinn_weight"], "data": config["datasets"][name]})
+    test_best = evaluate(model, task, splits["test"], result.best_state)
+    test_last = evaluate(model, task, splits["test"], result.final_state)
+    val_best = evaluate(model, task, splits["val"], result.best_state)
+    records: list[dict[str, Any]] = []
+    per_seed: dict[str, Any] = {}
+    curves: dict[str, Any] = {}
+    for m in methods:
+        sl = task.slices[m]
+        metrics = {
+            "test_mse": test_best["mse"][sl],
+            "violation": test_best["violation"][sl],
+            "val_mse": val_best["mse"][sl],
+            "test_mse_last_epoch": test_last["mse"][sl],
+            "violation_last_epoch": test_last["violation"][sl],
+            "best_epoch": result.best_epoch[sl].to(torch.float64),
+        }
+        if m in OURS:
+            metrics["mean_log_variance"] = test_best["log_var"][sl]
+        per_seed[m] = {k: [float(v) for v in t.cpu()] for k, t in metrics.items()}
+        for metric, values in metrics.items():
+            mean, std = _summary(values.cpu())
+            rec: dict[str, Any] = {"dataset": name, "method": m, "metric": metric, "mean": mean, "std": std,
+                                   "n_seeds": S}
+            if metric == "test_mse":
+                rec["paper"], rec["paper_std"] = _paper(config, name, m)
+            records.append(rec)
+        curves[m] = {k.removesuffix("_mse"): [float(v) for v in result.history[k][:, sl].mean(1)]
+                     for k in ("train_mse", "val_mse") if k in result.history}
+        if m in OURS and "val_log_var" in result.history:
+            curves[m]["val_log_var"] = [float(v) for v in result.history["val_log_var"][:, sl].mean(1)]
+    return {"records": records, "curves": curves, "per_seed": per_seed, "seconds": time.perf_counter() - t0}
+
+
+def _worker(name: str, kwargs: dict[str, Any], threads: int) -> dict[str, Any]:
+    """Process-pool entry point: one data set in a fresh process with ``threads`` intra-op threads."""
+    torch.set_num_threads(threads)
+    return run_dataset(name, **kwargs)
+
+
 def run(
     config: Mapping[str, Any],
     seeds: Sequence[int],
@@ -278,72 +387,47 @@ def run(
     progress: bool = True,
     callback: Callable[[str, int, dict], None] | None = None,
     ctx: DistContext | None = None,
+    jobs: int = 1,
+    threads: int = 1,
 ) -> dict[str, Any]:
     """Train and evaluate every method on every data set; prints nothing.
 
+    Args:
+        jobs: data sets trained in parallel processes (``spawn``; largest data set first). Each data set is
+            trained by exactly the same code either way, so results do not depend on ``jobs``. Ignored
+            (1) under ``torchrun`` and when a ``callback`` is given.
+        threads: intra-op threads of each worker (the per-step tensors are tiny: 1 is fastest).
+
     Returns:
-        ``{"records": [...], "curves": {dataset: {method: {"train_mse": [...], "val_mse": [...]}}},
+        ``{"records": [...], "curves": {dataset: {method: {"train": [...], "val": [...]}}},
         "per_seed": {dataset: {method: {metric: [...]}}}, "timing": {dataset: seconds}}``; records follow
         DESIGN.md section 5 (``dataset``, ``method``, ``metric``, ``mean``, ``std``, ``n_seeds``, ``paper``).
     """
     ctx = ctx or DistContext()
     datasets = list(datasets or config["datasets"])
-    methods = list(methods or config["methods"])
-    torch_dtype = _DTYPES[dtype or config["dtype"]]
-    seeds = [int(s) for s in seeds]
-    S = len(seeds)
-    records: list[dict[str, Any]] = []
-    curves: dict[str, Any] = {}
-    per_seed: dict[str, Any] = {}
-    timing: dict[str, float] = {}
-    train_cfg = TrainConfig(epochs=int(epochs), batch_size=int(config["train"]["batch_size"]),
-                            lr=float(config["train"]["lr"]), select_metric=config["train"]["select_metric"],
-                            checkpoint_every=int(config["train"]["checkpoint_every"]))
-    for name in datasets:
-        t0 = time.perf_counter()
-        data = load_dataset(name, config)
-        task = ChemicalTask(data, methods, S, pinn_weight=config["pinn_weight"],
-                            ecnn_dependent=config["datasets"][name]["ecnn_dependent"], dtype=torch_dtype,
-                            device=ctx.device)
-        member_seeds = task.member_seeds(seeds)
-        model = BatchedMLP(data.x.shape[1], config["model"]["hidden"], task.out_sizes, member_seeds,
-                           activation=config["model"]["activation"], dtype=torch_dtype, device=ctx.device)
-        splits = {s: data.tensors(s, torch_dtype, ctx.device) for s in ("train", "val", "test")}
-        ckpt = None if checkpoint_dir is None else Path(checkpoint_dir) / f"chemical-{name}.pt"
-        cb = None if callback is None else (lambda epoch, info, _n=name: callback(_n, epoch, info))
-        result = train(model, task, splits["train"], splits["val"], train_cfg, member_seeds,
-                       checkpoint_path=ckpt, resume=resume, progress=progress, desc=name, callback=cb, ctx=ctx,
-                       run_id={"study": "chemical", "dataset": name, "methods": methods, "seeds": seeds,
-                               "dtype": str(torch_dtype), "model": config["model"],
-                               "pinn_weight": config["pinn_weight"]})
-        test_best = evaluate(model, task, splits["test"], result.best_state)
-        test_last = evaluate(model, task, splits["test"], result.final_state)
-        val_best = evaluate(model, task, splits["val"], result.best_state)
-        timing[name] = time.perf_counter() - t0
-        per_seed[name], curves[name] = {}, {}
-        for i, m in enumerate(methods):
-            sl = slice(i * S, (i + 1) * S)
-            metrics = {
-                "test_mse": test_best["mse"][sl],
-                "violation": test_best["violation"][sl],
-                "val_mse": val_best["mse"][sl],
-                "test_mse_last_epoch": test_last["mse"][sl],
-                "violation_last_epoch": test_last["violation"][sl],
-                "best_epoch": result.best_epoch[sl].to(torch.float64),
-            }
-            if m in OURS:
-                metrics["mean_log_variance"] = test_best["log_var"][sl]
-            per_seed[name][m] = {k: [float(v) for v in t.cpu()] for k, t in metrics.items()}
-            for metric, values in metrics.items():
-                mean, std = _summary(values.cpu())
-                rec: dict[str, Any] = {"dataset": name, "method": m, "metric": metric, "mean": mean, "std": std,
-                                       "n_seeds": S}
-                if metric == "test_mse":
-                    rec["paper"], rec["paper_std"] = _paper(config, name, m)
-                records.append(rec)
-            curves[name][m] = {k.removesuffix("_mse"): [float(v) for v in result.history[k][:, sl].mean(1)]
-                               for k in ("train_mse", "val_mse") if k in result.history}
-    return {"records": records, "curves": curves, "per_seed": per_seed, "timing": timing}
+    kwargs = dict(config=config, seeds=list(seeds), epochs=epochs, methods=methods, dtype=dtype,
+                  checkpoint_dir=checkpoint_dir, resume=resume, progress=progress)
+    jobs = max(1, min(int(jobs), len(datasets)))
+    results: dict[str, dict[str, Any]] = {}
+    if jobs == 1 or ctx.enabled or callback is not None:
+        for name in datasets:
+            results[name] = run_dataset(name, **kwargs, callback=callback, ctx=ctx)
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        sizes = {name: load_dataset(name, config).splits["train"].stop for name in datasets}
+        order = sorted(datasets, key=lambda d: -sizes[d])
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {name: pool.submit(_worker, name, {**kwargs, "position": i}, threads)
+                       for i, name in enumerate(order)}
+            results = {name: futures[name].result() for name in datasets}
+    return {
+        "records": [r for name in datasets for r in results[name]["records"]],
+        "curves": {name: results[name]["curves"] for name in datasets},
+        "per_seed": {name: results[name]["per_seed"] for name in datasets},
+        "timing": {name: results[name]["seconds"] for name in datasets},
+    }
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -437,6 +521,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-every", type=int, default=None, help="epochs between checkpoints")
     parser.add_argument("--keep-checkpoints", action="store_true")
     parser.add_argument("--config", type=Path, default=None, help="alternative config JSON")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="data sets trained in parallel processes (default: the preset's)")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per process (default 1)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars or table")
 
 
@@ -454,16 +541,20 @@ def reproduce(args: argparse.Namespace) -> dict[str, Any]:
     ckpt_dir = getattr(args, "checkpoint_dir", None) or out / "checkpoints"
     quiet = bool(getattr(args, "quiet", False))
     ctx = init_distributed()
+    threads = int(getattr(args, "threads", 1) or 1)
+    jobs = getattr(args, "jobs", None) or preset.get("jobs", 1)
+    torch.set_num_threads(threads)
     t0 = time.perf_counter()
     result = run(config, list(range(num_seeds)), epochs=epochs, datasets=getattr(args, "datasets", None),
                  methods=getattr(args, "methods", None), dtype=getattr(args, "dtype", None),
-                 checkpoint_dir=ckpt_dir, resume=bool(args.resume), progress=not quiet, ctx=ctx)
+                 checkpoint_dir=ckpt_dir, resume=bool(args.resume), progress=not quiet, ctx=ctx, jobs=jobs,
+                 threads=threads)
     wall = time.perf_counter() - t0
     datasets = list(result["curves"])
     methods = list(next(iter(result["curves"].values())))
     used = {**config, "preset": args.preset, "seeds": list(range(num_seeds)), "epochs": epochs,
             "datasets_run": datasets, "methods_run": methods, "dtype_run": getattr(args, "dtype", None)
-            or config["dtype"], "world_size": ctx.world_size}
+            or config["dtype"], "world_size": ctx.world_size, "jobs": jobs, "threads": threads}
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
         doc = write_json(out / "chemical.json", "chemical", args.preset, used, result["records"],

@@ -37,6 +37,7 @@ import math
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -189,8 +190,14 @@ class Task:
         """Model outputs ``(M, b, out)``; the default feeds ``batch["x"]``."""
         return model(batch["x"])
 
-    def loss(self, output: Tensor, batch: Mapping[str, Tensor]) -> Tensor:
-        """Per-sample training losses, shape ``(M, b)``; the harness averages over the global minibatch."""
+    def loss(self, output: Tensor, batch: Mapping[str, Tensor]) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
+        """Per-sample training losses, shape ``(M, b)``; the harness averages over the global minibatch.
+
+        May also return a dict of per-sample values ``(M, b)`` (e.g. the squared error of the prediction);
+        the harness averages each over the epoch's samples into ``history["train_<name>"]`` -- the running
+        training metric of the model as it was when each minibatch was seen, as ``loss_train`` curves are
+        usually drawn.
+        """
         raise NotImplementedError
 
     def metrics(self, output: Tensor, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -210,7 +217,8 @@ class TrainConfig:
         select_metric: validation metric (key of :meth:`Task.metrics`) whose minimum picks each member's
             best epoch; ties keep the earlier epoch.
         checkpoint_every: epochs between checkpoints (and always after the last epoch).
-        eval_train: also evaluate on the whole training set after every epoch (for learning curves).
+        eval_train: also evaluate on the whole training set after every epoch (``history["train_eval_*"]``);
+            off by default: the running per-minibatch values returned by :meth:`Task.loss` are cheaper.
     """
 
     epochs: int
@@ -220,7 +228,7 @@ class TrainConfig:
     eps: float = 1e-8
     select_metric: str = "mse"
     checkpoint_every: int = 10
-    eval_train: bool = True
+    eval_train: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -392,6 +400,8 @@ def train(
     desc: str = "train",
     callback: Callable[[int, dict[str, Any]], None] | None = None,
     ctx: DistContext | None = None,
+    position: int = 0,
+    log_every: int = 0,
 ) -> TrainResult:
     r"""Train all members of ``model`` for ``config.epochs`` epochs; keep each member's best-validation state.
 
@@ -412,6 +422,9 @@ def train(
         callback: ``callback(epoch, info)`` after every epoch (after checkpointing); may raise
             :class:`Interrupted` to stop.
         ctx: distributed context (:func:`init_distributed`); default single process on the model's device.
+        position: line of the progress bar (for several trainings in parallel processes).
+        log_every: when ``progress`` is on but stderr is not a terminal (``nohup``), print one status line
+            to stderr every ``log_every`` epochs instead of a bar (0: never).
 
     Returns:
         :class:`TrainResult`.
@@ -479,13 +492,15 @@ def train(
         }, Path(checkpoint_path))
 
     bar = tqdm(total=config.epochs, initial=start_epoch, desc=desc, unit="epoch", leave=False,
-               disable=not _progress_enabled(progress, ctx), dynamic_ncols=True)
+               disable=not _progress_enabled(progress, ctx), dynamic_ncols=True, position=position)
     epochs_run = 0
+    t_start = time.perf_counter()
     try:
         for epoch in range(start_epoch, config.epochs):
             model.train()
             perms = torch.stack([torch.randperm(N, generator=g) for g in generators]).to(ctx.device)
             order = perms[member_to_unique]  # (M, N): member i's sample order this epoch
+            running: dict[str, Tensor] = {}
             for j in range(num_batches):
                 idx = order[:, j * B: (j + 1) * B]  # (M, b)
                 b_global = idx.shape[1]
@@ -493,7 +508,13 @@ def train(
                     idx = idx.tensor_split(ctx.world_size, dim=1)[ctx.rank]
                 batch = {k: v[idx] for k, v in train_data.items()}  # (M, b_local, ...)
                 out = task.forward(model, batch)
-                loss = task.loss(out, batch).sum() / b_global
+                per_sample = task.loss(out, batch)
+                if isinstance(per_sample, tuple):
+                    per_sample, extra = per_sample
+                    for k, v in extra.items():
+                        total = v.detach().sum(1).to(torch.float64)
+                        running[k] = running[k] + total if k in running else total
+                loss = per_sample.sum() / b_global
                 optimizer.zero_grad(set_to_none=False)
                 loss.backward()
                 if ctx.enabled:
@@ -502,8 +523,16 @@ def train(
             # end of epoch: evaluate every member on whole splits
             model.eval()
             metrics: dict[str, Tensor] = {}
+            if running:
+                names_r = sorted(running)
+                sums = torch.stack([running[k] for k in names_r])  # (R, M), this rank's samples
+                if ctx.enabled:
+                    import torch.distributed as dist
+
+                    dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+                metrics.update({f"train_{k}": sums[i] / N for i, k in enumerate(names_r)})
             if config.eval_train:
-                metrics.update({f"train_{k}": v for k, v in evaluate(model, task, train_data).items()})
+                metrics.update({f"train_eval_{k}": v for k, v in evaluate(model, task, train_data).items()})
             metrics.update({f"val_{k}": v for k, v in evaluate(model, task, val_data).items()})
             for k, v in metrics.items():
                 if k not in history:
@@ -528,6 +557,11 @@ def train(
             if bar.disable is False:
                 bar.set_postfix_str(f"best val {config.select_metric} (median) "
                                     f"{best_value.median().item():.3g}")
+            if (log_every and progress and ctx.is_main and bar.disable
+                    and (done % log_every == 0 or done == config.epochs)):
+                print(f"[{desc}] epoch {done}/{config.epochs}  best val {config.select_metric} (median over "
+                      f"members) {best_value.median().item():.4g}  {time.perf_counter() - t_start:.0f} s",
+                      file=sys.stderr, flush=True)
             if callback is not None:
                 callback(done, {"metrics": metrics, "best_value": best_value})
     finally:

@@ -92,7 +92,7 @@ import torch
 from torch import Tensor
 
 import hardeq
-from hardeq import ConstrainedNormal, LinearConstraint, SumConstraint
+from hardeq import ConstrainedNormal, ConstrainedPoisson, LinearConstraint, SumConstraint
 from hardeq.estimators import available_estimators
 
 from .results import atomic_write_text, markdown_table, write_json
@@ -257,15 +257,7 @@ class Problem:
                 index = torch.zeros(n, dtype=torch.long)
                 constraint = SumConstraint(index, expand(data["k"]), validate_args=False)
             return ConstrainedNormal(params["loc"], params["log_scale"].exp(), constraint=constraint)
-        return _constrained_poisson()(params["log_rate"].exp(), expand(data["total"]))
-
-
-def _constrained_poisson():
-    try:
-        from hardeq import ConstrainedPoisson
-    except ImportError:  # not re-exported at the top level (yet)
-        from hardeq.distributions.poisson import ConstrainedPoisson
-    return ConstrainedPoisson
+        return ConstrainedPoisson(params["log_rate"].exp(), expand(data["total"]))
 
 
 def gaussian_problem(config: dict, case: str, n_sets: int, generator: torch.Generator) -> Problem:
@@ -371,8 +363,14 @@ def _block_key(block: tuple[str, str, str]) -> str:
 
 def run_block(config: dict, family: str, case: str, loss: str, seed: int | None = None,
               progress: Callable[[str], None] | None = None) -> list[dict]:
-    """Records of one ``(family, case, loss)`` block: every estimator, target and metric."""
-    seed = config["seed"] if seed is None else seed
+    """Records of one ``(family, case, loss)`` block: every estimator, target and metric. Deterministic
+    given ``(config, seed)``; torch's global generator is reseeded inside and restored on exit."""
+    with torch.random.fork_rng(devices=[]):
+        return _run_block(config, family, case, loss, config["seed"] if seed is None else seed, progress)
+
+
+def _run_block(config: dict, family: str, case: str, loss: str, seed: int,
+               progress: Callable[[str], None] | None) -> list[dict]:
     S, N = config["n_sets"], config["n_estimates"]
     chunk = max(1, int(config.get("sets_per_chunk", S)))
     problem = _problem(config, family, case, S, seed)
