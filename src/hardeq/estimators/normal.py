@@ -143,9 +143,11 @@ def constrained_reparam_independent(
     loc, scale, constraint, noise, *, scale_tril=None, cov_factor=None, proxy_noise: Tensor | None = None
 ) -> Tensor:
     r"""Proxy: a pathwise Matheron sample drawn with *independent* noise :math:`\varepsilon'`
-    (``proxy_noise``, fresh ``randn`` by default). Unbiased in expectation w.r.t. all parameters (the proxy's
-    mean gradient is the pathwise one) but its gradient is uncorrelated with the forward sample, which
-    raises its variance; included to measure what sharing the noise buys.
+    (``proxy_noise``, fresh ``randn`` by default), as the source paper's table describes for its
+    "constrained reparametrization". Since :math:`\varepsilon'` is independent of the forward sample, the
+    expected gradient is :math:`\mathbb E[\partial\ell/\partial z]^\top\,\partial\bar\mu/\partial\theta`,
+    the same as :func:`marginal_expectation`'s: **unbiased w.r.t. ``loc`` and ``k`` only**, biased w.r.t. the
+    scales, and with more variance than either. Included to measure what sharing the noise buys.
     """
     cond = Conditioner(build_covariance(scale, scale_tril, cov_factor), constraint)
     with torch.no_grad():

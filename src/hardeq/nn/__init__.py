@@ -1,0 +1,5 @@
+"""Reusable layers that return constrained distributions."""
+
+from .heads import ConstrainedGaussianHead
+
+__all__ = ["ConstrainedGaussianHead"]
