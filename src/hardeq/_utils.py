@@ -7,7 +7,8 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["batch_mv", "validate_default", "check_tensor", "check_finite", "check_same_dtype_device"]
+__all__ = ["batch_mv", "validate_default", "check_tensor", "check_finite", "check_same_dtype_device",
+           "check_group_index"]
 
 
 def batch_mv(matrix: Tensor, vec: Tensor) -> Tensor:
@@ -81,6 +82,24 @@ def check_same_dtype_device(**tensors: Tensor) -> None:
                 f"{name} is on device {t.device} but {ref_name} is on {ref.device}; all arguments must "
                 "be on one device."
             )
+
+
+def check_group_index(index: Tensor, num_groups: int) -> Tensor:
+    """Check a group-id vector (``(n,)``, values in ``[0, num_groups)``, no empty group); return group sizes."""
+    if index.numel() == 0:
+        raise ValueError("index must not be empty.")
+    lo, hi = int(index.min()), int(index.max())
+    if lo < 0 or hi >= num_groups:
+        raise ValueError(
+            f"index values must lie in [0, a) with a = total.shape[-1] = {num_groups}, got range [{lo}, {hi}]."
+        )
+    counts = torch.bincount(index, minlength=num_groups)
+    if bool((counts == 0).any()):
+        empty = torch.nonzero(counts == 0)[:5, 0].tolist()
+        raise ValueError(
+            f"every group must have at least one coordinate, but groups {empty} (of a = {num_groups}) are empty."
+        )
+    return counts
 
 
 LOG_2PI = math.log(2 * math.pi)

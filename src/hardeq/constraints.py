@@ -16,7 +16,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._utils import batch_mv, check_finite, check_same_dtype_device, check_tensor, validate_default
+from ._utils import (
+    batch_mv,
+    check_finite,
+    check_group_index,
+    check_same_dtype_device,
+    check_tensor,
+    validate_default,
+)
 from .linalg.cholesky import psd_cholesky
 
 __all__ = ["EqualityConstraint", "LinearConstraint", "SumConstraint"]
@@ -236,17 +243,7 @@ class SumConstraint(EqualityConstraint):
         if total.device != index.device:
             raise ValueError(f"total is on device {total.device} but index is on {index.device}.")
         a, n = total.shape[-1], index.shape[0]
-        if n == 0:
-            raise ValueError("index must not be empty.")
-        if int(index.min()) < 0 or int(index.max()) >= a:
-            raise ValueError(
-                f"index values must lie in [0, a) with a = total.shape[-1] = {a}, got range "
-                f"[{int(index.min())}, {int(index.max())}]."
-            )
-        counts = torch.bincount(index, minlength=a)
-        if bool((counts == 0).any()):
-            empty = torch.nonzero(counts == 0)[:5, 0].tolist()
-            raise ValueError(f"every group must have at least one coordinate; groups {empty} are empty.")
+        counts = check_group_index(index, a)
         if a >= n:
             raise ValueError(
                 f"there must be fewer groups than coordinates (a < n), got a = {a} groups for n = {n}."

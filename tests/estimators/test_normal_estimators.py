@@ -79,7 +79,13 @@ def test_backward_equals_autograd_through_the_proxy(name, structure):
     elif name == "constrained_marginal":
         proxy = _density(zd, d.mean, d.variance)
     elif name == "unconstrained_marginal":
-        var = case.cov.diagonal(dim1=-2, dim2=-1)  # Sigma_ii from the dense oracle
+        p = case.params  # Sigma_ii, differentiable in the parameters
+        if structure == "diag":
+            var = p["scale"] ** 2
+        elif structure == "full":
+            var = p["scale_tril"].square().sum(-1)
+        else:
+            var = p["cov_factor"].square().sum(-1) + p["scale"] ** 2
         proxy = _density(zd, case.params["loc"], var)
     elif name == "constrained_layer":
         from hardeq.baselines import constraint_layer

@@ -16,6 +16,7 @@ from torch import Tensor
 from .._utils import batch_mv
 from ..constraints import EqualityConstraint, SumConstraint
 from ..linalg.cholesky import psd_cholesky
+from ..linalg.triangular import tri_solve_vec
 from ._common import _AffineLayer, check_constraint, check_y_against_constraint
 
 __all__ = ["KKTProjection", "kkt_projection"]
@@ -66,7 +67,7 @@ class KKTProjection(_AffineLayer):
         r"""Project ``y`` onto :math:`\{A y = k\}`, ``k = constraint_value`` (or the default)."""
         y, k = self._inputs(y, constraint_value)
         W = self._whitened
-        r = batch_mv(W, y) - _tri_solve_vec(self._cholesky, k)  # (*, a) = C^{-1} (A y - k)
+        r = batch_mv(W, y) - tri_solve_vec(self._cholesky, k, upper=False)  # (*, a) = C^{-1} (A y - k)
         return y - batch_mv(W.mT, r)
 
 
@@ -92,16 +93,6 @@ def kkt_projection(y: Tensor, constraint: EqualityConstraint) -> Tensor:
         return y - constraint.rmatvec(r / sizes)
     A = constraint.dense_matrix()
     C = psd_cholesky(A @ A.mT, name="A A^T")  # (*batch, a, a)
-    u = _tri_solve_vec(C.mT, _tri_solve_vec(C, r), upper=True)  # (A A^T)^{-1} r
+    u = tri_solve_vec(C.mT, tri_solve_vec(C, r, upper=False), upper=True)  # (A A^T)^{-1} r
     return y - constraint.rmatvec(u)
 
-
-def _tri_solve_vec(tri: Tensor, rhs: Tensor, *, upper: bool = False) -> Tensor:
-    """``tri^{-1} rhs`` for triangular ``tri`` ``(*batch, a, a)`` and vectors ``rhs`` ``(*s, *b, a)``."""
-    extra = rhs.dim() - 1 - (tri.dim() - 2)
-    if extra <= 0:
-        return torch.linalg.solve_triangular(tri, rhs.unsqueeze(-1), upper=upper).squeeze(-1)
-    sample_shape = rhs.shape[:extra]
-    cols = rhs.reshape((-1,) + rhs.shape[extra:]).movedim(0, -1)  # (*b, a, s)
-    out = torch.linalg.solve_triangular(tri, cols, upper=upper).movedim(-1, 0)
-    return out.reshape(sample_shape + out.shape[1:])

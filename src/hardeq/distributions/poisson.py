@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 from torch.distributions import Binomial, Distribution, constraints
 
-from .._utils import check_finite
+from .._utils import check_finite, check_group_index
 from ..estimators import poisson as _poisson_estimators  # noqa: F401  (registers the estimators)
 from ..estimators.poisson import _gather, _group_probs, _group_sum
 from ..estimators.registry import get_estimator
@@ -155,19 +155,7 @@ class ConstrainedPoisson(Distribution):
                 )
             num_groups = total.shape[-1]
             total_batch = total.shape[:-1]
-            lo, hi = int(index.min()), int(index.max())
-            if lo < 0 or hi >= num_groups:
-                raise ValueError(
-                    f"index values must lie in [0, a) with a = total.shape[-1] = {num_groups}, got range "
-                    f"[{lo}, {hi}]."
-                )
-            counts = torch.bincount(index, minlength=num_groups)
-            if bool((counts == 0).any()):
-                empty = torch.nonzero(counts == 0)[:5, 0].tolist()
-                raise ValueError(
-                    f"every group must have at least one coordinate, but groups {empty} "
-                    f"(of a = {num_groups}) have none in index."
-                )
+            check_group_index(index, num_groups)
             group_total = total
         try:
             batch_shape = torch.broadcast_shapes(rate.shape[:-1], total_batch)

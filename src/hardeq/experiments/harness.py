@@ -451,7 +451,9 @@ def train(
     member_to_unique = torch.tensor([unique_seeds.index(s) for s in member_seeds], device=ctx.device)
     generators = [torch.Generator().manual_seed(s) for s in unique_seeds]
 
-    run_hash = fingerprint({"run": run_id, "config": config.to_dict(), "seeds": member_seeds, "N": N,
+    # what determines the result (not checkpoint_every: a run may be resumed with another interval)
+    same_result = {k: v for k, v in config.to_dict().items() if k != "checkpoint_every"}
+    run_hash = fingerprint({"run": run_id, "config": same_result, "seeds": member_seeds, "N": N,
                             "world": ctx.world_size})
     history: dict[str, Tensor] = {}
     best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
