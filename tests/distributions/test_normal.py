@@ -63,6 +63,21 @@ def test_ill_conditioned_scales_and_nearly_dependent_rows(dtype):
     assert bool(d.constraint.check(z).all()), d.constraint.residual(z).abs().max()
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_residual_is_round_off_relative_to_the_terms_when_scales_are_tiny(dtype):
+    """Per-sample scales down to 1e-5 (a learned variance collapsing): the refinement step keeps
+    |A z - k| within a few eps of |A||z| + |k|, coordinate by coordinate."""
+    torch.manual_seed(0)
+    A = torch.tensor([[0.0, -1.0, 1.0, 0.5], [-1.0, -1.0, 0.0, 2.0]], dtype=dtype)
+    loc, k = torch.rand(256, 4, dtype=dtype), torch.randn(256, 2, dtype=dtype)
+    scale = 10 ** torch.empty(256, 4, dtype=dtype).uniform_(-5, 0)
+    d = hardeq.ConstrainedNormal(loc, scale, constraint=hardeq.LinearConstraint(A, k))
+    eps = torch.finfo(dtype).eps
+    for z in (d.mean, d.sample((4,))):
+        size = z.abs() @ A.abs().T + k.abs()
+        assert bool((d.constraint.residual(z).abs() <= 16 * eps * (1 + size)).all())
+
+
 def test_large_n_small_a_sum_and_dense():
     torch.manual_seed(0)
     n = 2_000_000
