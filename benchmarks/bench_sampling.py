@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 r"""Exact-sampling throughput of :class:`hardeq.ConstrainedNormal` (diagonal covariance, float32, CPU).
 
-What is timed (``time.perf_counter``, warm-up call first, median over repeats; the repeats of the
-different variants are interleaved so that drift of the machine affects all of them alike, and every ratio
-is the median of the per-repeat ratios):
+What is timed (``time.perf_counter``, one warm-up call first, then the median over repeats: each function
+gets as many repeats as fit in ``TIME_PER_FN`` seconds, at least 5 (3 for the slowest per-sample rows) and
+at most ``MAX_REPEATS``; repeat rounds of the variants are interleaved so that drift of the machine affects
+them alike; every ratio is a ratio of two medians):
 
 * ``unconstr.``: unconstrained reparameterised sampling of the same output shape,
   ``loc + scale * torch.randn(64, n)``; every ratio below is relative to it (or to the naive code).
@@ -18,8 +19,9 @@ is the median of the per-repeat ratios):
   variant **C**: ``mu_bar = mu + K(k - A mu)``, ``Sigma_bar = Sigma - K A Sigma``,
   ``L = chol(Sigma_bar + jitter I)`` (jitter 1e-6 * mean(diag Sigma), times 10 until Cholesky succeeds),
   ``z = mu_bar + L eps``; variant **M**: ``z_hat = mu + scale * eps``, ``z = z_hat + K (k - A z_hat)``.
-  The table reports the faster variant (letter in brackets) and ``naive / hardeq`` as a speed-up (> 1 means
-  hardeq is faster).
+  The table reports the faster variant (letter in brackets; the other variant's time follows) and
+  ``naive / hardeq`` as a speed-up (> 1 means hardeq is faster). The naive code also leaves a larger
+  constraint residual (variant C: the jitter).
 
 Two ways of batching 64 samples:
 
@@ -35,8 +37,11 @@ allocated). ``ru_maxrss`` is not used: on Linux it survives ``execve`` and so ca
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_sampling.py            # full run (~10 min on 2 cores)
-    .venv/bin/python benchmarks/bench_sampling.py --quick    # smoke run (n = 1000 only, 2 repeats)
+    .venv/bin/python benchmarks/bench_sampling.py              # full run (12-21 min on a loaded 2-core machine)
+    .venv/bin/python benchmarks/bench_sampling.py --threads 1  # the same with torch.set_num_threads(1)
+    .venv/bin/python benchmarks/bench_sampling.py --quick      # smoke run (n = 1000 only, 2 repeats)
+
+Results and their interpretation: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import resource
 import statistics
 import subprocess
@@ -56,6 +62,9 @@ import torch
 import hardeq
 
 BATCH = 64
+TIME_PER_FN = 0.3  # seconds of timed calls per function and row (cheap calls get more repeats)
+MAX_REPEATS = 21
+SLOW_CALL_S = 2.0  # a call slower than this gets 3 repeats instead of 5
 DTYPE = torch.float32
 DEVICE = torch.device("cpu")
 
@@ -206,7 +215,7 @@ def naive_M_sample(fac, n):
 
 
 # ----------------------------------------------------------------------------------------------- one row
-def measure_row(kind: str, mode: str, n: int, a: int, repeats: int, with_naive: bool) -> dict:
+def measure_row(kind: str, mode: str, n: int, a: int, min_repeats: int, with_naive: bool, quick: bool = False) -> dict:
     torch.manual_seed(0)
     inp = make_inputs(kind, mode, n, a)
     shape = sample_shape(mode)
@@ -244,21 +253,28 @@ def measure_row(kind: str, mode: str, n: int, a: int, repeats: int, with_naive: 
         resid["naiveC"] = _rel_residual(A, inp["k"], naive_C_sample(facC, n))
         resid["naiveM"] = _rel_residual(A, inp["k"], naive_M_sample(facM, n))
 
-    for fn in fns.values():  # warm-up
-        fn()
+    # warm-up, and a per-function repeat count: as many as fit in TIME_PER_FN seconds, clamped to
+    # [min_repeats, MAX_REPEATS]; the rounds are interleaved so that slow drift of the machine hits all alike
+    first = {name: _timeit(fn) for name, fn in fns.items()}
+    want = {name: max(3 if t > SLOW_CALL_S else min_repeats, min(MAX_REPEATS, int(TIME_PER_FN / max(t, 1e-9))))
+            for name, t in first.items()}
+    if quick:
+        want = {name: 2 for name in fns}
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
+    for rnd in range(max(want.values())):
         for name, fn in fns.items():
-            times[name].append(_timeit(fn))
+            if rnd < want[name]:
+                times[name].append(_timeit(fn))
 
     def med(name):
         return statistics.median(times[name])
 
     def ratio(num, den):
-        return statistics.median([x / y for x, y in zip(times[num], times[den])])
+        return med(num) / med(den)
 
     out = {
-        "kind": kind, "mode": mode, "n": n, "a": a, "batch": BATCH, "repeats": repeats,
+        "kind": kind, "mode": mode, "n": n, "a": a, "batch": BATCH,
+        "repeats": {name: len(v) for name, v in times.items()},
         "t_base": med("base"), "t_full": med("full"), "t_full_val": med("full_val"), "t_warm": med("warm"),
         "r_full": ratio("full", "base"), "r_full_val": ratio("full_val", "base"),
         "r_warm": ratio("warm", "base"), "resid": resid,
@@ -287,16 +303,17 @@ def rough_peak_bytes(kind: str, mode: str, n: int, a: int) -> int:
     return vecs + mats
 
 
-def run_row_guarded(kind, mode, n, a, repeats, with_naive) -> dict:
+def run_row_guarded(kind, mode, n, a, repeats, with_naive, quick) -> dict:
     """In-process for small rows; in a subprocess with an address-space limit for big ones, so that running
     out of memory fails this row only (and does not trigger the OOM killer on a shared machine)."""
     need = rough_peak_bytes(kind, mode, n, a)
     if need < 2 * 2**30:
-        return measure_row(kind, mode, n, a, repeats, with_naive)
+        return measure_row(kind, mode, n, a, repeats, with_naive, quick)
     budget = _mem_available_bytes() - 4 * 2**30  # leave room for other processes on a shared machine
     spec = json.dumps({"kind": kind, "mode": mode, "n": n, "a": a, "repeats": repeats,
-                       "with_naive": with_naive, "budget": budget})
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--row", spec], capture_output=True,
+                       "with_naive": with_naive, "quick": quick, "budget": budget})
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--row", spec,
+                           "--threads", str(torch.get_num_threads())], capture_output=True,
                           text=True)
     for line in proc.stdout.splitlines():
         if line.startswith("ROW "):
@@ -312,11 +329,14 @@ def _row_child(spec: str) -> None:
     limit = vm + max(s["budget"], 2**30)
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     try:
-        out = measure_row(s["kind"], s["mode"], s["n"], s["a"], s["repeats"], s["with_naive"])
+        out = measure_row(s["kind"], s["mode"], s["n"], s["a"], s["repeats"], s["with_naive"], s["quick"])
     except (RuntimeError, MemoryError) as e:  # allocation failure under the limit
+        msg = str(e)
+        m = re.search(r"allocate (\d+) bytes", msg)
+        what = (f"an allocation of {int(m.group(1)) / 2**30:.1f} GiB failed" if m
+                else msg.splitlines()[0][:120])
         out = {"kind": s["kind"], "mode": s["mode"], "n": s["n"], "a": s["a"], "batch": BATCH,
-               "failed": f"out of memory under a {s['budget'] / 2**30:.1f} GiB budget: "
-                         f"{str(e).splitlines()[0][:120]}"}
+               "failed": f"out of memory ({what}; {s['budget'] / 2**30:.1f} GiB were free for it)"}
     out["subprocess"] = True
     print("ROW " + json.dumps(out), flush=True)
 
@@ -348,14 +368,16 @@ def _memory_child(validate: str) -> None:
     out = {
         "validate": validate, "n": n, "a": a, "inputs_mb": inputs_mb, "t_cold": t_cold,
         "t_warm": statistics.median(warm), "t_base": statistics.median(base),
-        "hwm_before_mb": hwm0 / 1024, "hwm_increase_mb": (hwm1 - hwm0) / 1024, "hwm_total_mb": hwm1 / 1024, "resid": _rel_residual(A, k, z.unsqueeze(0)),
+        "hwm_before_mb": hwm0 / 1024, "hwm_increase_mb": (hwm1 - hwm0) / 1024, "hwm_total_mb": hwm1 / 1024,
+        "resid": _rel_residual(A, k, z.unsqueeze(0)),
         "check": bool(d.constraint.check(z)),
     }
     print("MEM " + json.dumps(out), flush=True)
 
 
 def memory_line(validate: str) -> dict:
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--memory-line", validate],
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--memory-line", validate,
+                           "--threads", str(torch.get_num_threads())],
                           capture_output=True, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith("MEM "):
@@ -392,12 +414,17 @@ def format_row(r: dict) -> str:
     kdesc = "shared, sample((64,))" if r["mode"] == "shared" else "per-sample, batch (64,)"
     head = f"| {kind} | {kdesc} | {r['n']:,} | {r['a']} | {r['batch']} | float32 | cpu | {torch.__version__} |"
     if "failed" in r:
-        return head + f" — | not measured: {r['failed']} |" + " — |" * 10
+        return head + f" — | not measured: {r['failed']} |" + " — |" * 9
     cells = [_ms(r["t_base"]), _ms(r["t_full"]), _x(r["r_full"]), _x(r["r_full_val"]), _ms(r["t_warm"]),
              _x(r["r_warm"])]
     if "t_naive_full" in r:
-        cells += [f"{_ms(r['t_naive_full'])} ({r['naive_full_variant']})", _x(r["s_full"]),
-                  f"{_ms(r['t_naive_warm'])} ({r['naive_warm_variant']})", _x(r["s_warm"])]
+        other_f = "C" if r["naive_full_variant"] == "M" else "M"
+        other_w = "C" if r["naive_warm_variant"] == "M" else "M"
+        t_other_f, t_other_w = r[f"t_naive{other_f}_full"], r[f"t_naive{other_w}_warm"]
+        cells += [f"{_ms(r['t_naive_full'])} ({r['naive_full_variant']}; {other_f}: {_ms(t_other_f)})",
+                  _x(r["s_full"]),
+                  f"{_ms(r['t_naive_warm'])} ({r['naive_warm_variant']}; {other_w}: {_ms(t_other_w)})",
+                  _x(r["s_warm"])]
         res = f"{r['resid']['hardeq']:.1e} ({r['resid']['naiveC']:.1e} / {r['resid']['naiveM']:.1e})"
     else:
         why = "n² floats infeasible" if r["n"] > 4096 else "—"
@@ -409,9 +436,18 @@ def format_row(r: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke run: n = 1000 only, 2 repeats")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads(N) (default: leave torch's default, the number of cores)")
+    p.add_argument("--kinds", default="dense,sum", help="comma-separated subset of dense,sum")
+    p.add_argument("--modes", default="shared,per-sample", help="comma-separated subset of shared,per-sample")
+    p.add_argument("--sizes", default=None, help="comma-separated n values (default 1000,100000,1000000)")
+    p.add_argument("--no-memory-line", action="store_true", help="skip the n = 2,000,000 memory line")
+    p.add_argument("--json", help="also write the raw measurements (median times, repeats) to this file")
     p.add_argument("--row", help=argparse.SUPPRESS)
     p.add_argument("--memory-line", choices=["default", "off"], help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.row:
         return _row_child(args.row)
     if args.memory_line:
@@ -428,28 +464,26 @@ def main() -> None:
     else:
         grid_n, grid_a, naive_extra = [1000, 100_000, 1_000_000], [1, 8, 64], [4096]  # 4096: dense only
 
-    def repeats_for(kind, mode, n, a):
-        if args.quick:
-            return 2
-        if n >= 1_000_000:
-            return 3 if (kind == "dense" and mode == "per-sample" and a > 1) else 5
-        if n == 4096:
-            return 5
-        return 9
+    def repeats_for(kind, mode, n, a):  # the minimum; cheap calls get up to MAX_REPEATS
+        if n >= 1_000_000 and kind == "dense" and mode == "per-sample" and a > 1:
+            return 3
+        return 5
 
     rows = []
-    for kind in ("dense", "sum"):
-        for mode in ("shared", "per-sample"):
+    if args.sizes:
+        grid_n, naive_extra = [int(x) for x in args.sizes.split(",")], []
+    for kind in args.kinds.split(","):
+        for mode in args.modes.split(","):
             ns = sorted(set(grid_n + (naive_extra if (mode, kind) == ("shared", "dense") else [])))
             for n in ns:
                 for a in grid_a:
                     with_naive = n <= 4096
-                    r = run_row_guarded(kind, mode, n, a, repeats_for(kind, mode, n, a), with_naive)
+                    r = run_row_guarded(kind, mode, n, a, repeats_for(kind, mode, n, a), with_naive, args.quick)
                     rows.append(r)
                     print("  measured: " + format_row(r), file=sys.stderr, flush=True)
 
     print("## Sampling throughput (64 samples, float32, CPU)\n")
-    print("Ratios are time ratios (median of per-repeat ratios). `÷ unconstr.`: hardeq time / time of "
+    print("Ratios are ratios of median times. `÷ unconstr.`: hardeq time / time of "
           "`loc + scale * torch.randn(64, n)`. `naive ÷ hardeq`: naive time / hardeq time (> 1: hardeq "
           "faster); C = Cholesky of the jittered conditional covariance, M = explicit-gain Matheron.\n")
     print(HEADER)
@@ -458,21 +492,27 @@ def main() -> None:
         print(format_row(r))
     print()
 
-    print("## Memory line: n = 2,000,000, a = 3, one sample, fresh subprocess\n")
-    print("| validate_args | n | a | dtype | device | torch | inputs MB | construct+factor+sample s "
-          "| warm sample s | unconstr. s | peak RSS before MB | peak RSS increase MB | peak RSS total MB "
-          "| rel. residual | constraint.check |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for v in ("default", "off"):
-        m = memory_line(v)
-        if "failed" in m:
-            print(f"| {v} | 2,000,000 | 3 | float32 | cpu | {torch.__version__} | failed: {m['failed']} |")
-            continue
-        vname = "default (True)" if v == "default" else "False"
-        print(f"| {vname} | {m['n']:,} | {m['a']} | float32 | cpu | {torch.__version__} | {m['inputs_mb']:.0f} "
-              f"| {m['t_cold']:.3f} | {m['t_warm']:.3f} | {m['t_base']:.3f} "
-              f"| {m['hwm_before_mb']:.0f} | {m['hwm_increase_mb']:.0f} | {m['hwm_total_mb']:.0f} "
-              f"| {m['resid']:.1e} | {m['check']} |")
+    mem_rows = []
+    if not args.no_memory_line:
+        print("## Memory line: n = 2,000,000, a = 3, one sample, fresh subprocess\n")
+        print("| validate_args | n | a | dtype | device | torch | inputs MB | construct+factor+sample s "
+              "| warm sample s | unconstr. s | peak RSS before MB | peak RSS increase MB | peak RSS total MB "
+              "| rel. residual | constraint.check |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for v in ("default", "off"):
+            m = memory_line(v)
+            mem_rows.append(m)
+            if "failed" in m:
+                print(f"| {v} | 2,000,000 | 3 | float32 | cpu | {torch.__version__} | failed: {m['failed']} |")
+                continue
+            vname = "default (True)" if v == "default" else "False"
+            print(f"| {vname} | {m['n']:,} | {m['a']} | float32 | cpu | {torch.__version__} | {m['inputs_mb']:.0f} "
+                  f"| {m['t_cold']:.3f} | {m['t_warm']:.3f} | {m['t_base']:.3f} "
+                  f"| {m['hwm_before_mb']:.0f} | {m['hwm_increase_mb']:.0f} | {m['hwm_total_mb']:.0f} "
+                  f"| {m['resid']:.1e} | {m['check']} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": facts, "rows": rows, "memory": mem_rows}, f, indent=1)
     load = " ".join(open("/proc/loadavg").read().split()[:3])
     print(f"\nTotal benchmark wall time: {time.perf_counter() - t_start:.0f} s; load average at the end: {load}")
 

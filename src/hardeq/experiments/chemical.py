@@ -17,6 +17,8 @@ ours          MLP outputs a mean and a log-variance per output; ``ConstrainedNor
               ``LinearConstraint(B, b - A x)``; closed-form expected L2 loss; prediction = conditional mean
 ours-L1       the same with the closed-form expected L1 loss
 ours-NLL      the same trained by the negative log-density of the target on the constraint plane
+ours-sg       extra: ours with the log-variance head on stop-gradient features (see docs/chemical.md)
+ours-NLL-sg   extra: ours-NLL with the log-variance head on stop-gradient features
 ============  ==========================================================================================
 
 Protocol (the KKT-hPINN reference code's): every column MaxAbs-scaled on the whole file, constraint
@@ -52,7 +54,9 @@ __all__ = ["DESCRIPTION", "ChemicalData", "ChemicalTask", "add_arguments", "load
            "reproduce", "run", "summarize"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
-OURS = ("ours", "ours-L1", "ours-NLL")
+OURS = ("ours", "ours-L1", "ours-NLL", "ours-sg", "ours-NLL-sg")
+#: ours variants whose log-variance head sees stop-gradient features (it cannot shape the shared hidden layers)
+STOP_GRADIENT = ("ours-sg", "ours-NLL-sg")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -139,7 +143,7 @@ class ChemicalTask(Task):
 
     Members are laid out method-major, ``S`` consecutive members (seeds) per method, in the order
     :attr:`layout` (the given methods with the ``ours*`` variants moved to the end, so that they form one
-    block and share one :class:`~hardeq.ConstrainedNormal`: one factorisation per step instead of three).
+    block and share one :class:`~hardeq.ConstrainedNormal`: one factorisation per step, not one per variant).
 
     Args:
         data: the data set (its scaled constraint).
@@ -147,6 +151,12 @@ class ChemicalTask(Task):
         num_seeds: ``S`` members per method.
         pinn_weight: the reference's penalty weight ``w`` on the *mean* over constraint rows of the squared
             residual; :func:`hardeq.baselines.penalty_loss` sums over rows, so it gets ``w / a``.
+        variance_floor: ``v_min`` added to the predicted variances of ``ours*``. The expected L2 and L1 losses
+            are minimised by zero variance, so their log-variances drift down without bound (to -50 after 175
+            epochs on distillation); the conditional mean only depends on variance *ratios*, but ratios of
+            1e13 break float32 (NaN in the backward pass of the folded-normal mean, a singular
+            :math:`B\Sigma B^\top`). A floor of 1e-8 (std 1e-4 in scaled units, 1% of the typical error)
+            bounds the ratios; it is practically inactive for the NLL variants, whose variances settle.
         ecnn_dependent: the dependent outputs of ECNN (the reference's: the first ``a``).
         fused_baselines: apply the baselines (NN, PINN, KKT-hPINN, ECNN, CL, CL-coord) through their exact
             linear maps ``pred = out P + k Q``, read once off the library layers in float64, as one batched
@@ -156,7 +166,7 @@ class ChemicalTask(Task):
 
     def __init__(self, data: ChemicalData, methods: Sequence[str], num_seeds: int, *, pinn_weight: float,
                  ecnn_dependent: Sequence[int], dtype: torch.dtype, device: torch.device | str = "cpu",
-                 fused_baselines: bool = True) -> None:
+                 variance_floor: float = 0.0, fused_baselines: bool = True) -> None:
         unknown = [m for m in methods if m not in METHOD_NAMES]
         if unknown or not methods:
             raise ValueError(f"unknown methods {unknown or methods}; available: {list(METHOD_NAMES)}.")
@@ -174,6 +184,7 @@ class ChemicalTask(Task):
         a, n = self.B.shape
         self.n, self.a = n, a
         self.pinn_weight = float(pinn_weight) / a
+        self.variance_floor = float(variance_floor)
         # CL: variables ranked by their largest |coefficient| in B (ascending): each balance is solved for a
         # variable with a large coefficient. The default (coordinate) order is the extra method "CL-coord".
         self.cl_order = [int(i) for i in np.argsort(np.abs(data.B).max(0), kind="stable")]
@@ -181,6 +192,11 @@ class ChemicalTask(Task):
         self.layers = self._make_layers(self.B)
         self.widths = {m: (n - a if m == "ECNN" else 2 * n if m in OURS else n) for m in self.layout}
         self.out_sizes = [self.widths[m] for m in self.layout for _ in range(S)]
+        #: (M, max width): the log-variance outputs of the stop-gradient variants (for ``BatchedMLP``)
+        self.detach_outputs = torch.zeros(self.num_members, max(self.out_sizes), dtype=torch.bool)
+        for m in STOP_GRADIENT:
+            if m in self.slices:
+                self.detach_outputs[self.slices[m], n: 2 * n] = True
         self.plain = [m for m in self.layout if m not in OURS]
         self.fused_baselines = bool(fused_baselines)
         if self.plain and self.fused_baselines:
@@ -226,14 +242,15 @@ class ChemicalTask(Task):
         return self.b - x @ self.A.T
 
     def distribution(self, out: Tensor, k: Tensor):
-        """``ConstrainedNormal`` with mean ``out[..., :n]`` and variance ``exp(out[..., n:2n])`` given ``B y = k``."""
+        r"""``ConstrainedNormal`` given ``B y = k`` with mean ``out[..., :n]`` and variance
+        :math:`e^{\text{out}[..., n:2n]} + v_{\min}` (the floor :attr:`variance_floor`, see the class docstring)."""
         from hardeq import ConstrainedNormal, LinearConstraint
 
         n = self.n
         loc, log_var = out[..., :n], out[..., n: 2 * n]
-        return ConstrainedNormal(loc, torch.exp(0.5 * log_var),
-                                 constraint=LinearConstraint(self.B, k, validate_args=False), validate_args=False)
-
+        scale = torch.sqrt(torch.exp(log_var) + self.variance_floor)
+        return ConstrainedNormal(loc, scale, constraint=LinearConstraint(self.B, k, validate_args=False),
+                                 validate_args=False)
 
     @staticmethod
     def _rows(t: Tensor, sl: slice) -> Tensor:
@@ -241,7 +258,7 @@ class ChemicalTask(Task):
         return t[sl] if t.dim() == 3 else t
 
     def _predictions(self, output: Tensor, batch: Mapping[str, Tensor]):
-        """Predictions ``(M, b, n)`` in layout order, plus the ours block's distribution and its targets."""
+        """Predictions ``(M, b, n)`` in layout order, the ``ours*`` block's distribution (or None) and ``k``."""
         k = self.constraint_value(batch["x"])
         preds, dist = [], None
         if self.plain and self.fused_baselines:
@@ -276,11 +293,11 @@ class ChemicalTask(Task):
             y_o = y[self.ours_block]
             for m in self.ours:
                 rel = slice(self.slices[m].start - self.ours_block.start, self.slices[m].stop - self.ours_block.start)
-                if m == "ours":
+                if m in ("ours", "ours-sg"):
                     losses.append(dist.expected_l2(y_o)[rel].mean(-1))
                 elif m == "ours-L1":
                     losses.append(dist.expected_l1(y_o)[rel].mean(-1))
-                else:  # ours-NLL: per output coordinate, like the MSE
+                else:  # ours-NLL(-sg): per output coordinate, like the MSE
                     losses.append(-dist.log_prob(y_o)[rel] / self.n)
         return torch.cat(losses, 0), {"mse": sq.detach()}
 
@@ -316,7 +333,7 @@ def _linear_map(fn: Callable[[Tensor, Tensor], Tensor], width: int, a: int) -> t
 
 
 #: every method the task knows (the config lists the ones a run trains)
-METHOD_NAMES = ("NN", "PINN", "KKT-hPINN", "ECNN", "CL", "CL-coord", "ours", "ours-L1", "ours-NLL")
+METHOD_NAMES = ("NN", "PINN", "KKT-hPINN", "ECNN", "CL", "CL-coord", *OURS)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -351,10 +368,12 @@ def run_dataset(
     callback: Callable[[str, int, dict], None] | None = None,
     ctx: DistContext | None = None,
     position: int = 0,
+    part: str = "",
 ) -> dict[str, Any]:
     """Train every method (x every seed, as one batched model) on data set ``name`` and evaluate it.
 
-    Returns ``{"records", "curves", "per_seed", "seconds"}`` for this data set (see :func:`run`).
+    ``part`` names a subset of the methods trained separately (checkpoint ``chemical-NAME-PART.pt``).
+    Returns ``{"records", "curves", "per_seed", "seconds", "cpu_seconds"}`` (see :func:`run`).
     """
     ctx = ctx or DistContext()
     methods = list(methods or config["methods"])
@@ -367,20 +386,24 @@ def run_dataset(
                             checkpoint_every=int(config["train"]["checkpoint_every"]))
     data = load_dataset(name, config)
     task = ChemicalTask(data, methods, S, pinn_weight=config["pinn_weight"],
+                        variance_floor=config["ours"]["variance_floor"],
                         ecnn_dependent=config["datasets"][name]["ecnn_dependent"], dtype=torch_dtype,
                         device=ctx.device)
     member_seeds = task.member_seeds(seeds)
     model = BatchedMLP(data.x.shape[1], config["model"]["hidden"], task.out_sizes, member_seeds,
+                       detach_outputs=task.detach_outputs,
                        activation=config["model"]["activation"], dtype=torch_dtype, device=ctx.device)
     splits = {s: data.tensors(s, torch_dtype, ctx.device) for s in ("train", "val", "test")}
-    ckpt = None if checkpoint_dir is None else Path(checkpoint_dir) / f"chemical-{name}.pt"
+    label = f"{name}-{part}" if part else name
+    ckpt = None if checkpoint_dir is None else Path(checkpoint_dir) / f"chemical-{label}.pt"
     cb = None if callback is None else (lambda epoch, info: callback(name, epoch, info))
     result = train(model, task, splits["train"], splits["val"], train_cfg, member_seeds,
-                   checkpoint_path=ckpt, resume=resume, progress=progress, desc=name, callback=cb, ctx=ctx,
+                   checkpoint_path=ckpt, resume=resume, progress=progress, desc=label, callback=cb, ctx=ctx,
                    position=position, log_every=int(config["train"].get("log_every", 0)),
                    run_id={"study": "chemical", "dataset": name, "layout": task.layout, "seeds": seeds,
                            "dtype": str(torch_dtype), "model": config["model"],
-                           "pinn_weight": config["pinn_weight"], "data": config["datasets"][name]})
+                           "pinn_weight": config["pinn_weight"], "ours": config["ours"],
+                           "data": config["datasets"][name]})
     test_best = evaluate(model, task, splits["test"], result.best_state)
     test_last = evaluate(model, task, splits["test"], result.final_state)
     val_best = evaluate(model, task, splits["val"], result.best_state)
@@ -452,30 +475,62 @@ def run(
     """
     ctx = ctx or DistContext()
     datasets = list(datasets or config["datasets"])
-    kwargs = dict(config=config, seeds=list(seeds), epochs=epochs, methods=methods, dtype=dtype,
-                  checkpoint_dir=checkpoint_dir, resume=resume, progress=progress)
-    jobs = max(1, min(int(jobs), len(datasets)))
+    methods = list(methods or config["methods"])
+    kwargs = dict(config=config, seeds=list(seeds), epochs=epochs, dtype=dtype, checkpoint_dir=checkpoint_dir,
+                  resume=resume, progress=progress)
+    units = _units(config, datasets, methods, split=jobs > 1 and not ctx.enabled and callback is None)
+    jobs = max(1, min(int(jobs), len(units)))
     results: dict[str, dict[str, Any]] = {}
     if jobs == 1 or ctx.enabled or callback is not None:
-        for name in datasets:
-            results[name] = run_dataset(name, **kwargs, callback=callback, ctx=ctx)
+        for label, (name, part, ms) in units.items():
+            results[label] = run_dataset(name, **kwargs, methods=ms, part=part, callback=callback, ctx=ctx)
     else:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
-        sizes = {name: load_dataset(name, config).splits["train"].stop for name in datasets}
-        order = sorted(datasets, key=lambda d: -sizes[d])
         with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {name: pool.submit(_worker, name, {**kwargs, "position": i}, threads)
-                       for i, name in enumerate(order)}
-            results = {name: futures[name].result() for name in datasets}
-    return {
-        "records": [r for name in datasets for r in results[name]["records"]],
-        "curves": {name: results[name]["curves"] for name in datasets},
-        "per_seed": {name: results[name]["per_seed"] for name in datasets},
-        "timing": {name: results[name]["seconds"] for name in datasets},
-        "cpu_timing": {name: results[name]["cpu_seconds"] for name in datasets},
-    }
+            futures = {label: pool.submit(_worker, name, {**kwargs, "methods": ms, "part": part, "position": i},
+                                          threads)
+                       for i, (label, (name, part, ms)) in enumerate(units.items())}
+            results = {label: f.result() for label, f in futures.items()}
+    out: dict[str, Any] = {"records": [], "curves": {}, "per_seed": {}, "timing": {}, "cpu_timing": {}}
+    for name in datasets:
+        labels = [label for label, u in units.items() if u[0] == name]
+        recs = [r for label in labels for r in results[label]["records"]]
+        out["records"] += sorted(recs, key=lambda r: methods.index(r["method"]))  # stable: metric order kept
+        for key in ("curves", "per_seed"):
+            merged = {m: v for label in labels for m, v in results[label][key].items()}
+            out[key][name] = {m: merged[m] for m in methods}
+    for label in units:
+        out["timing"][label] = results[label]["seconds"]
+        out["cpu_timing"][label] = results[label]["cpu_seconds"]
+    return out
+
+
+def _units(config: Mapping[str, Any], datasets: Sequence[str], methods: Sequence[str], split: bool
+           ) -> dict[str, tuple[str, str, list[str]]]:
+    """Training units ``label -> (data set, part, methods)``, costliest first.
+
+    Without ``split`` one unit per data set. With it (parallel jobs), the data set with the most training
+    steps is split into its baseline block and its ``ours*`` block: members are independent, so this only
+    changes which process trains them, and balances two workers (distillation alone has 65% of all steps).
+    """
+    steps = {name: load_dataset(name, config).splits["train"].stop for name in datasets}
+    units = {name: (name, "", list(methods)) for name in datasets}
+    plain = [m for m in methods if m not in OURS]
+    ours = [m for m in methods if m in OURS]
+    if split and plain and ours and datasets:
+        big = max(datasets, key=steps.__getitem__)
+        del units[big]
+        units[f"{big}-baselines"] = (big, "baselines", plain)
+        units[f"{big}-ours"] = (big, "ours", ours)
+
+    def cost(u: tuple[str, str, list[str]]) -> float:  # measured CPU ms per step, roughly
+        has_plain = any(m not in OURS for m in u[2])
+        num_ours = sum(m in OURS for m in u[2])
+        return steps[u[0]] * (0.5 + 1.2 * has_plain + 0.6 * num_ours)
+
+    return dict(sorted(units.items(), key=lambda kv: -cost(kv[1])))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -525,7 +580,12 @@ def summarize(records: Sequence[Mapping[str, Any]], methods: Sequence[str], data
 
 
 def plot_curves(curves: Mapping[str, Any], out: Path, prefix: str = "chemical") -> list[Path]:
-    """One PNG per data set: training and validation MSE per epoch (mean over seeds), one line per method."""
+    """One PNG per data set: training and validation MSE per epoch (mean over seeds), one line per method,
+    and the mean predicted log-variance of the ``ours*`` variants.
+
+    Methods whose final MSE is more than 100 times the median method's are drawn but left off the y-range
+    (marked "off scale" in the legend), so that one diverging method does not flatten the others.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -533,18 +593,40 @@ def plot_curves(curves: Mapping[str, Any], out: Path, prefix: str = "chemical") 
 
     paths = []
     for name, per_method in curves.items():
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+        has_lv = any("val_log_var" in c for c in per_method.values())
+        fig, axes = plt.subplots(1, 3 if has_lv else 2, figsize=(16 if has_lv else 11, 4.2))
         for ax, split in zip(axes, ("train", "val")):
+            finals = {m: c[split][-1] for m, c in per_method.items() if split in c and c[split]}
+            ref = float(np.median(list(finals.values()))) if finals else 1.0
+            shown = [m for m, v in finals.items() if np.isfinite(v) and v <= 100 * ref]
             for m, c in per_method.items():
-                if split in c:
-                    ax.plot(np.arange(1, len(c[split]) + 1), c[split], label=m, lw=1.2,
-                            ls="-" if m not in OURS else "--")
+                if split not in c:
+                    continue
+                off = m not in shown
+                ax.plot(np.arange(1, len(c[split]) + 1), c[split], lw=1.2, ls="--" if m in OURS else "-",
+                        label=f"{m} (off scale)" if off else m)
+            values = np.concatenate([np.asarray(per_method[m][split][min(5, len(per_method[m][split]) - 1):])
+                                     for m in shown]) if shown else np.array([1.0])
+            values = values[np.isfinite(values) & (values > 0)]
+            if values.size:
+                ax.set_ylim(values.min() / 1.5, values.max() * 1.5)
             ax.set_yscale("log")
             ax.set_xlabel("epoch")
+            ax.set_ylabel("MSE (scaled outputs)")
             ax.set_title(f"{name}: {'training' if split == 'train' else 'validation'} MSE (mean over seeds)")
             ax.grid(alpha=0.3)
-        axes[0].set_ylabel("MSE (scaled outputs)")
-        axes[1].legend(fontsize=8)
+        axes[1].legend(fontsize=7, ncol=2)
+        if has_lv:
+            ax = axes[2]
+            for m, c in per_method.items():
+                if "val_log_var" in c:
+                    ax.plot(np.arange(1, len(c["val_log_var"]) + 1), c["val_log_var"], lw=1.2, ls="--", label=m)
+            ax.axhline(math.log(1e-8), color="gray", lw=0.8, ls=":", label="log 1e-8 (variance floor)")
+            ax.set_xlabel("epoch")
+            ax.set_ylabel("mean predicted log-variance")
+            ax.set_title(f"{name}: ours* predicted log-variance (validation)")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
         fig.tight_layout()
         path = Path(out) / f"{prefix}.{name}.png"
         fig.savefig(path, dpi=110)
@@ -625,10 +707,8 @@ def reproduce(args: argparse.Namespace) -> dict[str, Any]:
             print(table)
             print(f"\nwrote {out / 'chemical.json'}, {out / 'chemical.md'} and plots in {wall:.1f} s")
         if not getattr(args, "keep_checkpoints", False):
-            for name in datasets:
-                p = Path(ckpt_dir) / f"chemical-{name}.pt"
-                if p.exists():
-                    p.unlink()
+            for p in Path(ckpt_dir).glob("chemical-*.pt"):
+                p.unlink()
             try:
                 Path(ckpt_dir).rmdir()
             except OSError:

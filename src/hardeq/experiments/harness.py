@@ -85,6 +85,9 @@ class BatchedMLP(nn.Module):
             initialisation draws after ``torch.manual_seed(seeds[i])`` for the layers in order (the global
             RNG state is left untouched).
         activation: ``"relu"`` (default), ``"tanh"`` or ``"gelu"``.
+        detach_outputs: optional boolean mask ``(M, max(out_features))``: the marked outputs are computed from
+            *detached* last hidden features, so their gradient trains their own output weights but not the
+            shared hidden layers (a stop-gradient head, e.g. a variance head that must not shape the features).
         dtype, device: of the parameters.
 
     Shapes:
@@ -98,8 +101,8 @@ class BatchedMLP(nn.Module):
     """
 
     def __init__(self, in_features: int, hidden_features: Sequence[int], out_features: int | Sequence[int],
-                 seeds: Sequence[int], *, activation: str = "relu", dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
+                 seeds: Sequence[int], *, activation: str = "relu", detach_outputs: Tensor | None = None,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
         super().__init__()
         seeds = [int(s) for s in seeds]
         if not seeds:
@@ -129,6 +132,16 @@ class BatchedMLP(nn.Module):
         for i in range(self.num_layers):
             self.register_parameter(f"weight{i}", nn.Parameter(weights[i].to(device)))
             self.register_parameter(f"bias{i}", nn.Parameter(biases[i].to(device)))
+        if detach_outputs is not None:
+            detach_outputs = torch.as_tensor(detach_outputs, dtype=torch.bool)
+            if detach_outputs.shape != (M, sizes[-1]):
+                raise ValueError(f"detach_outputs must have shape (M, max(out_features)) = {(M, sizes[-1])}, got "
+                                 f"{tuple(detach_outputs.shape)}.")
+            if not bool(detach_outputs.any()):
+                detach_outputs = None
+        self._detach: Tensor | None
+        self.register_buffer("_detach", None if detach_outputs is None else detach_outputs.unsqueeze(1).to(device),
+                             persistent=False)
 
     def reference_layers(self, seed: int, out_features: int) -> list[nn.Linear]:
         """The ``nn.Linear`` layers a per-seed script would build with ``torch.manual_seed(seed)`` (float32)."""
@@ -163,11 +176,13 @@ class BatchedMLP(nn.Module):
         if x.dim() == 2:
             x = x.expand(self.num_members, *x.shape)
         h = x
-        for i in range(self.num_layers):
-            h = torch.baddbmm(getattr(self, f"bias{i}"), h, getattr(self, f"weight{i}"))
-            if i < self.num_layers - 1:
-                h = self._act(h)
-        return h
+        for i in range(self.num_layers - 1):
+            h = self._act(torch.baddbmm(getattr(self, f"bias{i}"), h, getattr(self, f"weight{i}")))
+        W, b = getattr(self, f"weight{self.num_layers - 1}"), getattr(self, f"bias{self.num_layers - 1}")
+        out = torch.baddbmm(b, h, W)
+        if self._detach is not None:
+            out = torch.where(self._detach, torch.baddbmm(b, h.detach(), W), out)
+        return out
 
     def extra_repr(self) -> str:
         return (f"members={self.num_members}, in={self.in_features}, hidden={self.hidden_features}, "
