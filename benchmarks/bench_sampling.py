@@ -37,7 +37,7 @@ allocated). ``ru_maxrss`` is not used: on Linux it survives ``execve`` and so ca
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_sampling.py              # full run (12-21 min on a loaded 2-core machine)
+    .venv/bin/python benchmarks/bench_sampling.py              # full run (13-25 min on a loaded 2-core machine)
     .venv/bin/python benchmarks/bench_sampling.py --threads 1  # the same with torch.set_num_threads(1)
     .venv/bin/python benchmarks/bench_sampling.py --quick      # smoke run (n = 1000 only, 2 repeats)
 

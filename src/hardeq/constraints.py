@@ -28,6 +28,9 @@ from .linalg.cholesky import psd_cholesky
 
 __all__ = ["EqualityConstraint", "LinearConstraint", "SumConstraint"]
 
+#: coordinates per chunk in SumConstraint's two-level summation
+_SUM_CHUNK = 1024
+
 
 class EqualityConstraint:
     """Base class of the constraint operators. Subclasses implement the operator methods below."""
@@ -251,6 +254,11 @@ class SumConstraint(EqualityConstraint):
         self.index = index
         self.value = total
         self.counts = counts
+        # Two-level summation: scatter into (chunk, group) slots, then reduce the chunks with torch.sum.
+        # A plain index_add accumulates sequentially (relative error ~ n eps: 1e-4 at n = 1e6 in float32).
+        chunk = max(_SUM_CHUNK, a)
+        self._num_chunks = -(-n // chunk)
+        self._slot = (torch.arange(n, device=index.device) // chunk) * a + index
         self._validate_args = validate_default(validate_args)
         if self._validate_args:
             check_finite("total", total)
@@ -272,15 +280,17 @@ class SumConstraint(EqualityConstraint):
         return self.value.shape[:-1]
 
     def matvec(self, z: Tensor) -> Tensor:
-        out = z.new_zeros(z.shape[:-1] + (self.num_constraints,))
-        return out.index_add(-1, self.index, z)
+        a = self.num_constraints
+        out = z.new_zeros(z.shape[:-1] + (self._num_chunks * a,)).index_add(-1, self._slot, z)
+        return out.view(z.shape[:-1] + (self._num_chunks, a)).sum(-2)
 
     def rmatvec(self, u: Tensor) -> Tensor:
         return u.index_select(-1, self.index)
 
     def matmul(self, X: Tensor) -> Tensor:
-        out = X.new_zeros(X.shape[:-2] + (self.num_constraints, X.shape[-1]))
-        return out.index_add(-2, self.index, X)
+        a, m = self.num_constraints, X.shape[-1]
+        out = X.new_zeros(X.shape[:-2] + (self._num_chunks * a, m)).index_add(-2, self._slot, X)
+        return out.view(X.shape[:-2] + (self._num_chunks, a, m)).sum(-3)
 
     def dense_matrix(self) -> Tensor:
         onehot = torch.nn.functional.one_hot(self.index, self.num_constraints).mT.to(self.value.dtype)
@@ -295,6 +305,7 @@ class SumConstraint(EqualityConstraint):
     def expand(self, batch_shape: torch.Size) -> "SumConstraint":
         new = object.__new__(SumConstraint)
         new.index, new.counts, new._validate_args = self.index, self.counts, False
+        new._num_chunks, new._slot = self._num_chunks, self._slot
         new.value = self.value.expand(torch.Size(batch_shape) + self.value.shape[-1:])
         return new
 
