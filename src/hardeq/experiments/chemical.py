@@ -652,7 +652,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-checkpoints", action="store_true")
     parser.add_argument("--config", type=Path, default=None, help="alternative config JSON")
     parser.add_argument("--jobs", type=int, default=None,
-                        help="data sets trained in parallel processes (default: the preset's)")
+                        help="parallel worker processes; the units are the data sets, the largest split into its "
+                             "baselines and its ours* variants (default: the preset's)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per process (default 1)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars or table")
 
