@@ -13,6 +13,8 @@ per input ``x``.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 from torch import Tensor
 
@@ -32,25 +34,28 @@ __all__ = ["EqualityConstraint", "LinearConstraint", "SumConstraint"]
 _SUM_CHUNK = 1024
 
 
-class EqualityConstraint:
+class EqualityConstraint(ABC):
     """Base class of the constraint operators. Subclasses implement the operator methods below."""
 
     #: right-hand side k, shape ``(*batch, a)``
     value: Tensor
 
     @property
+    @abstractmethod
     def num_constraints(self) -> int:
         """Number of constraint rows ``a``."""
-        raise NotImplementedError
+        ...
 
     @property
+    @abstractmethod
     def event_size(self) -> int:
         """Dimension ``n`` of the constrained vector."""
-        raise NotImplementedError
+        ...
 
     @property
+    @abstractmethod
     def batch_shape(self) -> torch.Size:
-        raise NotImplementedError
+        ...
 
     @property
     def dtype(self) -> torch.dtype:
@@ -60,25 +65,30 @@ class EqualityConstraint:
     def device(self) -> torch.device:
         return self.value.device
 
+    @abstractmethod
     def matvec(self, z: Tensor) -> Tensor:
         """``A z``: ``(*sample, *batch, n) -> (*sample, *batch, a)``."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def rmatvec(self, u: Tensor) -> Tensor:
         """``A^T u``: ``(*sample, *batch, a) -> (*sample, *batch, n)``."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def matmul(self, X: Tensor) -> Tensor:
         """``A X``: ``(*batch, n, m) -> (*batch, a, m)``."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def dense_matrix(self) -> Tensor:
         """``A`` as a dense tensor ``(*batch, a, n)`` (materialised; used by dense oracles and baselines)."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def logdet_gram_identity(self) -> Tensor:
         r""":math:`\log\det(A A^\top)`, shape: the batch shape of ``A``."""
-        raise NotImplementedError
+        ...
 
     def residual(self, z: Tensor) -> Tensor:
         """``A z - k``, shape ``(*sample, *batch, a)``."""
@@ -96,15 +106,18 @@ class EqualityConstraint:
         scale = (self._abs_matvec(z.abs()) + self.value.abs()).amax(-1)
         return residual <= rtol * (1 + scale)
 
+    @abstractmethod
     def _abs_matvec(self, z_abs: Tensor) -> Tensor:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def expand(self, batch_shape: torch.Size) -> "EqualityConstraint":
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def with_value(self, value: Tensor) -> "EqualityConstraint":
         """The same ``A`` with a new right-hand side ``value`` (shape ``(*batch, a)``)."""
-        raise NotImplementedError
+        ...
 
 
 class LinearConstraint(EqualityConstraint):

@@ -13,6 +13,8 @@ forming an ``n x n`` matrix unless the user supplied one (``scale_tril``).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 from torch import Tensor
 
@@ -21,46 +23,56 @@ from .._utils import batch_mv
 __all__ = ["Covariance", "DiagonalCovariance", "FullCovariance", "LowRankCovariance"]
 
 
-class Covariance:
+class Covariance(ABC):
     """Interface shared by the covariance structures (see the module docstring)."""
 
     event_size: int
     noise_size: int
     batch_shape: torch.Size
 
+    @abstractmethod
     def diagonal(self) -> Tensor:  # (*batch, n)
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def matvec(self, x: Tensor) -> Tensor:  # Sigma x
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def sqrt_matvec(self, noise: Tensor) -> Tensor:  # F eps, eps of size noise_size
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def sqrt_matmul(self, X: Tensor) -> Tensor:  # F X: (*batch, noise_size, m) -> (*batch, n, m)
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def sqrt_t_matmul(self, Y: Tensor) -> Tensor:  # F^T Y: (*batch, n, m) -> (*batch, noise_size, m)
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def inv_matvec(self, x: Tensor) -> Tensor:  # Sigma^{-1} x
-        raise NotImplementedError
+        ...
 
     def inv_quad(self, x: Tensor) -> Tensor:  # x^T Sigma^{-1} x
         return (x * self.inv_matvec(x)).sum(-1)
 
+    @abstractmethod
     def logdet(self) -> Tensor:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def right_apply(self, A: Tensor) -> Tensor:  # A Sigma for dense A (*batch, a, n)
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def dense(self) -> Tensor:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def trace_inv_mul(self, other: "Covariance") -> Tensor:
         r""":math:`\mathrm{tr}(\Sigma_{self}^{-1} \Sigma_{other})`."""
-        raise NotImplementedError
+        ...
 
 
 class DiagonalCovariance(Covariance):
