@@ -31,6 +31,8 @@ rank 0 writes checkpoints and results.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import hashlib
 import json
 import math
@@ -194,7 +196,7 @@ class BatchedMLP(nn.Module):
 # ----------------------------------------------------------------------------------------------------------
 
 
-class Task:
+class Task(ABC):
     """What the harness trains: per-sample losses and evaluation metrics of the members' outputs.
 
     ``batch`` maps names to tensors; in :meth:`loss` every tensor has shape ``(M, b, ...)`` (each member's
@@ -205,6 +207,7 @@ class Task:
         """Model outputs ``(M, b, out)``; the default feeds ``batch["x"]``."""
         return model(batch["x"])
 
+    @abstractmethod
     def loss(self, output: Tensor, batch: Mapping[str, Tensor]) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
         """Per-sample training losses, shape ``(M, b)``; the harness averages over the global minibatch.
 
@@ -213,11 +216,12 @@ class Task:
         training metric of the model as it was when each minibatch was seen, as ``loss_train`` curves are
         usually drawn.
         """
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def metrics(self, output: Tensor, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """Metrics of every member on a split, each of shape ``(M,)`` (NaN where a metric does not apply)."""
-        raise NotImplementedError
+        ...
 
 
 @dataclass
