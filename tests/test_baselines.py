@@ -105,7 +105,7 @@ def test_sum_constraint(dtype):
     dense = LinearConstraint(c.dense_matrix(), total)
     y = torch.randn(2, 8, dtype=dtype)
     for layer_cls in LAYERS:
-        out = layer_cls.from_constraint(c)(y)  # default k = c.value
+        out = layer_cls.from_constraint(c)(y)  # default k = c.k
         assert bool(c.check(out).all()), layer_cls.__name__
     tol = {"rtol": 0, "atol": 10 * torch.finfo(dtype).eps}
     # the O(n) paths of the functional forms agree with the dense ones

@@ -7,7 +7,7 @@ it has structure:
 * :class:`SumConstraint` holds a group id per coordinate (like PyG's ``batch`` vector); every operation is a
   scatter / gather, O(n).
 
-Both carry the right-hand side ``k`` (``value``), which may have batch dimensions, e.g. one ``k = b - B x``
+Both carry the right-hand side ``k`` (``k``), which may have batch dimensions, e.g. one ``k = b - B x``
 per input ``x``.
 """
 
@@ -37,8 +37,8 @@ _SUM_CHUNK = 1024
 class EqualityConstraint(ABC):
     """Base class of the constraint operators. Subclasses implement the operator methods below."""
 
-    #: right-hand side k, shape ``(*batch, a)``
-    value: Tensor
+    #: right-hand side k, shape ``(*batch, a)`` (one name across the API)
+    k: Tensor
 
     @property
     @abstractmethod
@@ -59,11 +59,11 @@ class EqualityConstraint(ABC):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.value.dtype
+        return self.k.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.value.device
+        return self.k.device
 
     @abstractmethod
     def matvec(self, z: Tensor) -> Tensor:
@@ -92,7 +92,7 @@ class EqualityConstraint(ABC):
 
     def residual(self, z: Tensor) -> Tensor:
         """``A z - k``, shape ``(*sample, *batch, a)``."""
-        return self.matvec(z) - self.value
+        return self.matvec(z) - self.k
 
     def check(self, z: Tensor, rtol: float | None = None) -> Tensor:
         r"""Boolean tensor ``(*sample, *batch)``: does ``z`` satisfy ``A z = k`` to round-off?
@@ -103,7 +103,7 @@ class EqualityConstraint(ABC):
         if rtol is None:
             rtol = 1e3 * torch.finfo(z.dtype).eps
         residual = self.residual(z).abs().amax(-1)
-        scale = (self._abs_matvec(z.abs()) + self.value.abs()).amax(-1)
+        scale = (self._abs_matvec(z.abs()) + self.k.abs()).amax(-1)
         return residual <= rtol * (1 + scale)
 
     @abstractmethod
@@ -115,8 +115,14 @@ class EqualityConstraint(ABC):
         ...
 
     @abstractmethod
-    def with_value(self, value: Tensor) -> "EqualityConstraint":
-        """The same ``A`` with a new right-hand side ``value`` (shape ``(*batch, a)``)."""
+    def with_k(self, k: Tensor) -> "EqualityConstraint":
+        """The same ``A`` with a new right-hand side ``k`` (shape ``(*batch, a)``)."""
+        ...
+
+    @abstractmethod
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "EqualityConstraint":
+        """A copy on ``device`` with floating-point tensors cast to ``dtype`` (group ids stay ``long``),
+        like ``Tensor.to``. Returns ``self`` when nothing changes."""
         ...
 
 
@@ -160,7 +166,7 @@ class LinearConstraint(EqualityConstraint):
                 f"batch dimensions of A {tuple(A.shape[:-2])} and k {tuple(k.shape[:-1])} do not broadcast."
             ) from None
         self.A = A
-        self.value = k
+        self.k = k
         self._validate_args = validate_default(validate_args)
         if self._validate_args:
             check_finite("A", A)
@@ -171,10 +177,6 @@ class LinearConstraint(EqualityConstraint):
                     f"A must have full row rank {a}, but some batch element has rank {int(rank.min())} "
                     f"(A.shape = {tuple(A.shape)}); remove linearly dependent rows."
                 )
-
-    @property
-    def k(self) -> Tensor:
-        return self.value
 
     @property
     def num_constraints(self) -> int:
@@ -211,13 +213,19 @@ class LinearConstraint(EqualityConstraint):
         batch_shape = torch.Size(batch_shape)
         new = object.__new__(LinearConstraint)
         new.A = self.A if self.A.dim() == 2 else self.A.expand(batch_shape + self.A.shape[-2:])
-        new.value = self.value.expand(batch_shape + self.value.shape[-1:])
+        new.k = self.k.expand(batch_shape + self.k.shape[-1:])
         new._batch_shape = batch_shape
         new._validate_args = False
         return new
 
-    def with_value(self, value: Tensor) -> "LinearConstraint":
-        return LinearConstraint(self.A, value, validate_args=False)
+    def with_k(self, k: Tensor) -> "LinearConstraint":
+        return LinearConstraint(self.A, k, validate_args=False)
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "LinearConstraint":
+        A, k = self.A.to(device=device, dtype=dtype), self.k.to(device=device, dtype=dtype)
+        if A is self.A and k is self.k:
+            return self
+        return LinearConstraint(A, k, validate_args=False)
 
     def __repr__(self) -> str:
         return (f"LinearConstraint(a={self.num_constraints}, n={self.event_size}, "
@@ -265,7 +273,7 @@ class SumConstraint(EqualityConstraint):
                 f"there must be fewer groups than coordinates (a < n), got a = {a} groups for n = {n}."
             )
         self.index = index
-        self.value = total
+        self.k = total
         self.counts = counts
         # Two-level summation: scatter into (chunk, group) slots, then reduce the chunks with torch.sum.
         # A plain index_add accumulates sequentially (relative error ~ n eps: 1e-4 at n = 1e6 in float32).
@@ -277,12 +285,8 @@ class SumConstraint(EqualityConstraint):
             check_finite("total", total)
 
     @property
-    def total(self) -> Tensor:
-        return self.value
-
-    @property
     def num_constraints(self) -> int:
-        return self.value.shape[-1]
+        return self.k.shape[-1]
 
     @property
     def event_size(self) -> int:
@@ -290,7 +294,7 @@ class SumConstraint(EqualityConstraint):
 
     @property
     def batch_shape(self) -> torch.Size:
-        return self.value.shape[:-1]
+        return self.k.shape[:-1]
 
     def matvec(self, z: Tensor) -> Tensor:
         a = self.num_constraints
@@ -306,11 +310,11 @@ class SumConstraint(EqualityConstraint):
         return out.view(X.shape[:-2] + (self._num_chunks, a, m)).sum(-3)
 
     def dense_matrix(self) -> Tensor:
-        onehot = torch.nn.functional.one_hot(self.index, self.num_constraints).mT.to(self.value.dtype)
+        onehot = torch.nn.functional.one_hot(self.index, self.num_constraints).mT.to(self.k.dtype)
         return onehot
 
     def logdet_gram_identity(self) -> Tensor:
-        return self.counts.to(self.value.dtype).log().sum()
+        return self.counts.to(self.k.dtype).log().sum()
 
     def _abs_matvec(self, z_abs: Tensor) -> Tensor:
         return self.matvec(z_abs)
@@ -319,11 +323,17 @@ class SumConstraint(EqualityConstraint):
         new = object.__new__(SumConstraint)
         new.index, new.counts, new._validate_args = self.index, self.counts, False
         new._num_chunks, new._slot = self._num_chunks, self._slot
-        new.value = self.value.expand(torch.Size(batch_shape) + self.value.shape[-1:])
+        new.k = self.k.expand(torch.Size(batch_shape) + self.k.shape[-1:])
         return new
 
-    def with_value(self, value: Tensor) -> "SumConstraint":
-        return SumConstraint(self.index, value, validate_args=False)
+    def with_k(self, k: Tensor) -> "SumConstraint":
+        return SumConstraint(self.index, k, validate_args=False)
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "SumConstraint":
+        index, k = self.index.to(device=device), self.k.to(device=device, dtype=dtype)
+        if index is self.index and k is self.k:
+            return self
+        return SumConstraint(index, k, validate_args=False)
 
     def __repr__(self) -> str:
         return (f"SumConstraint(groups={self.num_constraints}, n={self.event_size}, "

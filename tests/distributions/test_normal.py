@@ -265,7 +265,7 @@ def test_gradcheck_rsample_log_prob_losses(structure, kind):
         kwargs = dict(zip(names, params))
         if "scale_tril" in kwargs:
             kwargs["scale_tril"] = kwargs["scale_tril"].tril()
-        c = constraint.with_value(k)
+        c = constraint.with_k(k)
         loc = kwargs.pop("loc")
         return hardeq.ConstrainedNormal(loc, constraint=c, validate_args=False, **kwargs)
 

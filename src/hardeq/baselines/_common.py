@@ -159,12 +159,12 @@ class _AffineLayer(nn.Module):
     def from_constraint(cls, constraint: EqualityConstraint, **kwargs):
         r"""Build the layer from a :class:`~hardeq.LinearConstraint` or :class:`~hardeq.SumConstraint`.
 
-        ``A`` is taken from ``constraint.dense_matrix()`` and ``constraint.value`` becomes the default
+        ``A`` is taken from ``constraint.dense_matrix()`` and ``constraint.k`` becomes the default
         right-hand side, used when ``forward`` is called without ``constraint_value``. Keyword arguments are
         passed to the constructor.
         """
         constraint = check_constraint(constraint, cls.__name__)
-        return cls(constraint.dense_matrix(), constraint.value, **kwargs)
+        return cls(constraint.dense_matrix(), constraint.k, **kwargs)
 
     @property
     def num_constraints(self) -> int:

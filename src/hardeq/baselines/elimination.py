@@ -114,7 +114,7 @@ def constraint_layer(y: Tensor, constraint: EqualityConstraint, order: Sequence[
     A = constraint.dense_matrix()
     dependent = greedy_pivots(A, _scan_order(order_t, n), shared=False, owner="constraint_layer")
     E, R0 = dependent_operator(A, dependent)
-    return fill_dependent(y, constraint.value, E, R0, dependent)
+    return fill_dependent(y, constraint.k, E, R0, dependent)
 
 
 def _scan_order(order: Tensor | None, n: int) -> Tensor:
@@ -134,7 +134,7 @@ def _sum_constraint_layer(y: Tensor, constraint: SumConstraint, order: Tensor | 
         0, index, rank, reduce="amax")
     dependent = top if order is None else order[top]  # (a,) the pivot of each group
     free = torch.ones(n, dtype=y.dtype, device=y.device).index_fill(0, dependent, 0.0)
-    y_D = constraint.value - constraint.matvec(y * free)  # (*, a)
+    y_D = constraint.k - constraint.matvec(y * free)  # (*, a)
     out_batch = torch.broadcast_shapes(y.shape[:-1], y_D.shape[:-1])
     return y.expand(out_batch + (n,)).scatter(-1, dependent.expand(out_batch + (a,)),
                                               y_D.expand(out_batch + (a,)))

@@ -131,7 +131,7 @@ class ConstrainedNormal(Distribution):
         else:
             raise ValueError("one of scale or scale_tril must be given (cov_factor needs scale too).")
         check_same_dtype_device(loc=loc, scale=scale, scale_tril=scale_tril, cov_factor=cov_factor,
-                                constraint=constraint.value)
+                                constraint=constraint.k)
         if constraint.event_size != n:
             raise ValueError(
                 f"constraint acts on vectors of size {constraint.event_size}, but loc has size n = {n} "
@@ -188,7 +188,7 @@ class ConstrainedNormal(Distribution):
         if self._unbroadcasted_cov_factor is not None:
             check_finite("cov_factor", self._unbroadcasted_cov_factor)
         if getattr(self.constraint, "_validate_args", False) is False:
-            check_finite("constraint value k", self.constraint.value)
+            check_finite("constraint value k", self.constraint.k)
 
     @property
     def scale(self) -> Tensor | None:
@@ -298,7 +298,7 @@ class ConstrainedNormal(Distribution):
         r""":math:`\log\mathcal N(k; A\mu, S)`, shape ``batch_shape``."""
         cond = self._conditioner
         a = self.constraint.num_constraints
-        r = self.constraint.value - self.constraint.matvec(self._unbroadcasted_loc)
+        r = self.constraint.k - self.constraint.matvec(self._unbroadcasted_loc)
         return -0.5 * (a * LOG_2PI + cond.logdet() + cond.inv_quad(r))
 
     def entropy(self) -> Tensor:

@@ -101,7 +101,7 @@ class Conditioner:
         r""":math:`z = \hat z + K(k - A\hat z)`: maps :math:`\mathcal N(\mu, \Sigma)` samples to exact
         conditional samples, and :math:`\mu` to :math:`\bar\mu`; then ``refinement_steps`` more applications
         of the same map to wash out round-off (see the module docstring)."""
-        k = self.constraint.value
+        k = self.constraint.k
         z = z_hat + self.gain_matvec(k - self.constraint.matvec(z_hat))
         for _ in range(0 if self.grouped else refinement_steps):  # grouped: S is diagonal, already exact
             z = z + self.gain_matvec(k - self.constraint.matvec(z))
