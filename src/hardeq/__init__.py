@@ -6,12 +6,17 @@ from . import baselines, estimators
 from .constraints import EqualityConstraint, LinearConstraint, SumConstraint
 from .distributions import ConstrainedNormal, ConstrainedPoisson
 from .errors import NotPSDError, NumericalWarning
+from .linalg.covariance import Covariance, DiagonalCovariance, FullCovariance, LowRankCovariance
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ConstrainedNormal",
     "ConstrainedPoisson",
+    "Covariance",
+    "DiagonalCovariance",
+    "FullCovariance",
+    "LowRankCovariance",
     "EqualityConstraint",
     "LinearConstraint",
     "SumConstraint",

@@ -27,11 +27,9 @@ from ._utils import (
     validate_default,
 )
 from .linalg.cholesky import psd_cholesky
+from .ops import GroupSum
 
 __all__ = ["EqualityConstraint", "LinearConstraint", "SumConstraint"]
-
-#: coordinates per chunk in SumConstraint's two-level summation
-_SUM_CHUNK = 1024
 
 
 class EqualityConstraint(ABC):
@@ -89,6 +87,15 @@ class EqualityConstraint(ABC):
     def logdet_gram_identity(self) -> Tensor:
         r""":math:`\log\det(A A^\top)`, shape: the batch shape of ``A``."""
         ...
+
+    def diagonal_gram(self, variance: Tensor) -> Tensor | None:
+        r"""The diagonal of :math:`A\,\mathrm{diag}(v)\,A^\top` (shape ``(*batch, a)``) when that matrix is
+        diagonal for every ``v``, else ``None``.
+
+        Conditioners use it to pick the O(n) path for a diagonal covariance (``variance``: ``(*batch, n)``)
+        without knowing the constraint's type. The default (dense ``A``) says ``None``.
+        """
+        return None
 
     def residual(self, z: Tensor) -> Tensor:
         """``A z - k``, shape ``(*sample, *batch, a)``."""
@@ -275,11 +282,8 @@ class SumConstraint(EqualityConstraint):
         self.index = index
         self.k = total
         self.counts = counts
-        # Two-level summation: scatter into (chunk, group) slots, then reduce the chunks with torch.sum.
-        # A plain index_add accumulates sequentially (relative error ~ n eps: 1e-4 at n = 1e6 in float32).
-        chunk = max(_SUM_CHUNK, a)
-        self._num_chunks = -(-n // chunk)
-        self._slot = (torch.arange(n, device=index.device) // chunk) * a + index
+        # precise two-level summation (hardeq.ops.GroupSum): a plain index_add drifts ~ n eps
+        self._group_sum = GroupSum(index, a)
         self._validate_args = validate_default(validate_args)
         if self._validate_args:
             check_finite("total", total)
@@ -297,17 +301,18 @@ class SumConstraint(EqualityConstraint):
         return self.k.shape[:-1]
 
     def matvec(self, z: Tensor) -> Tensor:
-        a = self.num_constraints
-        out = z.new_zeros(z.shape[:-1] + (self._num_chunks * a,)).index_add(-1, self._slot, z)
-        return out.view(z.shape[:-1] + (self._num_chunks, a)).sum(-2)
+        return self._group_sum(z)
 
     def rmatvec(self, u: Tensor) -> Tensor:
         return u.index_select(-1, self.index)
 
     def matmul(self, X: Tensor) -> Tensor:
-        a, m = self.num_constraints, X.shape[-1]
-        out = X.new_zeros(X.shape[:-2] + (self._num_chunks * a, m)).index_add(-2, self._slot, X)
-        return out.view(X.shape[:-2] + (self._num_chunks, a, m)).sum(-3)
+        return self._group_sum.matmul(X)
+
+    def diagonal_gram(self, variance: Tensor) -> Tensor:
+        r"""Per-group sums of ``variance`` (each coordinate is in one group, so the Gram matrix is diagonal),
+        with the two-level summation of :meth:`matvec`; shape ``(*batch, a)``."""
+        return self.matvec(variance)
 
     def dense_matrix(self) -> Tensor:
         onehot = torch.nn.functional.one_hot(self.index, self.num_constraints).mT.to(self.k.dtype)
@@ -322,7 +327,7 @@ class SumConstraint(EqualityConstraint):
     def expand(self, batch_shape: torch.Size) -> "SumConstraint":
         new = object.__new__(SumConstraint)
         new.index, new.counts, new._validate_args = self.index, self.counts, False
-        new._num_chunks, new._slot = self._num_chunks, self._slot
+        new._group_sum = self._group_sum
         new.k = self.k.expand(torch.Size(batch_shape) + self.k.shape[-1:])
         return new
 

@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.distributions import register_kl
 
 from ..constraints import EqualityConstraint, LinearConstraint, SumConstraint
-from ..linalg.covariance import DiagonalCovariance
+from ..linalg.covariance import trace_inv_mul
 from .normal import ConstrainedNormal
 
 __all__ = ["kl_constrained_normal"]
@@ -53,18 +53,17 @@ def kl_constrained_normal(q: ConstrainedNormal, p: ConstrainedNormal) -> Tensor:
     if not _same_directions(p.constraint, q.constraint):
         return torch.full(batch_shape, float("inf"), dtype=mean_q.dtype, device=mean_q.device)
     same_plane = p.constraint.check(mean_q)  # does q's subspace coincide with p's?
-    cq, cp = q._conditioner, p._conditioner
+    cq, cp = q.conditioner, p.conditioner
     A = q.constraint
     n, a = q.event_shape[0], A.num_constraints
     # tr(S_q^-1 A Sigma_q Sigma_p^-1 Sigma_q A^T) = tr(G^T Sigma_p^-1 G), G G^T = Sigma_q A^T S_q^-1 A Sigma_q
-    if cq.grouped and isinstance(cp.cov, DiagonalCovariance):
-        d_q = cq.cov.variance
-        correction = (d_q.square() / cp.cov.variance / A.rmatvec(cq.group_variance)).sum(-1)
+    if cq.grouped and cp.cov.factor_part() is None:  # diagonal S_q and diagonal Sigma_p: O(n)
+        d_q = cq.cov.diag_part()
+        correction = (d_q.square() / cp.cov.diag_part() / A.rmatvec(cq.group_variance)).sum(-1)
     else:
         G = cq.gain_factor()  # (*batch, n, a)
-        G = G.expand(batch_shape + G.shape[-2:])
-        correction = (G * cp.cov.inv_matvec(G.movedim(-1, 0)).movedim(0, -1)).sum((-2, -1))
-    trace = cp.cov.trace_inv_mul(cq.cov) - correction
+        correction = cp.cov.inv_quad_matrix(G.expand(batch_shape + G.shape[-2:]))
+    trace = trace_inv_mul(cp.cov, cq.cov) - correction
     d = mean_q - p.mean
     kl = 0.5 * (
         trace + cp.cov.inv_quad(d) - (n - a)

@@ -10,9 +10,9 @@ from torch.distributions.utils import lazy_property
 from .._utils import LOG_2PI, check_finite, check_same_dtype_device, check_tensor
 from ..constraints import EqualityConstraint
 from ..estimators import normal as _normal_estimators  # noqa: F401  (registers the estimators)
-from ..estimators.normal import build_covariance
 from ..estimators.registry import get_estimator
 from ..linalg.conditioning import Conditioner
+from ..linalg.covariance import Covariance, DiagonalCovariance, FullCovariance, LowRankCovariance
 from .losses import gaussian_expected_abs, gaussian_expected_square
 
 __all__ = ["ConstrainedNormal", "affine_subspace"]
@@ -50,25 +50,32 @@ class ConstrainedNormal(Distribution):
 
     .. math::
         \log p(z \mid Az = k) = \log\mathcal N(z; \mu, \Sigma) - \log\mathcal N(k; A\mu, S)
-        - \tfrac12\log\det(AA^\top).
+        - \tfrac12\log\det(AA^\top),
+
+    evaluated without cancellation (see :meth:`log_prob`).
 
     Sampling is exact (Matheron's rule): :math:`z = \hat z + K(k - A\hat z)` with
     :math:`\hat z \sim \mathcal N(\mu, \Sigma)`; :meth:`rsample` is differentiable and the default
     ``"pathwise"`` gradient is unbiased. Other estimators (``hardeq.estimators``) share the forward pass.
 
-    Covariance structures (exactly one of):
+    The covariance is one object (:class:`~hardeq.DiagonalCovariance`, :class:`~hardeq.FullCovariance`,
+    :class:`~hardeq.LowRankCovariance`), passed as ``covariance=``; the keyword shortcuts build it:
 
     * ``scale`` alone: diagonal :math:`\Sigma = \mathrm{diag}(\mathrm{scale}^2)`;
     * ``scale_tril``: full :math:`\Sigma = LL^\top`;
     * ``cov_factor`` with ``scale``: :math:`\Sigma = WW^\top + \mathrm{diag}(\mathrm{scale}^2)`.
 
-    Cost: diagonal :math:`\Sigma` with a dense ``A``: O(n a^2 + a^3) time, O(n a) memory per batch element;
-    with a :class:`~hardeq.SumConstraint`: O(n). Nothing ``n x n`` is formed unless ``scale_tril`` is given
-    (or :attr:`covariance_matrix` is asked for).
+    The distribution factorises :math:`A\Sigma A^\top` once, lazily, into its :attr:`conditioner`; the
+    mean, variances, samples of every estimator, densities and KL all reuse it.
+
+    Cost: diagonal :math:`\Sigma` with a dense ``A``: O(n a^2 + a^3) time, O(n + a^2) memory per batch
+    element; with a :class:`~hardeq.SumConstraint`: O(n). Nothing ``n x n`` is formed unless ``scale_tril``
+    is given (or :attr:`covariance_matrix` is asked for).
 
     Args:
         loc (Tensor): :math:`\mu`, shape ``(*batch, n)``.
         scale (Tensor, optional): standard deviations, ``(*batch, n)``.
+        covariance (Covariance, optional): the covariance object (instead of the shortcuts).
         scale_tril (Tensor, optional): lower Cholesky factor of :math:`\Sigma`, ``(*batch, n, n)``.
         cov_factor (Tensor, optional): :math:`W`, ``(*batch, n, r)``.
         constraint (EqualityConstraint): :class:`~hardeq.LinearConstraint` or :class:`~hardeq.SumConstraint`;
@@ -91,6 +98,7 @@ class ConstrainedNormal(Distribution):
         loc: Tensor,
         scale: Tensor | None = None,
         *,
+        covariance: Covariance | None = None,
         scale_tril: Tensor | None = None,
         cov_factor: Tensor | None = None,
         constraint: EqualityConstraint,
@@ -103,128 +111,104 @@ class ConstrainedNormal(Distribution):
                 f"{type(constraint).__name__}."
             )
         n = loc.shape[-1]
-        if scale_tril is not None:
-            if scale is not None or cov_factor is not None:
-                raise ValueError("pass either scale_tril alone, scale alone, or cov_factor with scale.")
-            check_tensor("scale_tril", scale_tril, min_dim=2)
-            if scale_tril.shape[-2:] != (n, n):
-                raise ValueError(
-                    f"scale_tril must have shape (..., n, n) with n = loc.shape[-1] = {n}, got "
-                    f"{tuple(scale_tril.shape)}."
-                )
-            param_batch = scale_tril.shape[:-2]
-        elif scale is not None:
-            check_tensor("scale", scale, min_dim=1)
-            if scale.shape[-1] != n:
-                raise ValueError(
-                    f"scale must have shape (..., n) with n = loc.shape[-1] = {n}, got {tuple(scale.shape)}."
-                )
-            param_batch = scale.shape[:-1]
-            if cov_factor is not None:
-                check_tensor("cov_factor", cov_factor, min_dim=2)
-                if cov_factor.shape[-2] != n:
-                    raise ValueError(
-                        f"cov_factor must have shape (..., n, r) with n = loc.shape[-1] = {n}, got "
-                        f"{tuple(cov_factor.shape)}."
-                    )
-                param_batch = torch.broadcast_shapes(param_batch, cov_factor.shape[:-2])
-        else:
-            raise ValueError("one of scale or scale_tril must be given (cov_factor needs scale too).")
-        check_same_dtype_device(loc=loc, scale=scale, scale_tril=scale_tril, cov_factor=cov_factor,
-                                constraint=constraint.k)
+        covariance = _build_covariance(n, scale, covariance, scale_tril, cov_factor)
+        check_same_dtype_device(loc=loc, covariance=covariance.tensors()[0], constraint=constraint.k)
         if constraint.event_size != n:
             raise ValueError(
                 f"constraint acts on vectors of size {constraint.event_size}, but loc has size n = {n} "
                 f"(loc.shape = {tuple(loc.shape)})."
             )
         try:
-            batch_shape = torch.broadcast_shapes(loc.shape[:-1], param_batch, constraint.batch_shape)
+            batch_shape = torch.broadcast_shapes(loc.shape[:-1], covariance.batch_shape, constraint.batch_shape)
         except RuntimeError:
             raise ValueError(
-                f"batch shapes do not broadcast: loc {tuple(loc.shape[:-1])}, covariance {tuple(param_batch)}, "
-                f"constraint {tuple(constraint.batch_shape)}."
+                f"batch shapes do not broadcast: loc {tuple(loc.shape[:-1])}, covariance "
+                f"{tuple(covariance.batch_shape)}, constraint {tuple(constraint.batch_shape)}."
             ) from None
         self.constraint = constraint
+        self.covariance = covariance
         self._unbroadcasted_loc = loc
-        self._unbroadcasted_scale = scale
-        self._unbroadcasted_scale_tril = scale_tril
-        self._unbroadcasted_cov_factor = cov_factor
         self.loc = loc.expand(batch_shape + (n,))
         super().__init__(batch_shape, torch.Size([n]), validate_args=False)
         if validate_args is None:
             validate_args = Distribution._validate_args
         self._validate_args = bool(validate_args)
         if self._validate_args:
-            self._check_values()
+            check_finite("loc", loc)
+            covariance.check_values()
+            if getattr(constraint, "_validate_args", False) is False:
+                check_finite("constraint right-hand side k", constraint.k)
 
     # ------------------------------------------------------------------ parameters
     @property
     def arg_constraints(self) -> dict:  # type: ignore[override]
         out = {"loc": constraints.real_vector}
-        if self._unbroadcasted_scale_tril is not None:
+        if isinstance(self.covariance, FullCovariance):
             out["scale_tril"] = constraints.lower_cholesky
-        elif self._unbroadcasted_scale is not None:
+        else:
             out["scale"] = constraints.independent(constraints.positive, 1)
-        if self._unbroadcasted_cov_factor is not None:
+        if isinstance(self.covariance, LowRankCovariance):
             out["cov_factor"] = constraints.independent(constraints.real, 2)
         return out
 
-    def _check_values(self) -> None:
-        check_finite("loc", self._unbroadcasted_loc)
-        if self._unbroadcasted_scale is not None:
-            s = self._unbroadcasted_scale
-            check_finite("scale", s)
-            if not bool((s > 0).all()):
-                raise ValueError(
-                    f"scale (shape {tuple(s.shape)}) must be positive, but its minimum is {s.min().item():.3e}."
-                )
-        if self._unbroadcasted_scale_tril is not None:
-            L = self._unbroadcasted_scale_tril
-            check_finite("scale_tril", L)
-            if not bool(constraints.lower_cholesky.check(L).all()):
-                raise ValueError(
-                    f"scale_tril (shape {tuple(L.shape)}) must be lower triangular with a positive diagonal."
-                )
-        if self._unbroadcasted_cov_factor is not None:
-            check_finite("cov_factor", self._unbroadcasted_cov_factor)
-        if getattr(self.constraint, "_validate_args", False) is False:
-            check_finite("constraint value k", self.constraint.k)
-
     @property
     def scale(self) -> Tensor | None:
-        s = self._unbroadcasted_scale
+        """Standard deviations of the diagonal (part of the) covariance, ``(*batch, n)``; ``None`` for a full one."""
+        s = getattr(self.covariance, "scale", None)
         return None if s is None else s.expand(self.batch_shape + self.event_shape)
 
     @property
     def scale_tril(self) -> Tensor | None:
-        L = self._unbroadcasted_scale_tril
+        """``L`` of a full covariance, ``(*batch, n, n)``; ``None`` otherwise."""
+        L = getattr(self.covariance, "scale_tril", None)
         return None if L is None else L.expand(self.batch_shape + self.event_shape + self.event_shape)
 
     @property
     def cov_factor(self) -> Tensor | None:
-        W = self._unbroadcasted_cov_factor
+        """``W`` of a low-rank covariance, ``(*batch, n, r)``; ``None`` otherwise."""
+        W = getattr(self.covariance, "cov_factor", None)
         return None if W is None else W.expand(self.batch_shape + W.shape[-2:])
 
     @property
     def noise_size(self) -> int:
         """Size of the last dimension of the ``noise`` that :meth:`rsample` consumes (``n``, or ``n + r``)."""
-        return self._conditioner.cov.noise_size
+        return self.covariance.noise_size
 
     @constraints.dependent_property(is_discrete=False, event_dim=1)
     def support(self) -> constraints.Constraint:
         return _AffineSubspace(self.constraint)
 
-    # ------------------------------------------------------------------ cached factorisations
+    # ------------------------------------------------------------------ the one factorisation
     @lazy_property
-    def _conditioner(self) -> Conditioner:
-        cov = build_covariance(self._unbroadcasted_scale, self._unbroadcasted_scale_tril,
-                               self._unbroadcasted_cov_factor)
-        return Conditioner(cov, self.constraint)
+    def conditioner(self) -> Conditioner:
+        r"""The factorisation of :math:`A\Sigma A^\top` for this covariance and constraint, built on first
+        use and shared by every method and estimator. Built with autograd enabled when a parameter requires
+        grad (even when first used under ``torch.no_grad()``), so later ``rsample`` calls keep their gradients.
+        """
+        needs_grad = any(t.requires_grad for t in self.covariance.tensors()) or self.constraint.k.requires_grad
+        with torch.set_grad_enabled(needs_grad or torch.is_grad_enabled()):
+            cond = Conditioner(self.covariance, self.constraint)
+        cond.requires_grad = needs_grad
+        return cond
 
     @lazy_property
+    def _mean(self) -> Tensor:
+        needs_grad = self._unbroadcasted_loc.requires_grad or self.conditioner.requires_grad
+        with torch.set_grad_enabled(needs_grad or torch.is_grad_enabled()):
+            return self.conditioner.condition(self._unbroadcasted_loc)
+
+    @lazy_property
+    def _loc_residual(self) -> Tensor:
+        r""":math:`r = k - A\mu`, ``(*batch, a)``, accumulated in float64 (it cancels when ``loc`` is near the
+        plane, and its error is divided by the scale in the density)."""
+        wide = torch.float64 if self.loc.dtype in (torch.float16, torch.bfloat16, torch.float32) else self.loc.dtype
+        con = self.constraint.to(dtype=wide)
+        return (con.k - con.matvec(self._unbroadcasted_loc.to(wide))).to(self.loc.dtype)
+
+    @property
     def mean(self) -> Tensor:  # type: ignore[override]
         r"""Conditional mean :math:`\bar\mu = \mu + K(k - A\mu)`, ``(*batch, n)``."""
-        return self._conditioner.condition(self._unbroadcasted_loc).expand(self.batch_shape + self.event_shape)
+        return self._mean.expand(self.batch_shape + self.event_shape)
 
     @property
     def mode(self) -> Tensor:
@@ -234,7 +218,7 @@ class ConstrainedNormal(Distribution):
     def variance(self) -> Tensor:  # type: ignore[override]
         r"""Conditional marginal variances :math:`\bar\sigma^2_i`, ``(*batch, n)``; 0 where the constraint
         pins a coordinate."""
-        return self._conditioner.variance().expand(self.batch_shape + self.event_shape)
+        return self.conditioner.variance().expand(self.batch_shape + self.event_shape)
 
     @property
     def stddev(self) -> Tensor:
@@ -244,9 +228,20 @@ class ConstrainedNormal(Distribution):
     def covariance_matrix(self) -> Tensor:
         r"""Dense conditional covariance :math:`\Sigma - KA\Sigma` (rank ``n - a``), ``(*batch, n, n)``.
         Formed only when asked for."""
-        return self._conditioner.covariance_matrix().expand(self.batch_shape + self.event_shape * 2)
+        return self.conditioner.covariance_matrix().expand(self.batch_shape + self.event_shape * 2)
 
     # ------------------------------------------------------------------ sampling
+    def _noise(self, sample_shape: torch.Size | tuple, noise: Tensor | None) -> Tensor:
+        shape = torch.Size(sample_shape) + self.batch_shape + (self.noise_size,)
+        if noise is None:
+            return torch.randn(shape, dtype=self.loc.dtype, device=self.loc.device)
+        if not isinstance(noise, Tensor):
+            raise TypeError(f"noise must be a torch.Tensor, got {type(noise).__name__}.")
+        if noise.shape != shape:
+            raise ValueError(f"noise must have shape sample_shape + batch_shape + (noise_size,) = {tuple(shape)}, "
+                             f"got {tuple(noise.shape)}.")
+        return noise
+
     def rsample(
         self, sample_shape: torch.Size | tuple = (), estimator: str = "pathwise", *,
         noise: Tensor | None = None, **estimator_kwargs,
@@ -256,59 +251,60 @@ class ConstrainedNormal(Distribution):
         Args:
             sample_shape: leading sample dimensions.
             estimator: id of the gradient estimator (``hardeq.estimators.available_estimators()``); every
-                estimator returns the same exact sample and differs in the backward pass only.
+                estimator returns the same exact sample and differs in the backward pass only. Each receives
+                this distribution's :attr:`conditioner` (no factorisation is repeated).
             noise: the standard normal :math:`\varepsilon` to use, shape ``sample_shape + batch_shape +
                 (noise_size,)``; makes the sample a deterministic function (for ``gradcheck``).
             **estimator_kwargs: passed to the estimator (e.g. ``proxy_noise``).
         """
         est = get_estimator(estimator, "normal")
-        shape = torch.Size(sample_shape) + self.batch_shape + (self.noise_size,)
-        if noise is None:
-            noise = torch.randn(shape, dtype=self.loc.dtype, device=self.loc.device)
-        elif noise.shape != shape:
-            raise ValueError(f"noise must have shape {tuple(shape)}, got {tuple(noise.shape)}.")
-        z = est(self._unbroadcasted_loc, self._unbroadcasted_scale, self.constraint, noise,
-                scale_tril=self._unbroadcasted_scale_tril, cov_factor=self._unbroadcasted_cov_factor,
-                **estimator_kwargs)
-        return z.expand(shape[:-1] + self.event_shape)
+        eps = self._noise(sample_shape, noise)
+        z = est(self.conditioner, self._unbroadcasted_loc, eps, **estimator_kwargs)
+        return z.expand(eps.shape[:-1] + self.event_shape)
 
     def sample(self, sample_shape: torch.Size | tuple = ()) -> Tensor:
         """Exact sample without gradient; uses the cached factorisation."""
+        cond = self.conditioner
         with torch.no_grad():
-            shape = torch.Size(sample_shape) + self.batch_shape + (self.noise_size,)
-            noise = torch.randn(shape, dtype=self.loc.dtype, device=self.loc.device)
-            cond = self._conditioner
-            z = cond.condition(self._unbroadcasted_loc + cond.cov.sqrt_matvec(noise))
-            return z.expand(shape[:-1] + self.event_shape)
+            eps = self._noise(sample_shape, None)
+            z = cond.condition(self._unbroadcasted_loc + cond.cov.sqrt_matvec(eps))
+            return z.expand(eps.shape[:-1] + self.event_shape)
 
     # ------------------------------------------------------------------ densities
+    def _log_normaliser(self) -> Tensor:
+        r""":math:`-\tfrac12[(n - a)\log 2\pi + \log\det\Sigma - \log\det S + \log\det AA^\top]`, ``batch_shape``."""
+        cond = self.conditioner
+        n, a = self.event_shape[0], self.constraint.num_constraints
+        return -0.5 * ((n - a) * LOG_2PI + cond.cov.logdet() - cond.logdet()
+                       + self.constraint.logdet_gram_identity())
+
     def log_prob(self, value: Tensor) -> Tensor:
         r"""Log-density on the subspace :math:`\{Az = k\}` (w.r.t. its ``(n - a)``-dimensional Lebesgue
-        measure), shape ``sample_shape + batch_shape``. With ``validate_args``, points off the subspace raise
-        ``ValueError``; without, the formula is evaluated as is."""
+        measure), shape ``sample_shape + batch_shape``.
+
+        For :math:`Az = k` the two quadratic forms of :math:`\log\mathcal N(z;\mu,\Sigma) -
+        \log\mathcal N(k; A\mu, S)` combine exactly into one, so it is evaluated as
+
+        .. math::
+            -\tfrac12\big[(n-a)\log 2\pi + \log\det\Sigma - \log\det S + \log\det AA^\top
+            + (z - \bar\mu)^\top\Sigma^{-1}(z - \bar\mu)\big],
+
+        which has no cancellation (the difference of two large numbers loses everything in float32 when
+        ``loc`` is far from the plane relative to the scale). With ``validate_args``, points off the subspace
+        raise ``ValueError``; without, the formula above is evaluated as is.
+        """
         if self._validate_args:
             self._validate_sample(value)
-        cond = self._conditioner
-        n = self.event_shape[0]
-        log_joint = -0.5 * (n * LOG_2PI + cond.cov.logdet() + cond.cov.inv_quad(value - self._unbroadcasted_loc))
-        out = log_joint - self._log_constraint_evidence() - 0.5 * self.constraint.logdet_gram_identity()
+        # z - mu_bar = (z - mu) - K r without forming mu_bar: mu_bar is only representable to ulp(|mu_bar|),
+        # which can be a large fraction of a small scale; r = k - A mu is accumulated in float64.
+        d = (value - self._unbroadcasted_loc) - self.conditioner.gain_matvec(self._loc_residual)
+        out = self._log_normaliser() - 0.5 * self.conditioner.cov.inv_quad(d)
         return out.expand(torch.broadcast_shapes(value.shape[:-1], self.batch_shape))
-
-    def _log_constraint_evidence(self) -> Tensor:
-        r""":math:`\log\mathcal N(k; A\mu, S)`, shape ``batch_shape``."""
-        cond = self._conditioner
-        a = self.constraint.num_constraints
-        r = self.constraint.k - self.constraint.matvec(self._unbroadcasted_loc)
-        return -0.5 * (a * LOG_2PI + cond.logdet() + cond.inv_quad(r))
 
     def entropy(self) -> Tensor:
         r""":math:`\tfrac{n-a}{2}(1 + \log 2\pi) + \tfrac12[\log\det\Sigma - \log\det S + \log\det AA^\top]`."""
-        cond = self._conditioner
         n, a = self.event_shape[0], self.constraint.num_constraints
-        h = 0.5 * (n - a) * (1 + LOG_2PI) + 0.5 * (
-            cond.cov.logdet() - cond.logdet() + self.constraint.logdet_gram_identity()
-        )
-        return h.expand(self.batch_shape)
+        return (0.5 * (n - a) - self._log_normaliser()).expand(self.batch_shape)
 
     # ------------------------------------------------------------------ expected losses
     def expected_l2(self, target: Tensor) -> Tensor:
@@ -327,18 +323,50 @@ class ConstrainedNormal(Distribution):
         n = self.event_shape[0]
         new = self._get_checked_instance(ConstrainedNormal, _instance)
         new.constraint = self.constraint.expand(batch_shape)
+        new.covariance = self.covariance
         new._unbroadcasted_loc = self._unbroadcasted_loc.expand(batch_shape + (n,))
-        new._unbroadcasted_scale = self._unbroadcasted_scale
-        new._unbroadcasted_scale_tril = self._unbroadcasted_scale_tril
-        new._unbroadcasted_cov_factor = self._unbroadcasted_cov_factor
         new.loc = new._unbroadcasted_loc
         super(ConstrainedNormal, new).__init__(batch_shape, self.event_shape, validate_args=False)
         new._validate_args = self._validate_args
         return new
 
     def __repr__(self) -> str:
-        kind = ("scale_tril" if self._unbroadcasted_scale_tril is not None
-                else "cov_factor" if self._unbroadcasted_cov_factor is not None else "scale")
         return (f"ConstrainedNormal(n={self.event_shape[0]}, batch_shape={tuple(self.batch_shape)}, "
-                f"covariance={kind}, constraint={self.constraint!r})")
+                f"covariance={self.covariance!r}, constraint={self.constraint!r})")
 
+
+def _build_covariance(n: int, scale: Tensor | None, covariance: Covariance | None, scale_tril: Tensor | None,
+                      cov_factor: Tensor | None) -> Covariance:
+    """The covariance object from ``covariance=`` or the keyword shortcuts (exactly one form), shape-checked."""
+    if covariance is not None:
+        if scale is not None or scale_tril is not None or cov_factor is not None:
+            raise ValueError("pass covariance= alone, or one of the shortcuts (scale, scale_tril, cov_factor with "
+                             "scale), not both.")
+        if not isinstance(covariance, Covariance):
+            raise TypeError("covariance must be a hardeq.DiagonalCovariance, FullCovariance or LowRankCovariance, "
+                            f"got {type(covariance).__name__}.")
+    elif scale_tril is not None:
+        if scale is not None or cov_factor is not None:
+            raise ValueError("pass either scale_tril alone, scale alone, or cov_factor with scale.")
+        check_tensor("scale_tril", scale_tril, min_dim=2)
+        if scale_tril.shape[-2:] != (n, n):
+            raise ValueError(f"scale_tril must have shape (..., n, n) with n = loc.shape[-1] = {n}, got "
+                             f"{tuple(scale_tril.shape)}.")
+        covariance = FullCovariance(scale_tril)
+    elif scale is not None:
+        check_tensor("scale", scale, min_dim=1)
+        if scale.shape[-1] != n:
+            raise ValueError(f"scale must have shape (..., n) with n = loc.shape[-1] = {n}, got {tuple(scale.shape)}.")
+        if cov_factor is not None:
+            check_tensor("cov_factor", cov_factor, min_dim=2)
+            if cov_factor.shape[-2] != n:
+                raise ValueError(f"cov_factor must have shape (..., n, r) with n = loc.shape[-1] = {n}, got "
+                                 f"{tuple(cov_factor.shape)}.")
+            covariance = LowRankCovariance(cov_factor, scale)
+        else:
+            covariance = DiagonalCovariance(scale)
+    else:
+        raise ValueError("one of scale, scale_tril (cov_factor needs scale too) or covariance must be given.")
+    if covariance.event_size != n:
+        raise ValueError(f"covariance has event size {covariance.event_size}, but loc has size n = {n}.")
+    return covariance

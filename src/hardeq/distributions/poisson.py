@@ -9,8 +9,9 @@ from torch import Tensor
 from torch.distributions import Binomial, Distribution, constraints
 
 from .._utils import check_finite, check_group_index
+from ..constraints import SumConstraint
 from ..estimators import poisson as _poisson_estimators  # noqa: F401  (registers the estimators)
-from ..estimators.poisson import _gather, _group_probs, _group_sum
+from ..ops import gather, group_probs, group_sum
 from ..estimators.registry import get_estimator
 from .poisson_losses import binomial_expected_l1, binomial_expected_l2
 
@@ -36,7 +37,7 @@ class _GroupedMultinomial(constraints.Constraint):
         if not value.is_floating_point():
             value = value.to(self.total.dtype)
         ok = ((value >= 0) & (value == torch.floor(value))).all(-1)
-        sums = _group_sum(value, self.index, self.total.shape[-1])
+        sums = group_sum(value, self.index, self.total.shape[-1])
         return ok & (sums == self.total).all(-1)
 
 
@@ -74,6 +75,8 @@ class ConstrainedPoisson(Distribution):
             dims broadcast with ``rate``'s.
         index (LongTensor, optional): group id of every coordinate, shape ``(n,)``, values in ``[0, a)``,
             every group non-empty (PyG's ``batch`` vector).
+        constraint (SumConstraint, optional): the primary form, instead of ``total`` and ``index``: the
+            group ids and totals of a :class:`~hardeq.SumConstraint` (its ``k``).
         validate_args (bool, optional): value checks (``rate`` positive and finite, ``total`` a non-negative
             integer, ``log_prob`` arguments non-negative integers), as in ``torch.distributions``; defaults to
             torch's global setting. Types, shapes and ``index`` are always checked.
@@ -98,11 +101,21 @@ class ConstrainedPoisson(Distribution):
     def __init__(
         self,
         rate: Tensor,
-        total: Tensor | int,
+        total: Tensor | int | None = None,
         *,
         index: Tensor | None = None,
+        constraint: SumConstraint | None = None,
         validate_args: bool | None = None,
     ) -> None:
+        if constraint is not None:
+            if total is not None or index is not None:
+                raise ValueError("pass constraint= alone, or the shortcut (total, index=), not both.")
+            if not isinstance(constraint, SumConstraint):
+                raise TypeError("constraint must be a hardeq.SumConstraint (Poissons are conditioned on group sums), "
+                                f"got {type(constraint).__name__}.")
+            total, index = constraint.k, constraint.index
+        elif total is None:
+            raise ValueError("total (with optional index=) or constraint= must be given.")
         if not isinstance(rate, Tensor):
             raise TypeError(f"rate must be a torch.Tensor, got {type(rate).__name__}.")
         if not rate.is_floating_point():
@@ -192,6 +205,13 @@ class ConstrainedPoisson(Distribution):
         new._validate_args = self._validate_args
         return new
 
+    @property
+    def constraint(self) -> SumConstraint:
+        """The group-sum constraint as a :class:`~hardeq.SumConstraint` (one group when ``index`` is None)."""
+        n = self.event_shape[0]
+        index = self.index if self.index is not None else torch.zeros(n, dtype=torch.long, device=self.rate.device)
+        return SumConstraint(index, self._group_total, validate_args=False)
+
     @constraints.dependent_property(is_discrete=True, event_dim=1)
     def support(self) -> constraints.Constraint:
         return _GroupedMultinomial(self._group_total, self.index)
@@ -201,13 +221,13 @@ class ConstrainedPoisson(Distribution):
     def probs(self) -> Tensor:
         r""":math:`p_i = \theta_i / \sum_{l : g(l) = g(i)} \theta_l`, shape ``(*batch, n)``. O(n); recomputed
         on each access so that every call builds a fresh autograd graph."""
-        p = _group_probs(self._unbroadcasted_rate, self.index, self.num_groups)
+        p = group_probs(self._unbroadcasted_rate, self.index, self.num_groups)
         return p.expand(self.batch_shape + self.event_shape)
 
     @property
     def _coordinate_total(self) -> Tensor:
         """:math:`k_{g(i)}`, shape ``(*batch, n)``."""
-        return _gather(self._group_total, self.index).expand(self.batch_shape + self.event_shape)
+        return gather(self._group_total, self.index).expand(self.batch_shape + self.event_shape)
 
     @property
     def mean(self) -> Tensor:

@@ -2,22 +2,25 @@ r"""Gradient estimators for the exact sample of :math:`\mathcal N(\mu, \Sigma)` 
 
 Every estimator returns the *same* forward value: the exact Matheron-rule sample
 
-.. math::  z = \hat z + K(k - A\hat z), \quad \hat z = \mu + L\varepsilon,
+.. math::  z = \hat z + K(k - A\hat z), \quad \hat z = \mu + F\varepsilon,
 
 built from ``noise`` :math:`\varepsilon`. They differ only in the backward pass: a proxy
 :math:`m(\theta)` is chosen and the estimator returns ``z.detach() + (m - m.detach())``, so that
 :math:`\nabla_\theta \ell = (\partial m/\partial\theta)^\top\,\partial\ell/\partial z`.
 
-All share the signature ``fn(loc, scale, constraint, noise, *, scale_tril=None, cov_factor=None)``:
+All share the signature ``fn(conditioner, loc, noise, **options) -> Tensor``:
 
+* ``conditioner``: a :class:`~hardeq.linalg.conditioning.Conditioner`, the factorisation of
+  :math:`A\Sigma A^\top` for one covariance and one constraint. A :class:`~hardeq.ConstrainedNormal` builds
+  it once (:attr:`~hardeq.ConstrainedNormal.conditioner`) and hands it to every estimator, so no estimator
+  factorises again; on plain tensors, build it as ``Conditioner(DiagonalCovariance(scale), constraint)``.
+  Gradients w.r.t. the covariance's tensors and ``k`` flow through it.
 * ``loc``: :math:`\mu`, ``(*batch, n)``;
-* ``scale``: diagonal standard deviations ``(*batch, n)`` (``None`` with ``scale_tril``; the diagonal
-  part's standard deviations with ``cov_factor``);
-* ``constraint``: a :class:`~hardeq.LinearConstraint` or :class:`~hardeq.SumConstraint`;
-* ``noise``: :math:`\varepsilon`, ``(*sample, *batch, n)`` (``n + r`` with a rank-``r`` ``cov_factor``: the
-  first ``n`` entries drive the diagonal part, the last ``r`` the factor).
+* ``noise``: :math:`\varepsilon`, ``(*sample, *batch, m)`` with ``m = conditioner.cov.noise_size`` (``n``,
+  or ``n + r`` for a rank-``r`` low-rank covariance: the first ``n`` entries drive the diagonal part).
 
-Returns a tensor of shape ``(*sample, *batch, n)``.
+Returns a tensor of shape ``(*sample, *batch, n)``. The ``constrained_layer`` estimator is registered by
+:mod:`hardeq.baselines`, which owns the constraint layer (the core does not import the baselines).
 """
 
 from __future__ import annotations
@@ -27,63 +30,57 @@ import math
 import torch
 from torch import Tensor
 
-from ..constraints import EqualityConstraint
 from ..linalg.conditioning import Conditioner
-from ..linalg.covariance import Covariance, DiagonalCovariance, FullCovariance, LowRankCovariance
 from .registry import register_estimator
 
 __all__ = [
-    "build_covariance",
+    "exact_sample",
+    "straight_through",
     "pathwise",
     "marginal_expectation",
     "constrained_marginal",
     "unconstrained_marginal",
-    "constrained_layer",
     "constrained_reparam_independent",
     "random",
 ]
 
 
-def build_covariance(scale: Tensor | None, scale_tril: Tensor | None, cov_factor: Tensor | None) -> Covariance:
-    """The covariance structure named by which arguments are given (see ConstrainedNormal)."""
-    if scale_tril is not None:
-        return FullCovariance(scale_tril)
-    if cov_factor is not None:
-        return LowRankCovariance(cov_factor, scale)
-    return DiagonalCovariance(scale)
-
-
-def _straight_through(z: Tensor, proxy: Tensor) -> Tensor:
+def straight_through(z: Tensor, proxy: Tensor) -> Tensor:
+    """``z`` in the forward pass, the gradient of ``proxy`` in the backward pass."""
     return z.detach() + (proxy - proxy.detach())
 
 
-def _exact_sample(cond: Conditioner, loc: Tensor, noise: Tensor) -> Tensor:
+def exact_sample(cond: Conditioner, loc: Tensor, noise: Tensor) -> Tensor:
+    r"""The Matheron sample :math:`z = \hat z + K(k - A\hat z)`, :math:`\hat z = \mu + F\varepsilon`,
+    differentiable in every parameter; ``noise`` ``(*sample, *batch, m)`` -> ``(*sample, *batch, n)``."""
     return cond.condition(loc + cond.cov.sqrt_matvec(noise))
 
 
+def _detached_sample(cond: Conditioner, loc: Tensor, noise: Tensor) -> Tensor:
+    with torch.no_grad():
+        return exact_sample(cond, loc, noise)
+
+
 @register_estimator("pathwise", exact=True)
-def pathwise(loc, scale, constraint: EqualityConstraint, noise, *, scale_tril=None, cov_factor=None) -> Tensor:
+def pathwise(cond: Conditioner, loc: Tensor, noise: Tensor) -> Tensor:
     r"""Reparameterised Matheron sample, differentiated through end to end.
 
     Gradient: **exact** for the sample as a function of the noise, hence an **unbiased** estimate of
     :math:`\nabla \mathbb E\,\ell(z)` w.r.t. ``loc``, ``scale``/``scale_tril``/``cov_factor`` and ``k``.
     """
-    cond = Conditioner(build_covariance(scale, scale_tril, cov_factor), constraint)
-    return _exact_sample(cond, loc, noise)
+    return exact_sample(cond, loc, noise)
 
 
 @register_estimator("marginal_expectation")
-def marginal_expectation(loc, scale, constraint, noise, *, scale_tril=None, cov_factor=None) -> Tensor:
+def marginal_expectation(cond: Conditioner, loc: Tensor, noise: Tensor) -> Tensor:
     r"""Proxy :math:`m = \bar\mu(\theta)`, the conditional mean (the source paper's recommendation).
 
     Gradient: equal in expectation to the pathwise one w.r.t. ``loc`` and ``k`` (the sample is affine in
     them with the same Jacobian), hence **unbiased there**; **biased** (zero) w.r.t. the scale parameters,
     except through :math:`\bar\mu`'s dependence on :math:`\Sigma`.
     """
-    cond = Conditioner(build_covariance(scale, scale_tril, cov_factor), constraint)
-    with torch.no_grad():
-        z = _exact_sample(cond, loc, noise)
-    return _straight_through(z, cond.condition(loc))
+    z = _detached_sample(cond, loc, noise)
+    return straight_through(z, cond.condition(loc))
 
 
 def _gaussian_density(x: Tensor, mean: Tensor, variance: Tensor) -> Tensor:
@@ -94,53 +91,28 @@ def _gaussian_density(x: Tensor, mean: Tensor, variance: Tensor) -> Tensor:
 
 
 @register_estimator("constrained_marginal")
-def constrained_marginal(loc, scale, constraint, noise, *, scale_tril=None, cov_factor=None) -> Tensor:
+def constrained_marginal(cond: Conditioner, loc: Tensor, noise: Tensor) -> Tensor:
     r"""Proxy :math:`m_i = \mathcal N(z_i; \bar\mu_i, \bar\sigma_i^2)`: the conditional marginal density at
     the (detached) sample. A **biased** proxy w.r.t. all parameters (its gradient is the density's, not the
     sample's); coordinates with zero conditional variance contribute no gradient.
     """
-    cond = Conditioner(build_covariance(scale, scale_tril, cov_factor), constraint)
-    with torch.no_grad():
-        z = _exact_sample(cond, loc, noise)
+    z = _detached_sample(cond, loc, noise)
     proxy = _gaussian_density(z, cond.condition(loc), cond.variance())
-    return _straight_through(z, proxy)
+    return straight_through(z, proxy)
 
 
 @register_estimator("unconstrained_marginal")
-def unconstrained_marginal(loc, scale, constraint, noise, *, scale_tril=None, cov_factor=None) -> Tensor:
+def unconstrained_marginal(cond: Conditioner, loc: Tensor, noise: Tensor) -> Tensor:
     r"""Proxy :math:`m_i = \mathcal N(z_i; \mu_i, \Sigma_{ii})`: the *unconstrained* marginal density at the
     (detached) sample. A **biased** proxy; the constraint does not enter its gradient.
     """
-    cov = build_covariance(scale, scale_tril, cov_factor)
-    cond = Conditioner(cov, constraint)
-    with torch.no_grad():
-        z = _exact_sample(cond, loc, noise)
-    return _straight_through(z, _gaussian_density(z, loc, cov.diagonal()))
-
-
-@register_estimator("constrained_layer")
-def constrained_layer(
-    loc, scale, constraint, noise, *, scale_tril=None, cov_factor=None, proxy_noise: Tensor | None = None,
-    order: Tensor | None = None,
-) -> Tensor:
-    r"""Proxy :math:`m = \mathrm{CL}(\mu + L\varepsilon')`: the constraint layer (baseline, Stoian et al.)
-    applied to a reparameterised *unconstrained* sample. :math:`\varepsilon'` is ``proxy_noise`` if given
-    (independent noise, as in the source paper's table), otherwise the forward sample's own noise.
-    A **biased** proxy: CL's output is not distributed as the conditional.
-    """
-    from ..baselines import constraint_layer as cl
-
-    cov = build_covariance(scale, scale_tril, cov_factor)
-    cond = Conditioner(cov, constraint)
-    with torch.no_grad():
-        z = _exact_sample(cond, loc, noise)
-    eps = noise if proxy_noise is None else proxy_noise
-    return _straight_through(z, cl(loc + cov.sqrt_matvec(eps), constraint, order=order))
+    z = _detached_sample(cond, loc, noise)
+    return straight_through(z, _gaussian_density(z, loc, cond.cov.diagonal()))
 
 
 @register_estimator("constrained_reparam_independent")
 def constrained_reparam_independent(
-    loc, scale, constraint, noise, *, scale_tril=None, cov_factor=None, proxy_noise: Tensor | None = None
+    cond: Conditioner, loc: Tensor, noise: Tensor, *, proxy_noise: Tensor | None = None
 ) -> Tensor:
     r"""Proxy: a pathwise Matheron sample drawn with *independent* noise :math:`\varepsilon'`
     (``proxy_noise``, fresh ``randn`` by default), as the source paper's table describes for its
@@ -149,11 +121,9 @@ def constrained_reparam_independent(
     the same as :func:`marginal_expectation`'s: **unbiased w.r.t. ``loc`` and ``k`` only**, biased w.r.t. the
     scales, and with more variance than either. Included to measure what sharing the noise buys.
     """
-    cond = Conditioner(build_covariance(scale, scale_tril, cov_factor), constraint)
-    with torch.no_grad():
-        z = _exact_sample(cond, loc, noise)
+    z = _detached_sample(cond, loc, noise)
     eps = torch.randn_like(noise) if proxy_noise is None else proxy_noise
-    return _straight_through(z, _exact_sample(cond, loc, eps))
+    return straight_through(z, exact_sample(cond, loc, eps))
 
 
 class _RandomGradient(torch.autograd.Function):
@@ -177,12 +147,10 @@ class _RandomGradient(torch.autograd.Function):
 
 
 @register_estimator("random")
-def random(loc, scale, constraint, noise, *, scale_tril=None, cov_factor=None) -> Tensor:
-    r"""Gradient replaced by standard normal noise of each parameter's shape (``loc``, ``scale``,
-    ``scale_tril``, ``cov_factor``; ``k`` gets none): the uninformative reference. **Not** a gradient
+def random(cond: Conditioner, loc: Tensor, noise: Tensor) -> Tensor:
+    r"""Gradient replaced by standard normal noise of each parameter's shape (``loc`` and the covariance's
+    tensors; ``k`` gets none): the uninformative reference. **Not** a gradient
     estimator in any sense; its expected cosine with the true gradient is 0.
     """
-    cond = Conditioner(build_covariance(scale, scale_tril, cov_factor), constraint)
-    with torch.no_grad():
-        z = _exact_sample(cond, loc, noise)
-    return _RandomGradient.apply(z, loc, scale, scale_tril, cov_factor)
+    z = _detached_sample(cond, loc, noise)
+    return _RandomGradient.apply(z, loc, *cond.cov.tensors())

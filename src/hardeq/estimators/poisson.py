@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from ..ops import binomial_log_pmf, group_probs
 from .registry import register_estimator
 
 __all__ = [
@@ -46,25 +47,6 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-# Shared with hardeq.distributions.poisson (imports flow estimators -> distributions).
-
-
-def _group_sum(x: Tensor, index: Tensor | None, num_groups: int) -> Tensor:
-    r"""Per-group sums :math:`\sum_{i : g(i) = j} x_i`: ``(*, n) -> (*, a)`` (``a = 1`` without ``index``)."""
-    if index is None:
-        return x.sum(-1, keepdim=True)
-    out = x.new_zeros(x.shape[:-1] + (num_groups,))
-    return out.index_add(-1, index, x)
-
-
-def _gather(x: Tensor, index: Tensor | None) -> Tensor:
-    """Broadcast a per-group value to the group's members: ``(*, a) -> (*, n)`` (``(*, 1)`` without index)."""
-    return x if index is None else x.index_select(-1, index)
-
-
-def _group_probs(rate: Tensor, index: Tensor | None, num_groups: int = 1) -> Tensor:
-    r""":math:`p_i = \theta_i / \sum_{j : g(j) = g(i)} \theta_j`, shape of ``rate`` ``(*batch, n)``. O(n)."""
-    return rate / _gather(_group_sum(rate, index, num_groups), index)
 
 
 def _coordinate_totals(total: Tensor, index: Tensor | None) -> Tensor:
@@ -73,24 +55,6 @@ def _coordinate_totals(total: Tensor, index: Tensor | None) -> Tensor:
     return total.unsqueeze(-1) if index is None else total.index_select(-1, index)
 
 
-def _binomial_log_pmf(value: Tensor, total_count: Tensor, probs: Tensor) -> Tensor:
-    r"""Binomial log-pmf :math:`\log\binom{k}{x} + x\log p + (k - x)\log(1 - p)`, broadcast.
-
-    Valid for integer ``0 <= value <= total_count`` and ``0 <= probs <= 1``. The point masses at
-    ``probs`` 0 and 1 are handled separately so that neither the value nor the gradient w.r.t. ``probs``
-    produces NaN (``0 * log 0`` is avoided rather than masked). Computed in float64 (its terms are of size
-    ``k log k`` and cancel) and returned in the dtype of ``probs``.
-    """
-    dtype = probs.dtype
-    probs = probs.to(torch.float64)
-    interior = (probs > 0) & (probs < 1)
-    p = torch.where(interior, probs, torch.full_like(probs, 0.5))
-    x, k = value.to(torch.float64), total_count.to(torch.float64)
-    log_comb = torch.lgamma(k + 1) - torch.lgamma(x + 1) - torch.lgamma(k - x + 1)
-    out = log_comb + x * torch.log(p) + (k - x) * torch.log1p(-p)
-    point = k * (probs >= 1)  # the atom of a degenerate binomial: k when p = 1, 0 when p = 0
-    degenerate = torch.where(x == point, 0.0, float("-inf")).to(out.dtype)
-    return torch.where(interior, out, degenerate).to(dtype)
 
 
 def _poisson_log_pmf(value: Tensor, rate: Tensor) -> Tensor:
@@ -140,7 +104,7 @@ def poisson_marginal_expectation(
         sample: ``(*sample, *batch, n)``; returns ``(*sample, *batch, n)``.
     """
     _check_shapes(rate, total, sample, index)
-    p = _group_probs(rate, index, _num_groups(total, index))
+    p = group_probs(rate, index, _num_groups(total, index))
     m = _coordinate_totals(total, index).to(p.dtype) * p  # shape: (*batch, n)
     return _straight_through(sample, m)
 
@@ -162,9 +126,9 @@ def poisson_constrained_marginal(
         sample: ``(*sample, *batch, n)``; returns ``(*sample, *batch, n)``.
     """
     _check_shapes(rate, total, sample, index)
-    p = _group_probs(rate, index, _num_groups(total, index))
+    p = group_probs(rate, index, _num_groups(total, index))
     k = _coordinate_totals(total, index).to(p.dtype)
-    m = _binomial_log_pmf(sample.detach().to(p.dtype), k, p).exp()  # shape: (*sample, *batch, n)
+    m = binomial_log_pmf(sample.detach().to(p.dtype), k, p).exp()  # shape: (*sample, *batch, n)
     return _straight_through(sample, m)
 
 

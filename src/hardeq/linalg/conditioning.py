@@ -1,31 +1,56 @@
 r"""Conditioning a Gaussian on a linear equality constraint (Matheron's rule), without forming ``n x n``.
 
-Write :math:`\Sigma = FF^\top` with the covariance's square root :math:`F` (``n x m``: ``diag(scale)``,
-``scale_tril``, or ``[diag(scale), W]``) and :math:`B = AF` (``a x m``), so :math:`S = A\Sigma A^\top = BB^\top`.
-With the thin QR factorisation :math:`B^\top = QR` (``Q``: ``m x a``, ``R``: ``a x a``):
+Notation: :math:`\Sigma = FF^\top` (``F``: ``n x m``, ``diag(scale)``, ``scale_tril`` or ``[diag(scale), W]``),
+:math:`S = A\Sigma A^\top` (``a x a``), gain :math:`K = \Sigma A^\top S^{-1}`. The Matheron map
 
 .. math::
-    K r = \Sigma A^\top S^{-1} r = F B^\top (BB^\top)^{-1} r = F\,Q\,R^{-\top} r, \qquad
-    \bar\sigma^2_i = \Sigma_{ii} - \lVert (FQ)_{i,:}\rVert^2, \qquad
-    \log\det S = 2\textstyle\sum_j \log|R_{jj}|.
+    z = \hat z + K(k - A\hat z)
 
-:math:`F Q R^{-\top} r` is :math:`F` times the minimum-norm solution of :math:`Bx = r`, which Householder QR
-computes backward stably; so the sample :math:`z = \hat z + K(k - A\hat z)` satisfies :math:`Az = k` to
-round-off relative to :math:`|B||x|`, even when :math:`S` is ill-conditioned (scales spanning eight decades,
-nearly dependent rows of ``A``), in float32. Forming :math:`S` and taking its Cholesky factor would square
-the condition number instead; the tests exercise exactly such cases. Because :math:`|B||x|` can still
-exceed :math:`|A||z|` when some scales are tiny, one step of iterative refinement follows (the same map
-applied to its own output: :math:`z \leftarrow z + K(k - Az)`); it brings the residual to round-off relative
-to :math:`|A||z|` (measured: 3e-6 to 9e-9 in float32 with scales down to 1e-5). The map is a projection, so
-the extra step changes neither the distribution nor, to first order, the gradients.
+sends :math:`\hat z \sim \mathcal N(\mu, \Sigma)` to an exact sample of :math:`z \mid Az = k` and :math:`\mu` to
+the conditional mean. Everything below is about computing it *to round-off* and fast.
 
-Cost: the QR is O(m a^2) once per covariance/``A`` pair (it does not depend on ``mu`` or ``k``), each
-conditioned vector costs O(n a) plus one application of :math:`F`. A :class:`~hardeq.SumConstraint` with a
-diagonal covariance has a diagonal :math:`S` (per-group sums of variances) and costs O(n) throughout.
+**Scaling.** :math:`K` is invariant to :math:`\Sigma \to \Sigma / c^2`, so the factorisation works with the
+normalised :math:`\Sigma' = \Sigma / c^2`, :math:`c` = the largest entry of ``F`` per batch element; scales of
+1e-20 or 1e-40 in float32 neither under- nor overflow (:math:`\log\det S` adds :math:`2a\log c` back).
+
+**Algorithms, chosen once per covariance/constraint pair in** :meth:`Conditioner._factorise`:
+
+* ``"grouped"``: the constraint says its Gram matrix is diagonal under a diagonal covariance
+  (:meth:`~hardeq.constraints.EqualityConstraint.diagonal_gram`, e.g. a :class:`~hardeq.SumConstraint`):
+  :math:`S = \mathrm{diag}(s)`, :math:`Kr = v \odot A^\top(r / s)`, O(n) per vector.
+* ``"cholesky"``: the Gram matrix :math:`S' = A\Sigma' A^\top` by one (batched) GEMM, accumulated in the working
+  dtype, and its Cholesky factor :math:`S' = LL^\top`. Per-sample diagonal covariance with a shared ``A`` and
+  small ``a``: one GEMM ``v' @ P`` with the ``n x a(a+1)/2`` row products ``P`` of ``A``; otherwise chunked
+  batched GEMMs, so no ``batch x n x a`` tensor lives longer than one chunk.
+* ``"cholesky64"``: the same in float64 for a float32 input, chosen when the float32 factor is not accurate
+  enough: its Cholesky fails or the pivot ratio says :math:`\kappa(S) \ge (\max L_{jj}/\min L_{jj})^2 > 10^3`
+  (then :math:`\varepsilon_{32}\kappa(S)` would cost more than one refinement step). Only the ``a x a`` factor
+  is float64; the ``n``-sized work stays in float32.
+* ``"qr"``: the backward-stable fallback, a Householder QR :math:`B^\top = QR` of :math:`B = AF'` (in float64 for a
+  float32 input), :math:`Kr = F'QR^{-\top}r`. Chosen when the float64 Cholesky fails or its pivot ratio gives
+  :math:`\kappa(S) > 10^{10}` (rows of ``A`` nearly dependent under :math:`\Sigma`, scales spanning more than eight
+  decades); it keeps ``Q`` (``batch x m x a``), the only path that does.
+
+**Residual check and refinement.** After the Matheron step the residual ``A z - k`` is compared with
+``rtol * max_i (|A||z|)_i`` (``rtol = min(eps max(4, 2 sqrt(n)), cap)``, cap 2.5e-6 in float32 and 2.5e-13
+in float64, a quarter of the exactness target; first against a cheap lower bound ``min_j c_j ||z||_1 / a`` with
+:math:`c_j = \sum_i |A_{ij}|`, then with the exact ``|A||z|`` only when that is inconclusive, and for float32
+finally with the residual re-evaluated in float64, so that evaluation noise never asks for a useless step). Only samples that fail get a refinement step :math:`z \leftarrow z + K(k - Az)` (up to
+:data:`MAX_REFINEMENT_STEPS`); the map is a projection, so this changes neither the distribution nor, to first
+order, the gradient. If a sample still fails, the conditioner escalates to the next algorithm
+(``cholesky -> cholesky64 -> qr``, through :meth:`_factorise`) and, at ``qr``, raises
+:class:`~hardeq.NotPSDError`. Refinement is needed when :math:`\hat z` is much larger than :math:`z` (ulp(ẑ)
+absolute error: e.g. a group of one with scale 1e8 must return ``k``) or when :math:`\varepsilon\kappa(S)` is not
+small.
+
+Cost: factorisation O(batch n a^2 + batch a^3) (GEMM speed); each conditioned vector O(n a) (``grouped``: O(n)) plus
+the check, one more O(n a) product and one O(n) norm. :meth:`sample` fuses ``loc + F eps`` and the Matheron step
+in place when no gradient is needed (memory-bound at large ``n``: every avoided ``n``-sized temporary counts).
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,101 +58,441 @@ from torch import Tensor
 
 from .._utils import batch_mv
 from ..errors import NotPSDError
-from .covariance import Covariance, DiagonalCovariance
+from .covariance import Covariance, DiagonalCovariance, FullCovariance, LowRankCovariance
 from .triangular import tri_solve_vec
 
 if TYPE_CHECKING:
     from ..constraints import EqualityConstraint
 
-__all__ = ["Conditioner", "REFINEMENT_STEPS"]
+__all__ = ["Conditioner", "MAX_REFINEMENT_STEPS", "CHECK_RTOL_CAP"]
 
-#: refinement steps after the Matheron step (not needed for a SumConstraint with diagonal covariance)
-REFINEMENT_STEPS = 1
+#: refinement steps allowed per algorithm before escalating to the next one
+MAX_REFINEMENT_STEPS = 3
+#: cap of the internal residual check's tolerance, relative to ``max_i (|A||z|)_i`` (a quarter of the
+#: exactness target 1e-5 / 1e-12)
+CHECK_RTOL_CAP = {torch.float32: 2.5e-6, torch.float64: 2.5e-13}
+#: largest pivot-ratio estimate of kappa(S) accepted by the float32 / float64 Cholesky paths
+_KAPPA_MAX_32 = 1e3
+_KAPPA_MAX_64 = 1e10
+#: elements of a transient (chunk x a x n) tensor
+_CHUNK_ELEMS = 1 << 24
+#: largest n * a(a+1)/2 for the product-matrix Gram of a per-sample diagonal covariance
+_PRODUCT_ELEMS = 1 << 25
+
+_ORDER = ("cholesky", "cholesky64", "qr")
 
 
 class Conditioner:
     r"""Everything about :math:`\mathcal N(\mu, \Sigma)` given :math:`A z = k` that does not depend on
-    :math:`\mu` or :math:`k`: the factorisation of :math:`S`, the gain, conditional variances.
+    :math:`\mu` (and, for the factor, on :math:`k`): the factorisation of :math:`S`, the gain, conditional
+    variances. See the module docstring for the algorithms and when each is chosen.
 
     Args:
         covariance: the structure of :math:`\Sigma` (batch shape ``B_s``).
         constraint: the constraint (batch shape ``B_c``); results broadcast over ``B_s`` and ``B_c``.
 
+    Attributes:
+        method (str): ``"grouped"``, ``"cholesky"``, ``"cholesky64"`` or ``"qr"``.
+        grouped (bool): ``method == "grouped"``; then :attr:`group_variance` is the diagonal of :math:`S`,
+            shape ``(*batch, a)``.
+
     Raises:
-        NotPSDError: if :math:`S` is numerically singular (rows of ``A`` dependent under :math:`\Sigma`).
+        NotPSDError: if :math:`S` is numerically singular (rows of ``A`` dependent under :math:`\Sigma`), or has
+            NaN/inf entries.
     """
 
     def __init__(self, covariance: Covariance, constraint: "EqualityConstraint") -> None:
-        from ..constraints import SumConstraint
-
+        if covariance.event_size != constraint.event_size:
+            raise ValueError(
+                f"covariance has event size {covariance.event_size} but the constraint acts on vectors of size "
+                f"{constraint.event_size}."
+            )
         self.cov = covariance
         self.constraint = constraint
-        self.grouped = isinstance(constraint, SumConstraint) and isinstance(covariance, DiagonalCovariance)
-        if self.grouped:
-            self.group_variance = constraint.matvec(covariance.variance)  # diag of S, (*batch, a)
-            _check_pivots(self.group_variance, torch.zeros_like(self.group_variance))
-        else:
-            Bt = covariance.sqrt_t_matmul(constraint.dense_matrix().mT)  # B^T = F^T A^T, (*batch, m, a)
-            self.Q, self.R = torch.linalg.qr(Bt)  # (*batch, m, a), (*batch, a, a)
-            pivots = self.R.diagonal(dim1=-2, dim2=-1).abs()
-            eps = torch.finfo(Bt.dtype).eps
-            _check_pivots(pivots, 10 * eps * Bt.abs().amax((-2, -1)).unsqueeze(-1))
+        self.dtype = constraint.k.dtype
+        self._factorise()
 
-    # ------------------------------------------------------------------ S = A Sigma A^T
+    # ================================================================== factorisation
+    def _factorise(self, method: str | None = None) -> None:
+        """All factorisation work. ``method=None``: choose (see the module docstring); otherwise force
+        ``"cholesky64"`` or ``"qr"`` (used by the escalation after a failed residual check)."""
+        cov, con = self.cov, self.constraint
+        self._abs_A = None
+        self._col_min = None
+        if method is None and isinstance(cov, DiagonalCovariance):
+            c = _sqrt_scale(cov)
+            v = (cov.scale / c).square()  # normalised variances: no under/overflow for extreme scales
+            gv = con.diagonal_gram(v)
+            if gv is not None:
+                self.method, self.grouped = "grouped", True
+                _check_pivots(gv, torch.zeros_like(gv))
+                self._c, self._v, self._gv = c, v, gv
+                self.group_variance = con.diagonal_gram(cov.variance)  # diag of S (for the KL's closed form)
+                return
+        self.grouped = False
+        self._v = None
+        A = con.dense_matrix()
+        self._A = A
+        self._c = _sqrt_scale(cov)  # (*batch_cov, 1)
+        wide = self.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        if method is None:
+            L, kappa = self._gram_cholesky(A, self.dtype)
+            if L is not None and kappa <= (_KAPPA_MAX_32 if wide else _KAPPA_MAX_64):
+                return self._set_cholesky("cholesky", L)
+            method = "cholesky64" if wide else "qr"
+        if method == "cholesky64":
+            L, kappa = self._gram_cholesky(A, torch.float64)
+            if L is not None and kappa <= _KAPPA_MAX_64:
+                return self._set_cholesky("cholesky64", L)
+            method = "qr"
+        self._set_qr(A)
+
+    # ---------------------------------------------------------------- Gram + Cholesky
+    def _gram_cholesky(self, A: Tensor, dtype: torch.dtype) -> tuple[Tensor | None, float]:
+        """Cholesky factor of ``S' = A Sigma' A^T`` formed in ``dtype`` (or None when it fails), and the
+        pivot-ratio estimate of kappa(S)."""
+        S = self._gram(A, dtype)
+        if not bool(torch.isfinite(S).all()):
+            raise NotPSDError(
+                f"A Sigma A^T has NaN/inf entries (shape {tuple(S.shape)}, dtype {dtype}); check the inputs "
+                "(loc, scales and A must be finite)."
+            )
+        L, info = torch.linalg.cholesky_ex(S)
+        if bool((info > 0).any()):
+            return None, math.inf
+        d = L.diagonal(dim1=-2, dim2=-1)
+        ratio = (d.amax(-1) / d.amin(-1)).amax()
+        kappa = float(ratio.detach()) ** 2
+        return L, (kappa if math.isfinite(kappa) else math.inf)
+
+    def _gram(self, A: Tensor, dtype: torch.dtype) -> Tensor:
+        r""":math:`S' = A\Sigma'A^\top` in ``dtype``, shape ``(*batch, a, a)``."""
+        cov, c = self.cov, self._c
+        A_ = A.to(dtype)
+        if isinstance(cov, DiagonalCovariance):
+            v = (cov.scale.to(dtype) / c.to(dtype)).square()  # (*bs, n)
+            return _diag_gram(A_, v)
+        Bt = cov.sqrt_t_matmul(A_.mT) if dtype == A.dtype else _sqrt_t_matmul_as(cov, A_.mT, dtype)
+        Bt = Bt / c.to(dtype).unsqueeze(-1)
+        return Bt.mT @ Bt
+
+    def _set_cholesky(self, method: str, L: Tensor) -> None:
+        self.method = method
+        self._L = L  # lower, S' = L L^T, (*batch, a, a), float64 for "cholesky64"
+        self._Q = None
+        self._prepare_gain()
+
+    def _set_qr(self, A: Tensor) -> None:
+        dtype = torch.float64 if self.dtype != torch.float64 else self.dtype
+        cov, c = self.cov, self._c
+        A_ = A.to(dtype)
+        Bt = cov.sqrt_t_matmul(A_.mT) if dtype == A.dtype else _sqrt_t_matmul_as(cov, A_.mT, dtype)
+        Bt = Bt / c.to(dtype).unsqueeze(-1)  # (*batch, m, a)
+        Q, R = torch.linalg.qr(Bt)
+        pivots = R.diagonal(dim1=-2, dim2=-1).abs()
+        eps = torch.finfo(dtype).eps  # the inputs are exact in float64: decide the rank at float64 precision
+        _check_pivots(pivots, 10 * eps * Bt.abs().amax((-2, -1)).unsqueeze(-1))
+        self.method = "qr"
+        self._v = None
+        self._Q = Q
+        self._L = R.mT  # S' = R^T R = L L^T with L = R^T (diagonal signs do not matter)
+        self._W = None
+
+    def _prepare_gain(self) -> None:
+        r"""Keep :math:`W' = A\Sigma'` (``(*batch, a, n)``) when it is no larger than the inputs (shared
+        covariance), so that a gain costs one GEMM; otherwise the gain is applied as ``Sigma' (A^T x)``."""
+        A, cov, c = self._A, self.cov, self._c
+        self._W = None
+        if isinstance(cov, DiagonalCovariance):
+            v = (cov.scale / c).square()
+            if cov.scale.dim() == 1:
+                self._W = A * v
+            else:
+                self._v = v
+            return
+        inputs = max(A.numel(), _param_numel(cov))
+        batch = torch.broadcast_shapes(A.shape[:-2], cov.batch_shape)
+        if math.prod(batch) * A.shape[-2] * A.shape[-1] <= inputs:
+            Bt = cov.sqrt_t_matmul(A.mT) / c.unsqueeze(-1)
+            self._W = (cov.sqrt_matmul(Bt) / c.unsqueeze(-1)).mT  # A Sigma', (*batch, a, n)
+
+    # ================================================================== S = A Sigma A^T
+    def _solve_S(self, r: Tensor) -> Tensor:
+        r""":math:`S'^{-1} r` in the factor's dtype, returned in the working dtype."""
+        L = self._L
+        y = tri_solve_vec(L, r.to(L.dtype), upper=False)
+        return tri_solve_vec(L.mT, y, upper=True).to(self.dtype)
+
     def whiten(self, residual: Tensor) -> Tensor:
-        r""":math:`R^{-\top} r` (so that :math:`\lVert R^{-\top} r\rVert^2 = r^\top S^{-1} r`)."""
+        r""":math:`L^{-1} r` with :math:`LL^\top = S`, so that :math:`\lVert L^{-1} r\rVert^2 = r^\top S^{-1} r`."""
         if self.grouped:
-            return residual / self.group_variance.sqrt()
-        return tri_solve_vec(self.R.mT, residual, upper=False)
+            return residual / self._gv.sqrt() / self._c
+        y = tri_solve_vec(self._L, residual.to(self._L.dtype), upper=False)
+        return (y / self._c.to(y.dtype)).to(self.dtype)
 
     def inv_quad(self, residual: Tensor) -> Tensor:
         r""":math:`r^\top S^{-1} r`, shape ``(*sample, *batch)``."""
         return self.whiten(residual).square().sum(-1)
 
     def logdet(self) -> Tensor:
-        r""":math:`\log\det S`, shape ``(*batch)``."""
+        r""":math:`\log\det S`, shape ``(*batch)`` (``2 sum log L_jj + 2 a log c``)."""
         if self.grouped:
-            return self.group_variance.log().sum(-1)
-        return 2 * self.R.diagonal(dim1=-2, dim2=-1).abs().log().sum(-1)
+            return self._gv.log().sum(-1) + 2 * self._gv.shape[-1] * self._c.squeeze(-1).log()
+        d = self._L.diagonal(dim1=-2, dim2=-1).abs()
+        a = d.shape[-1]
+        out = 2 * d.log().sum(-1) + 2 * a * self._c.squeeze(-1).to(d.dtype).log()
+        return out.to(self.dtype)
 
-    # ------------------------------------------------------------------ gain
+    # ================================================================== gain
+    def _gain_from_x(self, x: Tensor) -> Tensor:
+        r""":math:`\Sigma' A^\top x` (``x`` already solved with the normalised :math:`S'`; not for ``"qr"``)."""
+        if self._W is not None:
+            return batch_mv(self._W.mT, x)
+        At_x = batch_mv(self._A.mT, x)
+        if self._v is not None:
+            return self._v * At_x
+        return self.cov.matvec(At_x) / self._c.square()
+
     def gain_matvec(self, residual: Tensor) -> Tensor:
         r""":math:`K r = \Sigma A^\top S^{-1} r` for ``r`` of shape ``(*sample, *batch, a)``."""
         if self.grouped:
-            return self.cov.variance * self.constraint.rmatvec(residual / self.group_variance)
-        return self.cov.sqrt_matvec(batch_mv(self.Q, self.whiten(residual)))
+            return self._v * self.constraint.rmatvec(residual / self._gv)
+        if self.method == "qr":  # K r = F' Q R'^{-T} r with B'^T = Q R', F' = F / c
+            y = tri_solve_vec(self._L, residual.to(self._L.dtype), upper=False)
+            g = batch_mv(self._Q, y).to(self.dtype)
+            return self.cov.sqrt_matvec(g) / self._c
+        return self._gain_from_x(self._solve_S(residual))
 
-    def condition(self, z_hat: Tensor, refinement_steps: int = REFINEMENT_STEPS) -> Tensor:
+    def condition(self, z_hat: Tensor) -> Tensor:
         r""":math:`z = \hat z + K(k - A\hat z)`: maps :math:`\mathcal N(\mu, \Sigma)` samples to exact
-        conditional samples, and :math:`\mu` to :math:`\bar\mu`; then ``refinement_steps`` more applications
-        of the same map to wash out round-off (see the module docstring)."""
+        conditional samples, and :math:`\mu` to :math:`\bar\mu`. Differentiable. Samples whose residual
+        fails the check get refinement steps (see the module docstring); shape ``(*sample, *batch, n)``."""
         k = self.constraint.k
-        z = z_hat + self.gain_matvec(k - self.constraint.matvec(z_hat))
-        for _ in range(0 if self.grouped else refinement_steps):  # grouped: S is diagonal, already exact
-            z = z + self.gain_matvec(k - self.constraint.matvec(z))
-        return z
+        while True:
+            z = z_hat + self.gain_matvec(k - self.constraint.matvec(z_hat))
+            for _ in range(MAX_REFINEMENT_STEPS):
+                bad = self._failing(z)
+                if bad is None:
+                    return z
+                step = self.gain_matvec(k - self.constraint.matvec(z))
+                z = z + torch.where(bad.unsqueeze(-1), step, torch.zeros_like(step))
+            if self._failing(z) is None:
+                return z
+            self._escalate(z)
 
+    @torch.no_grad()
+    def sample(self, loc: Tensor, sample_shape: torch.Size | tuple = (), noise: Tensor | None = None,
+               generator: torch.Generator | None = None) -> Tensor:
+        r"""Exact conditional samples ``condition(loc + F eps)`` without gradient, computed in place on one
+        ``(*sample, *batch, n)`` buffer (a shared diagonal covariance costs ``randn`` + two GEMMs + the
+        check). ``noise`` (shape ``(*sample_shape, *batch, noise_size)``) defaults to fresh ``randn``."""
+        batch = torch.broadcast_shapes(loc.shape[:-1], self.cov.batch_shape, self.constraint.batch_shape)
+        n = self.cov.event_size
+        if noise is None:
+            shape = torch.Size(sample_shape) + batch + (self.cov.noise_size,)
+            noise = torch.randn(shape, dtype=loc.dtype, device=loc.device, generator=generator)
+            owned = True
+        else:
+            owned = False
+        cov = self.cov
+        if isinstance(cov, DiagonalCovariance) and owned and noise.shape[-1] == n:
+            z = noise.mul_(cov.scale).add_(loc)
+        else:
+            z = loc + cov.sqrt_matvec(noise)
+        if self.grouped or self._W is None or self._W.dim() != 2 or self.method == "qr":
+            return self.condition(z)
+        # shared gain W' (a x n): in-place Matheron step on the flattened samples
+        k = self.constraint.k
+        A, W = self._A, self._W
+        z2 = z.reshape(-1, n)
+        r = k - (z2 @ A.mT).reshape(z.shape[:-1] + (A.shape[-2],))
+        x = self._solve_S(r).reshape(-1, A.shape[-2])
+        z2.addmm_(x, W)
+        z = z2.reshape(z.shape)
+        if self._failing(z) is None:
+            return z
+        return self.condition(z)
+
+    # ---------------------------------------------------------------- residual check
+    @torch.no_grad()
+    def _failing(self, z: Tensor) -> Tensor | None:
+        """Boolean mask ``(*sample, *batch)`` of samples whose residual exceeds the check, or None if none.
+
+        Tolerance ``rtol * max_i (|A||z|)_i`` with ``rtol = min(eps max(4, 2 sqrt(n)), cap)`` (the
+        ``sqrt(n)`` term: the residual's own evaluation error). Three tiers, cheapest first: a lower bound of
+        ``max_i (|A||z|)_i`` from ``||z||_1``; the exact ``|A||z|``; for float32, the residual re-evaluated in
+        float64 (so that evaluation noise never triggers a refinement that cannot help)."""
+        con = self.constraint
+        rtol = _check_rtol(z.dtype, z.shape[-1])
+        res = (con.matvec(z) - con.k).abs().amax(-1)
+        if not bool(torch.isfinite(res).all()):
+            raise NotPSDError(
+                f"conditioning produced NaN/inf (method {self.method!r}, dtype {z.dtype}); the inputs are not "
+                "finite or the scales are out of range for this dtype (try float64)."
+            )
+        colmin = self._column_min()
+        if colmin is not None:
+            lower = torch.linalg.vector_norm(z, 1, -1) * colmin
+            if bool((res <= rtol * lower).all()):
+                return None
+        scale = self._abs_matvec(z).amax(-1)
+        bad = ~(res <= rtol * scale)
+        if not bool(bad.any()):
+            return None
+        if z.dtype != torch.float64:
+            z64 = z.double()
+            if self.grouped:
+                res64 = con.to(dtype=torch.float64).residual(z64)
+            else:
+                res64 = batch_mv(self._A.double(), z64) - con.k.double()
+            bad = ~(res64.abs().amax(-1) <= rtol * scale.double())
+        return bad if bool(bad.any()) else None
+
+    def _column_min(self) -> Tensor | None:
+        """``min_j sum_i |A_ij| / a`` (a lower bound factor for ``max_i (|A||z|)_i / ||z||_1``); None if 0."""
+        if self._col_min is None:
+            if self.grouped:
+                self._col_min = torch.tensor(1.0 / self.constraint.num_constraints, dtype=self.dtype)
+            else:
+                colsum = self._A.abs().sum(-2).amin(-1)  # (*batch_A)
+                self._col_min = colsum / self._A.shape[-2]
+        cm = self._col_min
+        return None if not bool((cm > 0).all()) else (cm if cm.dim() == 0 else cm)
+
+    def _abs_matvec(self, z: Tensor) -> Tensor:
+        if self.grouped:
+            return self.constraint.matvec(z.abs())
+        if self._abs_A is None:
+            self._abs_A = self._A.abs()
+        return batch_mv(self._abs_A, z.abs())
+
+    def _escalate(self, z: Tensor) -> None:
+        if self.grouped or self.method == "qr":
+            res = self.constraint.residual(z).abs().amax()
+            raise NotPSDError(
+                f"the conditioned vector misses A z = k by {res.item():.3e} after {MAX_REFINEMENT_STEPS} "
+                f"refinement steps (method {self.method!r}, dtype {z.dtype}); A Sigma A^T is too ill-conditioned "
+                "for this dtype. Use float64, or rescale/remove nearly dependent rows of A."
+            )
+        self._factorise(_ORDER[_ORDER.index(self.method) + 1])
+
+    # ================================================================== gain factor and moments
     def gain_factor(self) -> Tensor:
-        r""":math:`G = FQ` (``(*batch, n, a)``), with :math:`GG^\top = \Sigma A^\top S^{-1} A\Sigma`."""
+        r""":math:`G = \Sigma A^\top L^{-\top}` (``(*batch, n, a)``, transient), with
+        :math:`GG^\top = \Sigma A^\top S^{-1} A\Sigma`."""
         if self.grouped:
             A = self.constraint.dense_matrix()  # (a, n)
             return (self.cov.variance.unsqueeze(-1) * A.mT) / self.group_variance.sqrt().unsqueeze(-2)
-        return self.cov.sqrt_matmul(self.Q)
+        if self.method == "qr":
+            return self.cov.sqrt_matmul(self._Q.to(self.dtype))  # G = F Q (Q does not depend on c)
+        return self._gain_rows(0, self.cov.event_size)
 
-    # ------------------------------------------------------------------ conditional moments
+    def _gain_rows(self, j0: int, j1: int) -> Tensor:
+        r"""Rows ``j0:j1`` of :math:`G = \Sigma' A^\top L^{-\top} c` … computed as
+        :math:`(L^{-1} A\Sigma')^\top / (1/c)`, shape ``(*batch, j1 - j0, a)``."""
+        cov, c, A, L = self.cov, self._c, self._A, self._L
+        if isinstance(cov, DiagonalCovariance):
+            v = (cov.scale[..., j0:j1] / c).square()
+            Wt = v.unsqueeze(-2) * A[..., j0:j1]  # (*batch, a, j)
+        else:
+            W = self._W if self._W is not None else (
+                cov.sqrt_matmul(cov.sqrt_t_matmul(A.mT) / c.unsqueeze(-1)) / c.unsqueeze(-1)).mT
+            Wt = W[..., j0:j1]
+        G = torch.linalg.solve_triangular(L, Wt.to(L.dtype), upper=False).mT  # (*batch, j, a)
+        return (G * c.unsqueeze(-1).to(G.dtype)).to(self.dtype)
+
     def variance(self) -> Tensor:
-        r"""Conditional marginal variances :math:`\bar\sigma^2`, shape ``(*batch, n)``, clamped at 0."""
+        r"""Conditional marginal variances :math:`\bar\sigma^2 = \mathrm{diag}\Sigma - \lVert G_{i,:}\rVert^2`,
+        shape ``(*batch, n)``, clamped at 0; computed in chunks of coordinates (transient ``batch x chunk x a``)."""
         if self.grouped:
             d = self.cov.variance
             reduction = d.square() / self.constraint.rmatvec(self.group_variance)
-        else:
+            return (self.cov.diagonal() - reduction).clamp_min(0)
+        if self.method == "qr":
             reduction = self.gain_factor().square().sum(-1)
-        return (self.cov.diagonal() - reduction).clamp_min(0)
+            return (self.cov.diagonal() - reduction).clamp_min(0)
+        n, a = self.cov.event_size, self._A.shape[-2]
+        batch = math.prod(torch.broadcast_shapes(self._A.shape[:-2], self.cov.batch_shape, self._L.shape[:-2]))
+        step = max(1, _CHUNK_ELEMS // max(1, batch * a))
+        parts = [self._gain_rows(j, min(n, j + step)).square().sum(-1) for j in range(0, n, step)]
+        return (self.cov.diagonal() - torch.cat(parts, -1)).clamp_min(0)
 
     def covariance_matrix(self) -> Tensor:
         r"""Dense conditional covariance :math:`\Sigma - GG^\top`, ``(*batch, n, n)``."""
         G = self.gain_factor()
         return self.cov.dense() - G @ G.mT
+
+
+# ====================================================================== helpers
+def _check_rtol(dtype: torch.dtype, n: int) -> float:
+    eps = torch.finfo(dtype).eps
+    return min(eps * max(4.0, 2.0 * math.sqrt(n)), CHECK_RTOL_CAP.get(dtype, 1e3 * eps))
+
+
+def _sqrt_scale(cov: Covariance) -> Tensor:
+    """Largest absolute entry of the square root ``F`` per batch element, shape ``(*batch_cov, 1)``
+    (detached: the gain does not depend on it)."""
+    with torch.no_grad():
+        if isinstance(cov, DiagonalCovariance):
+            c = cov.scale.abs().amax(-1, keepdim=True)
+        elif isinstance(cov, FullCovariance):
+            c = cov.scale_tril.abs().amax((-2, -1)).unsqueeze(-1)
+        elif isinstance(cov, LowRankCovariance):
+            c1 = cov.scale.abs().amax(-1, keepdim=True)
+            c2 = cov.cov_factor.abs().amax((-2, -1)).unsqueeze(-1)
+            c = torch.maximum(c1, c2)
+        else:
+            c = cov.diagonal().amax(-1, keepdim=True).sqrt()
+        if not bool(torch.isfinite(c).all()) or not bool((c > 0).all()):
+            raise NotPSDError(
+                f"the covariance's scales must be finite and not all zero; got a largest entry in "
+                f"[{c.min().item():.3e}, {c.max().item():.3e}]."
+            )
+        return c
+
+
+def _param_numel(cov: Covariance) -> int:
+    if isinstance(cov, FullCovariance):
+        return cov.scale_tril.numel()
+    if isinstance(cov, LowRankCovariance):
+        return cov.cov_factor.numel() + cov.scale.numel()
+    return cov.event_size
+
+
+def _sqrt_t_matmul_as(cov: Covariance, Y: Tensor, dtype: torch.dtype) -> Tensor:
+    """``F^T Y`` with ``F`` cast to ``dtype`` (for the float64 paths of a float32 covariance)."""
+    if isinstance(cov, FullCovariance):
+        return cov.scale_tril.to(dtype).mT @ Y
+    if isinstance(cov, LowRankCovariance):
+        return LowRankCovariance(cov.cov_factor.to(dtype), cov.scale.to(dtype)).sqrt_t_matmul(Y)
+    if isinstance(cov, DiagonalCovariance):
+        return cov.scale.to(dtype).unsqueeze(-1) * Y
+    raise TypeError(f"unsupported covariance {type(cov).__name__}")
+
+
+def _diag_gram(A: Tensor, v: Tensor) -> Tensor:
+    r""":math:`A\,\mathrm{diag}(v)A^\top` for ``A`` ``(*ba, a, n)`` and ``v`` ``(*bv, n)``: one GEMM.
+
+    Shared ``A`` (2-D) with batched ``v``: ``v @ P`` with ``P[j, (i, l)] = A_ij A_lj`` (``i <= l``) when
+    ``n a(a+1)/2`` is small, else batched GEMMs ``(A v_b) A^T`` over chunks of the batch (transient
+    ``chunk x a x n``)."""
+    a, n = A.shape[-2:]
+    if v.dim() == 1 or A.dim() > 2:
+        AV = A * v.unsqueeze(-2)
+        return AV @ A.mT
+    bshape = v.shape[:-1]
+    vf = v.reshape(-1, n)
+    iu = torch.triu_indices(a, a, device=A.device)
+    if n * iu.shape[1] <= _PRODUCT_ELEMS:
+        P = A[iu[0]] * A[iu[1]]  # (a(a+1)/2, n)
+        flat = vf @ P.mT  # (B, a(a+1)/2)
+        S = flat.new_zeros(vf.shape[0], a, a)
+        S[:, iu[0], iu[1]] = flat
+        S[:, iu[1], iu[0]] = flat
+        return S.reshape(bshape + (a, a))
+    step = max(1, _CHUNK_ELEMS // (a * n))
+    parts = [(A * vf[b:b + step].unsqueeze(-2)) @ A.mT for b in range(0, vf.shape[0], step)]
+    return torch.cat(parts, 0).reshape(bshape + (a, a))
 
 
 def _check_pivots(pivots: Tensor, tol: Tensor) -> None:

@@ -1,86 +1,185 @@
-r"""Covariance structures of the unconditioned Gaussian :math:`\mathcal N(\mu, \Sigma)`.
+r"""Covariance structures of the unconditioned Gaussian :math:`\mathcal N(\mu, \Sigma)`, as objects that travel.
 
-Each structure applies :math:`\Sigma`, a square root of it, its inverse and its log-determinant without
-forming an ``n x n`` matrix unless the user supplied one (``scale_tril``).
+Each structure applies :math:`\Sigma`, a square root :math:`F` (:math:`\Sigma = FF^\top`, ``F`` of shape
+``n x m`` with ``m = noise_size``), its inverse and its log-determinant without forming an ``n x n`` matrix
+unless the user supplied one (``scale_tril``).
 
-* :class:`DiagonalCovariance`: :math:`\Sigma = \mathrm{diag}(\sigma^2)`.
-* :class:`FullCovariance`: :math:`\Sigma = L L^\top` with ``L`` lower triangular.
+* :class:`DiagonalCovariance`: :math:`\Sigma = \mathrm{diag}(\sigma^2)`, :math:`F = \mathrm{diag}(\sigma)`.
+* :class:`FullCovariance`: :math:`\Sigma = L L^\top` with ``L`` lower triangular, :math:`F = L`.
 * :class:`LowRankCovariance`: :math:`\Sigma = W W^\top + \mathrm{diag}(\sigma^2)` (``W``: ``n x r``);
-  square root :math:`F = [\mathrm{diag}(\sigma), W]` (``n x (n + r)``);
-  inverse and log-determinant through the ``r x r`` capacitance matrix (Woodbury), as in
-  :class:`torch.distributions.LowRankMultivariateNormal`.
+  :math:`F = [\mathrm{diag}(\sigma), W]` (``n x (n + r)``; the first ``n`` noise entries drive the diagonal
+  part, the last ``r`` the factor); inverse and log-determinant through the ``r x r`` capacitance matrix
+  :math:`C = I + W^\top D^{-1} W` (Woodbury), as in :class:`torch.distributions.LowRankMultivariateNormal`.
+
+Every structure also states itself as :math:`\Sigma = \mathrm{diag}(d) + VV^\top` (:meth:`Covariance.diag_part`,
+:meth:`Covariance.factor_part`; either may be absent), which gives pairwise operations a generic form.
+Pairwise operations (:func:`trace_inv_mul`, :math:`\mathrm{tr}(\Sigma_p^{-1}\Sigma_q)`, used by the KL)
+dispatch on the pair of types through a registry, like :func:`torch.distributions.register_kl`: a new
+structure is one subclass here (plus a conformance test), and specialised pairs are registered where they pay.
+
+Batch dimensions: parameters carry leading batch dimensions ``B``; vectors passed to the methods have shape
+``(*sample, *B', n)`` with ``B'`` broadcastable to ``B`` (sample dimensions are folded into one GEMM).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from functools import lru_cache
+from typing import Callable
 
 import torch
 from torch import Tensor
 
-from .._utils import batch_mv
+from .._utils import batch_mv, check_same_dtype_device, check_tensor
+from .triangular import tri_solve_vec
 
-__all__ = ["Covariance", "DiagonalCovariance", "FullCovariance", "LowRankCovariance"]
+__all__ = [
+    "Covariance",
+    "DiagonalCovariance",
+    "FullCovariance",
+    "LowRankCovariance",
+    "register_trace_inv_mul",
+    "trace_inv_mul",
+]
 
 
 class Covariance(ABC):
-    """Interface shared by the covariance structures (see the module docstring)."""
+    r"""A symmetric positive definite :math:`\Sigma` of shape ``(*batch_shape, n, n)``, held in structured form.
 
+    Subclasses implement the abstract methods; everything else derives from them.
+    """
+
+    #: ``n``
     event_size: int
+    #: ``m``, the number of columns of the square root ``F`` (size of the noise a sample consumes)
     noise_size: int
+    #: batch shape of the parameters
     batch_shape: torch.Size
 
+    # ------------------------------------------------------------------ identity
     @abstractmethod
-    def diagonal(self) -> Tensor:  # (*batch, n)
-        ...
+    def tensors(self) -> tuple[Tensor, ...]:
+        """The parameter tensors, in constructor order (for gradients, devices and dtypes)."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensors()[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors()[0].device
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "Covariance":
+        """A copy on ``device`` / in ``dtype`` (like ``Tensor.to``); ``self`` when nothing changes."""
+        moved = tuple(t.to(device=device, dtype=dtype) for t in self.tensors())
+        if all(m is t for m, t in zip(moved, self.tensors())):
+            return self
+        return type(self)(*moved)
 
     @abstractmethod
-    def matvec(self, x: Tensor) -> Tensor:  # Sigma x
-        ...
+    def check_values(self) -> None:
+        """Raise ``ValueError`` (naming the parameter) unless the values are finite and valid."""
+
+    # ------------------------------------------------------------------ Sigma and its square root
+    @abstractmethod
+    def diagonal(self) -> Tensor:
+        r""":math:`\mathrm{diag}\,\Sigma`, ``(*batch, n)``."""
 
     @abstractmethod
-    def sqrt_matvec(self, noise: Tensor) -> Tensor:  # F eps, eps of size noise_size
-        ...
+    def matvec(self, x: Tensor) -> Tensor:
+        r""":math:`\Sigma x`: ``(*sample, *batch, n) -> (*sample, *batch, n)``."""
 
     @abstractmethod
-    def sqrt_matmul(self, X: Tensor) -> Tensor:  # F X: (*batch, noise_size, m) -> (*batch, n, m)
-        ...
+    def sqrt_matvec(self, noise: Tensor) -> Tensor:
+        r""":math:`F\varepsilon`: ``(*sample, *batch, m) -> (*sample, *batch, n)``."""
 
     @abstractmethod
-    def sqrt_t_matmul(self, Y: Tensor) -> Tensor:  # F^T Y: (*batch, n, m) -> (*batch, noise_size, m)
-        ...
+    def sqrt_matmul(self, X: Tensor) -> Tensor:
+        r""":math:`FX`: ``(*batch, m, p) -> (*batch, n, p)``."""
 
     @abstractmethod
-    def inv_matvec(self, x: Tensor) -> Tensor:  # Sigma^{-1} x
-        ...
+    def sqrt_t_matmul(self, Y: Tensor) -> Tensor:
+        r""":math:`F^\top Y`: ``(*batch, n, p) -> (*batch, m, p)``."""
 
-    def inv_quad(self, x: Tensor) -> Tensor:  # x^T Sigma^{-1} x
-        return (x * self.inv_matvec(x)).sum(-1)
-
-    @abstractmethod
-    def logdet(self) -> Tensor:
-        ...
-
-    @abstractmethod
-    def right_apply(self, A: Tensor) -> Tensor:  # A Sigma for dense A (*batch, a, n)
-        ...
+    def right_apply(self, A: Tensor) -> Tensor:
+        r""":math:`A\Sigma` for a dense ``A`` of shape ``(*batch, a, n)``."""
+        return self.sqrt_matmul(self.sqrt_t_matmul(A.mT)).mT
 
     @abstractmethod
     def dense(self) -> Tensor:
-        ...
+        r""":math:`\Sigma` as a dense ``(*batch, n, n)`` tensor (formed only when asked for)."""
 
     @abstractmethod
-    def trace_inv_mul(self, other: "Covariance") -> Tensor:
-        r""":math:`\mathrm{tr}(\Sigma_{self}^{-1} \Sigma_{other})`."""
-        ...
+    def diag_part(self) -> Tensor | None:
+        r"""``d`` in :math:`\Sigma = \mathrm{diag}(d) + VV^\top`, ``(*batch, n)``, or ``None`` if zero."""
+
+    @abstractmethod
+    def factor_part(self) -> Tensor | None:
+        r"""``V`` in :math:`\Sigma = \mathrm{diag}(d) + VV^\top`, ``(*batch, n, p)``, or ``None`` if absent."""
+
+    # ------------------------------------------------------------------ inverse and determinant
+    @abstractmethod
+    def inv_matvec(self, x: Tensor) -> Tensor:
+        r""":math:`\Sigma^{-1} x`: ``(*sample, *batch, n) -> (*sample, *batch, n)``."""
+
+    def inv_quad(self, x: Tensor) -> Tensor:
+        r""":math:`x^\top\Sigma^{-1}x`: ``(*sample, *batch, n) -> (*sample, *batch)``."""
+        return (x * self.inv_matvec(x)).sum(-1)
+
+    @abstractmethod
+    def inv_quad_matrix(self, X: Tensor) -> Tensor:
+        r""":math:`\mathrm{tr}(X^\top\Sigma^{-1}X)` for ``X`` of shape ``(*batch, n, p)``; returns ``(*batch)``."""
+
+    @abstractmethod
+    def inv_diagonal(self) -> Tensor:
+        r""":math:`\mathrm{diag}\,\Sigma^{-1}`, ``(*batch, n)``."""
+
+    @abstractmethod
+    def logdet(self) -> Tensor:
+        r""":math:`\log\det\Sigma`, ``(*batch)``."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(n={self.event_size}, batch_shape={tuple(self.batch_shape)})"
+
+
+def _check_positive(name: str, value: Tensor) -> None:
+    """Finite, positive, and a normal number of its dtype (a subnormal scale has lost its precision)."""
+    from .._utils import check_finite
+
+    check_finite(name, value)
+    low = value.min().item()
+    if not low > 0:
+        raise ValueError(f"{name} (shape {tuple(value.shape)}) must be positive, but its minimum is {low:.3e}.")
+    tiny = torch.finfo(value.dtype).tiny
+    if low < tiny:
+        raise ValueError(f"{name} has entries down to {low:.3e}, below the smallest normal {value.dtype} number "
+                         f"({tiny:.3e}), where precision is lost; rescale the problem or use float64.")
 
 
 class DiagonalCovariance(Covariance):
+    r""":math:`\Sigma = \mathrm{diag}(\mathrm{scale}^2)`.
+
+    Args:
+        scale (Tensor): standard deviations :math:`\sigma > 0`, shape ``(*batch, n)``.
+
+    Example:
+        >>> cov = DiagonalCovariance(torch.tensor([1.0, 2.0]))
+        >>> cov.diagonal(), cov.logdet()
+        (tensor([1., 4.]), tensor(1.3863))
+    """
+
     def __init__(self, scale: Tensor) -> None:
-        self.scale = scale  # (*batch, n)
+        check_tensor("scale", scale, min_dim=1)
+        self.scale = scale
         self.variance = scale.square()
         self.event_size = self.noise_size = scale.shape[-1]
         self.batch_shape = scale.shape[:-1]
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return (self.scale,)
+
+    def check_values(self) -> None:
+        _check_positive("scale", self.scale)
 
     def diagonal(self) -> Tensor:
         return self.variance
@@ -96,35 +195,59 @@ class DiagonalCovariance(Covariance):
 
     sqrt_t_matmul = sqrt_matmul
 
-    def inv_matvec(self, x: Tensor) -> Tensor:
-        return x / self.variance
-
-    def inv_quad(self, x: Tensor) -> Tensor:
-        return (x / self.scale).square().sum(-1)
-
-    def logdet(self) -> Tensor:
-        return 2 * self.scale.log().sum(-1)
-
     def right_apply(self, A: Tensor) -> Tensor:
         return A * self.variance.unsqueeze(-2)
 
     def dense(self) -> Tensor:
         return torch.diag_embed(self.variance)
 
+    def diag_part(self) -> Tensor | None:
+        return self.variance
+
+    def factor_part(self) -> Tensor | None:
+        return None
+
+    def inv_matvec(self, x: Tensor) -> Tensor:
+        return x / self.variance
+
+    def inv_quad(self, x: Tensor) -> Tensor:
+        return (x / self.scale).square().sum(-1)
+
+    def inv_quad_matrix(self, X: Tensor) -> Tensor:
+        return (X / self.scale.unsqueeze(-1)).square().sum((-2, -1))
+
     def inv_diagonal(self) -> Tensor:
         return 1 / self.variance
 
-    def trace_inv_mul(self, other: Covariance) -> Tensor:
-        if isinstance(other, DiagonalCovariance):
-            return (other.variance / self.variance).sum(-1)
-        return (other.diagonal() / self.variance).sum(-1)
+    def logdet(self) -> Tensor:
+        return 2 * self.scale.log().sum(-1)
 
 
 class FullCovariance(Covariance):
+    r""":math:`\Sigma = LL^\top` with ``L`` lower triangular with a positive diagonal.
+
+    Args:
+        scale_tril (Tensor): ``L``, shape ``(*batch, n, n)``.
+    """
+
     def __init__(self, scale_tril: Tensor) -> None:
-        self.scale_tril = scale_tril  # (*batch, n, n)
+        check_tensor("scale_tril", scale_tril, min_dim=2)
+        if scale_tril.shape[-1] != scale_tril.shape[-2]:
+            raise ValueError(f"scale_tril must be square, shape (..., n, n), got {tuple(scale_tril.shape)}.")
+        self.scale_tril = scale_tril
         self.event_size = self.noise_size = scale_tril.shape[-1]
         self.batch_shape = scale_tril.shape[:-2]
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return (self.scale_tril,)
+
+    def check_values(self) -> None:
+        from .._utils import check_finite
+
+        check_finite("scale_tril", self.scale_tril)
+        if not bool(torch.distributions.constraints.lower_cholesky.check(self.scale_tril).all()):
+            raise ValueError(f"scale_tril (shape {tuple(self.scale_tril.shape)}) must be lower triangular with "
+                             "a positive diagonal.")
 
     def diagonal(self) -> Tensor:
         return self.scale_tril.square().sum(-1)
@@ -141,62 +264,78 @@ class FullCovariance(Covariance):
     def sqrt_t_matmul(self, Y: Tensor) -> Tensor:
         return self.scale_tril.mT @ Y
 
-    def _whiten(self, x: Tensor) -> Tensor:
-        from .triangular import tri_solve_vec
+    def dense(self) -> Tensor:
+        return self.scale_tril @ self.scale_tril.mT
 
+    def diag_part(self) -> Tensor | None:
+        return None
+
+    def factor_part(self) -> Tensor | None:
+        return self.scale_tril
+
+    def _whiten(self, x: Tensor) -> Tensor:
         return tri_solve_vec(self.scale_tril, x, upper=False)
 
     def inv_matvec(self, x: Tensor) -> Tensor:
-        from .triangular import tri_solve_vec
-
         return tri_solve_vec(self.scale_tril.mT, self._whiten(x), upper=True)
 
     def inv_quad(self, x: Tensor) -> Tensor:
         return self._whiten(x).square().sum(-1)
 
-    def logdet(self) -> Tensor:
-        return 2 * self.scale_tril.diagonal(dim1=-2, dim2=-1).log().sum(-1)
-
-    def right_apply(self, A: Tensor) -> Tensor:
-        return (A @ self.scale_tril) @ self.scale_tril.mT
-
-    def dense(self) -> Tensor:
-        return self.scale_tril @ self.scale_tril.mT
+    def inv_quad_matrix(self, X: Tensor) -> Tensor:
+        return torch.linalg.solve_triangular(self.scale_tril, X, upper=False).square().sum((-2, -1))
 
     def inv_diagonal(self) -> Tensor:
         eye = torch.eye(self.event_size, dtype=self.scale_tril.dtype, device=self.scale_tril.device)
-        Linv = torch.linalg.solve_triangular(self.scale_tril, eye, upper=False)
-        return Linv.square().sum(-2)
+        return torch.linalg.solve_triangular(self.scale_tril, eye, upper=False).square().sum(-2)
 
-    def trace_inv_mul(self, other: Covariance) -> Tensor:
-        if isinstance(other, FullCovariance):
-            M = torch.linalg.solve_triangular(self.scale_tril, other.scale_tril, upper=False)
-            return M.square().sum((-2, -1))
-        if isinstance(other, DiagonalCovariance):
-            return (self.inv_diagonal() * other.variance).sum(-1)
-        if isinstance(other, LowRankCovariance):
-            M = torch.linalg.solve_triangular(self.scale_tril, other.cov_factor, upper=False)
-            return (self.inv_diagonal() * other.cov_diag).sum(-1) + M.square().sum((-2, -1))
-        raise TypeError(f"unsupported covariance {type(other).__name__}")
+    def logdet(self) -> Tensor:
+        return 2 * self.scale_tril.diagonal(dim1=-2, dim2=-1).log().sum(-1)
 
 
 class LowRankCovariance(Covariance):
+    r""":math:`\Sigma = WW^\top + \mathrm{diag}(\mathrm{scale}^2)`.
+
+    Args:
+        cov_factor (Tensor): ``W``, shape ``(*batch, n, r)``.
+        scale (Tensor): standard deviations of the diagonal part, ``(*batch, n)``, positive.
+    """
+
     def __init__(self, cov_factor: Tensor, scale: Tensor) -> None:
-        self.cov_factor = cov_factor  # W: (*batch, n, r)
-        self.scale = scale  # (*batch, n)
+        check_tensor("cov_factor", cov_factor, min_dim=2)
+        check_tensor("scale", scale, min_dim=1)
+        check_same_dtype_device(cov_factor=cov_factor, scale=scale)
+        if cov_factor.shape[-2] != scale.shape[-1]:
+            raise ValueError(f"cov_factor must have shape (..., n, r) with n = scale.shape[-1] = {scale.shape[-1]}, "
+                             f"got {tuple(cov_factor.shape)}.")
+        try:
+            self.batch_shape = torch.broadcast_shapes(cov_factor.shape[:-2], scale.shape[:-1])
+        except RuntimeError:
+            raise ValueError(f"batch shapes of cov_factor {tuple(cov_factor.shape[:-2])} and scale "
+                             f"{tuple(scale.shape[:-1])} do not broadcast.") from None
+        self.cov_factor = cov_factor
+        self.scale = scale
         self.cov_diag = scale.square()
         self.event_size = scale.shape[-1]
         self.rank = cov_factor.shape[-1]
         self.noise_size = self.event_size + self.rank
-        self.batch_shape = torch.broadcast_shapes(cov_factor.shape[:-2], scale.shape[:-1])
+        self._cap_tril: Tensor | None = None
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return (self.cov_factor, self.scale)
+
+    def check_values(self) -> None:
+        from .._utils import check_finite
+
+        check_finite("cov_factor", self.cov_factor)
+        _check_positive("scale", self.scale)
 
     @property
-    def _capacitance_tril(self) -> Tensor:
-        # C = I + W^T D^{-1} W (r x r), cached after the first use
-        if not hasattr(self, "_cap_tril"):
+    def capacitance_tril(self) -> Tensor:
+        r"""Cholesky factor of :math:`C = I + W^\top D^{-1} W` (``r x r``), computed once."""
+        if self._cap_tril is None:
             W = self.cov_factor
-            Wt_Dinv = W.mT / self.cov_diag.unsqueeze(-2)
-            cap = Wt_Dinv @ W
+            cap = (W.mT / self.cov_diag.unsqueeze(-2)) @ W
             cap = cap + torch.eye(self.rank, dtype=W.dtype, device=W.device)
             self._cap_tril = torch.linalg.cholesky(cap)
         return self._cap_tril
@@ -209,8 +348,7 @@ class LowRankCovariance(Covariance):
 
     def sqrt_matvec(self, noise: Tensor) -> Tensor:
         n = self.event_size
-        eps_d, eps_w = noise[..., :n], noise[..., n:]
-        return batch_mv(self.cov_factor, eps_w) + self.scale * eps_d
+        return batch_mv(self.cov_factor, noise[..., n:]) + self.scale * noise[..., :n]
 
     def sqrt_matmul(self, X: Tensor) -> Tensor:
         n = self.event_size
@@ -222,44 +360,91 @@ class LowRankCovariance(Covariance):
         shape = torch.broadcast_shapes(top.shape[:-2], bottom.shape[:-2])
         return torch.cat([top.expand(shape + top.shape[-2:]), bottom.expand(shape + bottom.shape[-2:])], dim=-2)
 
-    def inv_matvec(self, x: Tensor) -> Tensor:
-        from .triangular import tri_solve_vec
-
-        # Woodbury: Sigma^{-1} = D^{-1} - D^{-1} W C^{-1} W^T D^{-1}
-        Dinv_x = x / self.cov_diag
-        t = tri_solve_vec(self._capacitance_tril, batch_mv(self.cov_factor.mT, Dinv_x), upper=False)
-        t = tri_solve_vec(self._capacitance_tril.mT, t, upper=True)
-        return Dinv_x - batch_mv(self.cov_factor, t) / self.cov_diag
-
-    def logdet(self) -> Tensor:
-        cap_logdet = 2 * self._capacitance_tril.diagonal(dim1=-2, dim2=-1).log().sum(-1)
-        return cap_logdet + self.cov_diag.log().sum(-1)
-
     def right_apply(self, A: Tensor) -> Tensor:
         W = self.cov_factor
         return A * self.cov_diag.unsqueeze(-2) + (A @ W) @ W.mT
 
     def dense(self) -> Tensor:
-        W = self.cov_factor
-        return W @ W.mT + torch.diag_embed(self.cov_diag)
+        return self.cov_factor @ self.cov_factor.mT + torch.diag_embed(self.cov_diag)
 
-    def inv_diagonal(self) -> Tensor:
-        # diag(D^{-1} W C^{-1} W^T D^{-1}) = row norms of D^{-1} W L_C^{-T}
-        Dinv_W = self.cov_factor / self.cov_diag.unsqueeze(-1)
-        M = torch.linalg.solve_triangular(self._capacitance_tril, Dinv_W.mT, upper=False)  # (r, n)
-        return 1 / self.cov_diag - M.square().sum(-2)
+    def diag_part(self) -> Tensor | None:
+        return self.cov_diag
+
+    def factor_part(self) -> Tensor | None:
+        return self.cov_factor
+
+    def inv_matvec(self, x: Tensor) -> Tensor:
+        # Woodbury: Sigma^{-1} = D^{-1} - D^{-1} W C^{-1} W^T D^{-1}
+        L = self.capacitance_tril
+        Dinv_x = x / self.cov_diag
+        t = tri_solve_vec(L, batch_mv(self.cov_factor.mT, Dinv_x), upper=False)
+        t = tri_solve_vec(L.mT, t, upper=True)
+        return Dinv_x - batch_mv(self.cov_factor, t) / self.cov_diag
+
+    def inv_quad(self, x: Tensor) -> Tensor:
+        # x^T Sigma^-1 x = |x / sigma|^2 - |L_C^{-1} W^T D^{-1} x|^2
+        Dinv_x = x / self.cov_diag
+        t = tri_solve_vec(self.capacitance_tril, batch_mv(self.cov_factor.mT, Dinv_x), upper=False)
+        return (x / self.scale).square().sum(-1) - t.square().sum(-1)
 
     def inv_quad_matrix(self, X: Tensor) -> Tensor:
-        r""":math:`\mathrm{tr}(X^\top \Sigma^{-1} X)` for ``X`` of shape ``(*batch, n, m)`` (Woodbury)."""
         Dinv_X = X / self.cov_diag.unsqueeze(-1)
-        M = torch.linalg.solve_triangular(self._capacitance_tril, self.cov_factor.mT @ Dinv_X, upper=False)
+        M = torch.linalg.solve_triangular(self.capacitance_tril, self.cov_factor.mT @ Dinv_X, upper=False)
         return (X * Dinv_X).sum((-2, -1)) - M.square().sum((-2, -1))
 
-    def trace_inv_mul(self, other: Covariance) -> Tensor:
-        if isinstance(other, DiagonalCovariance):
-            return (self.inv_diagonal() * other.variance).sum(-1)
-        if isinstance(other, LowRankCovariance):
-            return (self.inv_diagonal() * other.cov_diag).sum(-1) + self.inv_quad_matrix(other.cov_factor)
-        if isinstance(other, FullCovariance):
-            return self.inv_quad_matrix(other.scale_tril)
-        raise TypeError(f"unsupported covariance {type(other).__name__}")
+    def inv_diagonal(self) -> Tensor:
+        # diag(D^{-1} W C^{-1} W^T D^{-1}) = column norms of L_C^{-1} W^T D^{-1}
+        Dinv_W = self.cov_factor / self.cov_diag.unsqueeze(-1)
+        M = torch.linalg.solve_triangular(self.capacitance_tril, Dinv_W.mT, upper=False)  # (r, n)
+        return 1 / self.cov_diag - M.square().sum(-2)
+
+    def logdet(self) -> Tensor:
+        cap_logdet = 2 * self.capacitance_tril.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+        return cap_logdet + self.cov_diag.log().sum(-1)
+
+
+# ---------------------------------------------------------------------------------------- pairwise dispatch
+
+_TRACE_REGISTRY: dict[tuple[type, type], Callable[[Covariance, Covariance], Tensor]] = {}
+
+
+def register_trace_inv_mul(type_p: type, type_q: type) -> Callable:
+    r"""Decorator registering ``fn(p, q)`` computing :math:`\mathrm{tr}(\Sigma_p^{-1}\Sigma_q)` for a pair of
+    covariance types (most specific match wins, as in :func:`torch.distributions.register_kl`)."""
+
+    def decorator(fn: Callable[[Covariance, Covariance], Tensor]) -> Callable:
+        _TRACE_REGISTRY[type_p, type_q] = fn
+        _dispatch_trace.cache_clear()
+        return fn
+
+    return decorator
+
+
+@lru_cache(maxsize=None)
+def _dispatch_trace(type_p: type, type_q: type) -> Callable[[Covariance, Covariance], Tensor]:
+    matches = [(sp, sq) for sp, sq in _TRACE_REGISTRY if issubclass(type_p, sp) and issubclass(type_q, sq)]
+    if not matches:
+        raise NotImplementedError(f"no trace_inv_mul registered for ({type_p.__name__}, {type_q.__name__}).")
+    # most specific: smallest MRO distance, p first then q
+    best = min(matches, key=lambda m: (type_p.__mro__.index(m[0]), type_q.__mro__.index(m[1])))
+    return _TRACE_REGISTRY[best]
+
+
+def trace_inv_mul(p: Covariance, q: Covariance) -> Tensor:
+    r""":math:`\mathrm{tr}(\Sigma_p^{-1}\Sigma_q)`, shape ``broadcast(p.batch_shape, q.batch_shape)``."""
+    return _dispatch_trace(type(p), type(q))(p, q)
+
+
+@register_trace_inv_mul(Covariance, Covariance)
+def _trace_generic(p: Covariance, q: Covariance) -> Tensor:
+    # Sigma_q = diag(d) + V V^T  =>  tr(Sigma_p^-1 Sigma_q) = <diag Sigma_p^-1, d> + tr(V^T Sigma_p^-1 V)
+    d, V = q.diag_part(), q.factor_part()
+    out = (p.inv_diagonal() * d).sum(-1) if d is not None else 0
+    if V is not None:
+        out = out + p.inv_quad_matrix(V)
+    return out
+
+
+@register_trace_inv_mul(DiagonalCovariance, Covariance)
+def _trace_diagonal(p: DiagonalCovariance, q: Covariance) -> Tensor:
+    return (q.diagonal() / p.variance).sum(-1)

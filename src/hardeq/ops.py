@@ -1,0 +1,180 @@
+r"""Low-level tensor operations shared by constraints, distributions and estimators.
+
+* Grouped sums with precise two-level summation (:class:`GroupSum`, :func:`group_sum`) and the gather back
+  to group members (:func:`gather`): the operator :math:`A` of a :class:`~hardeq.SumConstraint` and the
+  normaliser of a grouped multinomial.
+* Binomial log-pmf and cdf (:func:`binomial_log_pmf`, :func:`binomial_cdf`), differentiable in the
+  probability, for the Poisson/multinomial family.
+
+Nothing here knows about distributions or constraints; it sits below both.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["GroupSum", "group_sum", "gather", "group_probs", "binomial_log_pmf", "binomial_cdf"]
+
+#: coordinates per chunk in the two-level summation
+SUM_CHUNK = 1024
+
+
+class GroupSum:
+    r"""Per-group sums :math:`(Ax)_j = \sum_{i : g(i) = j} x_i` by a two-level summation.
+
+    Coordinates are scattered into ``(chunk, group)`` slots (chunks of :data:`SUM_CHUNK` consecutive
+    coordinates), then the chunks are reduced with ``torch.sum`` (pairwise). A plain ``index_add``
+    accumulates sequentially, with relative error ~ ``n eps`` (1.3e-4 at n = 1e6 in float32); this one has
+    ~ ``(SUM_CHUNK + log n) eps``. The slot layout is computed once per ``index``.
+
+    Args:
+        index (LongTensor): group id of each coordinate, ``(n,)``, values in ``[0, num_groups)``.
+        num_groups (int): ``a``.
+
+    Shapes:
+        ``__call__``: ``(*, n) -> (*, a)``; :meth:`matmul`: ``(*, n, m) -> (*, a, m)``.
+    """
+
+    def __init__(self, index: Tensor, num_groups: int) -> None:
+        n = index.shape[0]
+        chunk = max(SUM_CHUNK, num_groups)
+        self.index = index
+        self.num_groups = num_groups
+        self.num_chunks = -(-n // chunk)
+        self.slot = (torch.arange(n, device=index.device) // chunk) * num_groups + index
+
+    def __call__(self, x: Tensor) -> Tensor:
+        a = self.num_groups
+        out = x.new_zeros(x.shape[:-1] + (self.num_chunks * a,)).index_add(-1, self.slot, x)
+        return out.view(x.shape[:-1] + (self.num_chunks, a)).sum(-2)
+
+    def matmul(self, X: Tensor) -> Tensor:
+        a, m = self.num_groups, X.shape[-1]
+        out = X.new_zeros(X.shape[:-2] + (self.num_chunks * a, m)).index_add(-2, self.slot, X)
+        return out.view(X.shape[:-2] + (self.num_chunks, a, m)).sum(-3)
+
+    def to(self, device: torch.device | str | None) -> "GroupSum":
+        return GroupSum(self.index.to(device=device), self.num_groups)
+
+
+def group_sum(x: Tensor, index: Tensor | None, num_groups: int = 1) -> Tensor:
+    r"""Per-group sums ``(*, n) -> (*, a)``; without ``index``, the sum over all coordinates, ``(*, 1)``."""
+    if index is None:
+        return x.sum(-1, keepdim=True)
+    return GroupSum(index, num_groups)(x)
+
+
+def gather(x: Tensor, index: Tensor | None) -> Tensor:
+    """Broadcast a per-group value to the group's members: ``(*, a) -> (*, n)`` (``(*, 1)`` without index)."""
+    return x if index is None else x.index_select(-1, index)
+
+
+def group_probs(rate: Tensor, index: Tensor | None, num_groups: int = 1) -> Tensor:
+    r""":math:`p_i = \theta_i / \sum_{j : g(j) = g(i)} \theta_j`, shape of ``rate`` ``(*batch, n)``. O(n)."""
+    return rate / gather(group_sum(rate, index, num_groups), index)
+
+
+def binomial_log_pmf(value: Tensor, total_count: Tensor, probs: Tensor) -> Tensor:
+    r"""Binomial log-pmf :math:`\log\binom{k}{x} + x\log p + (k - x)\log(1 - p)`, broadcast.
+
+    Valid for integer ``0 <= value <= total_count`` and ``0 <= probs <= 1``. The point masses at
+    ``probs`` 0 and 1 are handled separately so that neither the value nor the gradient w.r.t. ``probs``
+    produces NaN (``0 * log 0`` is avoided rather than masked). Computed in float64 (its terms are of size
+    ``k log k`` and cancel) and returned in the dtype of ``probs``.
+    """
+    dtype = probs.dtype
+    probs = probs.to(torch.float64)
+    interior = (probs > 0) & (probs < 1)
+    p = torch.where(interior, probs, torch.full_like(probs, 0.5))
+    x, k = value.to(torch.float64), total_count.to(torch.float64)
+    log_comb = torch.lgamma(k + 1) - torch.lgamma(x + 1) - torch.lgamma(k - x + 1)
+    out = log_comb + x * torch.log(p) + (k - x) * torch.log1p(-p)
+    point = k * (probs >= 1)  # the atom of a degenerate binomial: k when p = 1, 0 when p = 0
+    degenerate = torch.where(x == point, 0.0, float("-inf")).to(out.dtype)
+    return torch.where(interior, out, degenerate).to(dtype)
+
+
+#: Largest number of pmf terms held in memory at once by the cdf's cumulative sum.
+_CDF_CHUNK_ELEMENTS = 2**20
+
+
+def _binomial_cdf_forward(value: Tensor, total_count: Tensor, probs: Tensor) -> Tensor:
+    r""":math:`F(x; k, p) = \sum_{m=0}^{x} b(m; k, p)` for broadcast tensors with integer ``0 <= x <= k``.
+
+    Summed in float64 over ``m = 0 .. max(x)`` in chunks of at most ``_CDF_CHUNK_ELEMENTS`` pmf values.
+    Cost: O(N (max x + 1)) time and O(min(N (max x + 1), 2^20)) memory for N entries.
+    """
+    out = torch.zeros(probs.shape, dtype=torch.float64, device=probs.device)
+    if probs.numel() == 0:
+        return out.to(probs.dtype)
+    x = value.detach().to(torch.float64).unsqueeze(-1)
+    k = total_count.detach().to(torch.float64).unsqueeze(-1)
+    p = probs.detach().to(torch.float64).unsqueeze(-1)
+    num_terms = int(x.max().item()) + 1
+    block = max(1, _CDF_CHUNK_ELEMENTS // probs.numel())
+    for start in range(0, num_terms, block):  # loop over chunks of m, not over coordinates
+        m = torch.arange(start, min(num_terms, start + block), dtype=torch.float64, device=probs.device)
+        pmf = binomial_log_pmf(torch.minimum(m, k), k, p).exp()  # shape: (*N, block)
+        out += pmf.masked_fill(m > x, 0.0).sum(-1)
+    return out.clamp_(0.0, 1.0).to(probs.dtype)
+
+
+class _BinomialCDF(torch.autograd.Function):
+    r""":math:`F(x; k, p)`, differentiable in ``p`` only: :math:`\partial_p F = -k\, b(x; k - 1, p)`.
+
+    Inputs are broadcast tensors of one shape with integer ``0 <= x <= k - 1`` and ``0 < p < 1`` (the caller
+    keeps the degenerate cases out, so that the backward never evaluates ``b`` outside its support). The
+    backward is written with differentiable ops on the saved ``p``, so double backward works.
+    """
+
+    @staticmethod
+    def forward(ctx, value: Tensor, total_count: Tensor, probs: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(value, total_count, probs)
+        return _binomial_cdf_forward(value, total_count, probs)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):  # type: ignore[override]
+        value, total_count, probs = ctx.saved_tensors
+        grad_probs = None
+        if ctx.needs_input_grad[2]:
+            density = binomial_log_pmf(value, total_count - 1, probs).exp()
+            grad_probs = -grad_output * total_count * density
+        return None, None, grad_probs
+
+
+def binomial_cdf(value: Tensor, total_count: Tensor, probs: Tensor) -> Tensor:
+    r"""Binomial cdf :math:`F(x; k, p) = P(Z \le x)` for :math:`Z \sim \mathrm{Bin}(k, p)`, differentiable in
+    ``probs`` with :math:`\partial_p F(x; k, p) = -k\, b(x; k - 1, p)`.
+
+    Args:
+        value (Tensor): :math:`x`, any real (``F`` is evaluated at :math:`\lfloor x\rfloor`).
+        total_count (Tensor): :math:`k`, non-negative integer valued.
+        probs (Tensor): :math:`p \in [0, 1]`.
+
+    Returns:
+        Tensor: broadcast shape of the inputs, dtype of ``probs``.
+
+    Cost: a float64 cumulative sum of pmf values, O(N (max x + 1)) time for N entries, memory bounded by
+    chunks of 2^20 terms. Accurate to round-off in absolute terms (not in relative terms deep in the upper
+    tail, where :math:`1 - F` is tiny).
+    """
+    x, k, p = torch.broadcast_tensors(
+        torch.floor(value.detach()).to(probs.dtype), total_count.to(probs.dtype), probs
+    )
+    return _cdf_with_edges(x, k, p)
+
+
+def _cdf_with_edges(j: Tensor, k: Tensor, p: Tensor) -> Tensor:
+    """``F(j; k, p)`` for integer ``j`` of any sign, broadcast inputs; degenerate ``p`` in {0, 1} allowed."""
+    interior = (p > 0) & (p < 1)
+    inside = (j >= 0) & (j < k) & interior  # the only entries needing the sum (and a gradient)
+    one = torch.ones_like(p)
+    j_s = torch.where(inside, j, torch.zeros_like(j))
+    k_s = torch.where(inside, k, one)
+    p_s = torch.where(inside, p, 0.5 * one)
+    F = _BinomialCDF.apply(j_s, k_s, p_s)
+    # outside: j < 0 -> 0; j >= k -> 1; p = 0 (Z = 0) -> [j >= 0]; p = 1 (Z = k) -> [j >= k]
+    atom = k * (p >= 1)
+    edge = (j >= torch.where(interior, torch.where(j < 0, one, k), atom)).to(p.dtype)
+    return torch.where(inside, F, edge)
