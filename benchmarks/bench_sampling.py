@@ -10,11 +10,12 @@ them alike; every ratio is a ratio of two medians):
   ``loc + scale * torch.randn(64, n)``; every ratio below is relative to it (or to the naive code).
 * ``factor+sample``: build the constraint and the distribution and draw 64 samples, i.e. everything
   (``LinearConstraint(A, k, validate_args=False)`` / ``SumConstraint(...)``, ``ConstrainedNormal(...)``,
-  ``.sample(...)``, which factorises ``A Sigma A^T`` on first use).
+  ``.sample(...)``, which factorises ``A Sigma A^T`` on first use: a Gram GEMM and a Cholesky factor, or
+  per-group variance sums for ``SumConstraint``; see ``hardeq.linalg.conditioning``).
   ``+validation``: the same with the default ``validate_args`` (torch's global default, ``True`` unless
   ``python -O``), which adds e.g. the rank check of ``A``.
 * ``warm sample``: ``.sample(...)`` on a distribution whose factorisation is already cached.
-* ``naive`` (n <= 4096 only): the formulas of DESIGN.md section 1 typed in with explicit matrices:
+* ``naive`` (n <= 4096 only): the textbook conditioning formulas typed in with explicit matrices:
   dense ``Sigma = diag(scale^2)`` (n x n), ``S = A Sigma A^T``, ``S^-1 = inv(S)``, ``K = Sigma A^T S^-1``;
   variant **C**: ``mu_bar = mu + K(k - A mu)``, ``Sigma_bar = Sigma - K A Sigma``,
   ``L = chol(Sigma_bar + jitter I)`` (jitter 1e-6 * mean(diag Sigma), times 10 until Cholesky succeeds),
@@ -37,7 +38,7 @@ allocated). ``ru_maxrss`` is not used: on Linux it survives ``execve`` and so ca
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_sampling.py              # full run (13-25 min on a loaded 2-core machine)
+    .venv/bin/python benchmarks/bench_sampling.py              # full run (all sizes; use --sizes to limit them)
     .venv/bin/python benchmarks/bench_sampling.py --threads 1  # the same with torch.set_num_threads(1)
     .venv/bin/python benchmarks/bench_sampling.py --quick      # smoke run (n = 1000 only, 2 repeats)
 

@@ -132,6 +132,22 @@ def test_extreme_scales_work_in_float32(scale):
     assert abs(h32 - h64) / abs(h64) < 1e-5
 
 
+@pytest.mark.parametrize("kind", ["linear", "sum"])
+def test_kl_at_extreme_scales_in_float32(kind):
+    out = []
+    for dt in (torch.float32, torch.float64):
+        c = (hardeq.LinearConstraint(README_A.to(dt), README_K.to(dt) * 1e-20) if kind == "linear"
+             else hardeq.SumConstraint(torch.tensor([0, 0, 1, 1, 1]), README_K.to(dt) * 1e-20))
+        g = torch.Generator().manual_seed(4)
+        q = hardeq.ConstrainedNormal(torch.randn(5, generator=g).to(dt) * 1e-20,
+                                     (0.5 + torch.rand(5, generator=g)).to(dt) * 1e-20, constraint=c)
+        p = hardeq.ConstrainedNormal(torch.randn(5, generator=g).to(dt) * 1e-20,
+                                     (0.5 + torch.rand(5, generator=g)).to(dt) * 1e-20, constraint=c)
+        out.append(torch.distributions.kl_divergence(q, p).double())
+    assert torch.isfinite(out[0]) and out[1] > 0
+    assert abs(out[0] - out[1]) / out[1] < 1e-4
+
+
 def test_subnormal_scale_raises_a_precise_error():
     c = hardeq.LinearConstraint(README_A, README_K)
     with pytest.raises(ValueError, match="smallest normal"):

@@ -91,13 +91,13 @@ def test_residual_check_escalates_when_a_factor_is_accepted_too_eagerly(monkeypa
 
 def test_refinement_runs_only_when_the_check_asks(monkeypatch):
     calls = []
-    original = Conditioner.gain_matvec
+    original = Conditioner._step
 
-    def counting(self, r):
-        calls.append(r.shape)
-        return original(self, r)
+    def counting(self, z):
+        calls.append(z.shape)
+        return original(self, z)
 
-    monkeypatch.setattr(Conditioner, "gain_matvec", counting)
+    monkeypatch.setattr(Conditioner, "_step", counting)
     torch.manual_seed(0)
     A, k = torch.randn(4, 50, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
     c = Conditioner(DiagonalCovariance(torch.rand(50, dtype=torch.float64) + 0.5), hardeq.LinearConstraint(A, k))
@@ -106,7 +106,8 @@ def test_refinement_runs_only_when_the_check_asks(monkeypatch):
     calls.clear()
     # a group of one with scale 1e8: the first step leaves ulp(z_hat) ~ 1e-8 * 1e8; the check asks for a step
     index = torch.tensor([0, 1, 1])
-    c = Conditioner(DiagonalCovariance(torch.tensor([1e8, 1.0, 2.0])), hardeq.SumConstraint(index, torch.tensor([0.3755, 1.0])))
+    c = Conditioner(DiagonalCovariance(torch.tensor([1e8, 1.0, 2.0])),
+                    hardeq.SumConstraint(index, torch.tensor([0.3755, 1.0])))
     z = c.condition(torch.tensor([1e8, 0.0, 0.0]) * torch.randn(16, 3))
     assert len(calls) >= 2
     assert bool((z[:, 0] == torch.tensor(0.3755)).all())
@@ -241,6 +242,9 @@ def test_extreme_scales_in_float32_work_or_raise_precisely(scale_value, kind):
         return
     assert bool(torch.isfinite(z).all())
     assert rel_residual(con.dense_matrix(), k, z) <= 1e-5
+    A64 = con.dense_matrix().double()
+    S64 = A64 @ torch.diag(scale.double().square()) @ A64.T
+    torch.testing.assert_close(c.logdet().double(), torch.logdet(S64), rtol=1e-5, atol=1e-3)
 
 
 def test_non_finite_input_raises_precisely():
@@ -254,7 +258,7 @@ def test_non_finite_input_raises_precisely():
 
 
 # ------------------------------------------------------------------------------------ gradients
-@pytest.mark.parametrize("path", ["cholesky", "qr", "grouped", "full"])
+@pytest.mark.parametrize("path", ["cholesky", "qr", "grouped", "full", "per-sample"])
 def test_condition_gradcheck(path):
     torch.manual_seed(0)
     n, a = 6, 2
@@ -265,6 +269,10 @@ def test_condition_gradcheck(path):
     A = torch.randn(a, n, dtype=dt)
     noise = torch.randn(3, n, dtype=dt)
     L0 = torch.linalg.cholesky(random_spd(n)).requires_grad_()
+    if path == "per-sample":  # batched scales and k with a shared A: the product-matrix Gram
+        scale = (torch.rand(2, n, dtype=dt) + 0.5).requires_grad_()
+        k = torch.randn(2, a, dtype=dt, requires_grad=True)
+        noise = torch.randn(3, 2, n, dtype=dt)
 
     def f(loc, scale, k, L):
         if path == "grouped":
@@ -278,3 +286,20 @@ def test_condition_gradcheck(path):
         return c.condition(loc + cov.sqrt_matvec(noise)), c.variance(), c.logdet()
 
     assert torch.autograd.gradcheck(f, (loc, scale, k, L0))
+
+
+
+@pytest.mark.parametrize("kind", ["dense", "grouped"])
+@pytest.mark.parametrize("structure", ["diag", "full", "lowrank"])
+def test_fused_sample_every_structure(structure, kind):
+    g = torch.Generator().manual_seed(5)
+    n, a = 9, 3
+    cov = _covariances(n, torch.float64, g)[structure]
+    k = torch.randn(a, generator=g, dtype=torch.float64)
+    con = (hardeq.LinearConstraint(torch.randn(a, n, generator=g, dtype=torch.float64), k) if kind == "dense"
+           else hardeq.SumConstraint(torch.arange(n) % a, k))
+    c = Conditioner(cov, con)
+    loc = torch.randn(n, generator=g, dtype=torch.float64)
+    noise = torch.randn(5, cov.noise_size, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(c.sample(loc, noise=noise), c.condition(loc + cov.sqrt_matvec(noise)))
+    assert rel_residual(con.dense_matrix(), k, c.sample(loc, (20,))) <= 1e-12

@@ -41,7 +41,7 @@ Example:
 
 from .completion import EqualityCompletion
 from .elimination import ConstraintLayer, constraint_layer
-from .estimator import constrained_layer_estimator  # registers the "constrained_layer" estimator
+from .estimator import constrained_layer_estimator  # noqa: F401  (registers the "constrained_layer" estimator)
 from .penalty import penalty_loss
 from .projection import KKTProjection, kkt_projection
 

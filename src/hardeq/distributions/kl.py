@@ -58,8 +58,12 @@ def kl_constrained_normal(q: ConstrainedNormal, p: ConstrainedNormal) -> Tensor:
     n, a = q.event_shape[0], A.num_constraints
     # tr(S_q^-1 A Sigma_q Sigma_p^-1 Sigma_q A^T) = tr(G^T Sigma_p^-1 G), G G^T = Sigma_q A^T S_q^-1 A Sigma_q
     if cq.grouped and cp.cov.factor_part() is None:  # diagonal S_q and diagonal Sigma_p: O(n)
-        d_q = cq.cov.diag_part()
-        correction = (d_q.square() / cp.cov.diag_part() / A.rmatvec(cq.group_variance)).sum(-1)
+        # sum_i d_i^2 / (sigma_p,i^2 s_g(i)) = sum_i (scale_q,i / scale_p,i)^2 (v_i / s'_g(i)), with the
+        # scale-free ratio v / s' of normalised variances (no under/overflow at extreme scales)
+        scale_q, scale_p = cq.cov.scale, cp.cov.scale
+        v = (scale_q / scale_q.amax(-1, keepdim=True)).square()
+        ratio = v / A.rmatvec(A.diagonal_gram(v))
+        correction = ((scale_q / scale_p).square() * ratio).sum(-1)
     else:
         G = cq.gain_factor()  # (*batch, n, a)
         correction = cp.cov.inv_quad_matrix(G.expand(batch_shape + G.shape[-2:]))

@@ -142,14 +142,7 @@ class ConstrainedNormal(Distribution):
     # ------------------------------------------------------------------ parameters
     @property
     def arg_constraints(self) -> dict:  # type: ignore[override]
-        out = {"loc": constraints.real_vector}
-        if isinstance(self.covariance, FullCovariance):
-            out["scale_tril"] = constraints.lower_cholesky
-        else:
-            out["scale"] = constraints.independent(constraints.positive, 1)
-        if isinstance(self.covariance, LowRankCovariance):
-            out["cov_factor"] = constraints.independent(constraints.real, 2)
-        return out
+        return {"loc": constraints.real_vector, **self.covariance.arg_constraints}
 
     @property
     def scale(self) -> Tensor | None:
@@ -265,10 +258,9 @@ class ConstrainedNormal(Distribution):
     def sample(self, sample_shape: torch.Size | tuple = ()) -> Tensor:
         """Exact sample without gradient; uses the cached factorisation."""
         cond = self.conditioner
-        with torch.no_grad():
-            eps = self._noise(sample_shape, None)
-            z = cond.condition(self._unbroadcasted_loc + cond.cov.sqrt_matvec(eps))
-            return z.expand(eps.shape[:-1] + self.event_shape)
+        shape = torch.Size(sample_shape) + self.batch_shape + self.event_shape
+        with torch.no_grad():  # fused: randn, loc + F eps and the Matheron step on one buffer
+            return cond.sample(self._unbroadcasted_loc, sample_shape).expand(shape)
 
     # ------------------------------------------------------------------ densities
     def _log_normaliser(self) -> Tensor:

@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 from torch import Tensor
+from torch.distributions import constraints
 
 from .._utils import batch_mv, check_same_dtype_device, check_tensor
 from .triangular import tri_solve_vec
@@ -55,6 +56,8 @@ class Covariance(ABC):
     noise_size: int
     #: batch shape of the parameters
     batch_shape: torch.Size
+    #: the parameters' names and their ``torch.distributions.constraints`` (what ``arg_constraints`` reports)
+    arg_constraints: dict = {}  # noqa: RUF012
 
     # ------------------------------------------------------------------ identity
     @abstractmethod
@@ -100,10 +103,6 @@ class Covariance(ABC):
     @abstractmethod
     def sqrt_t_matmul(self, Y: Tensor) -> Tensor:
         r""":math:`F^\top Y`: ``(*batch, n, p) -> (*batch, m, p)``."""
-
-    def right_apply(self, A: Tensor) -> Tensor:
-        r""":math:`A\Sigma` for a dense ``A`` of shape ``(*batch, a, n)``."""
-        return self.sqrt_matmul(self.sqrt_t_matmul(A.mT)).mT
 
     @abstractmethod
     def dense(self) -> Tensor:
@@ -168,6 +167,8 @@ class DiagonalCovariance(Covariance):
         (tensor([1., 4.]), tensor(1.3863))
     """
 
+    arg_constraints = {"scale": constraints.independent(constraints.positive, 1)}  # noqa: RUF012
+
     def __init__(self, scale: Tensor) -> None:
         check_tensor("scale", scale, min_dim=1)
         self.scale = scale
@@ -194,9 +195,6 @@ class DiagonalCovariance(Covariance):
         return self.scale.unsqueeze(-1) * X
 
     sqrt_t_matmul = sqrt_matmul
-
-    def right_apply(self, A: Tensor) -> Tensor:
-        return A * self.variance.unsqueeze(-2)
 
     def dense(self) -> Tensor:
         return torch.diag_embed(self.variance)
@@ -230,6 +228,8 @@ class FullCovariance(Covariance):
         scale_tril (Tensor): ``L``, shape ``(*batch, n, n)``.
     """
 
+    arg_constraints = {"scale_tril": constraints.lower_cholesky}  # noqa: RUF012
+
     def __init__(self, scale_tril: Tensor) -> None:
         check_tensor("scale_tril", scale_tril, min_dim=2)
         if scale_tril.shape[-1] != scale_tril.shape[-2]:
@@ -245,7 +245,7 @@ class FullCovariance(Covariance):
         from .._utils import check_finite
 
         check_finite("scale_tril", self.scale_tril)
-        if not bool(torch.distributions.constraints.lower_cholesky.check(self.scale_tril).all()):
+        if not bool(constraints.lower_cholesky.check(self.scale_tril).all()):
             raise ValueError(f"scale_tril (shape {tuple(self.scale_tril.shape)}) must be lower triangular with "
                              "a positive diagonal.")
 
@@ -300,6 +300,9 @@ class LowRankCovariance(Covariance):
         cov_factor (Tensor): ``W``, shape ``(*batch, n, r)``.
         scale (Tensor): standard deviations of the diagonal part, ``(*batch, n)``, positive.
     """
+
+    arg_constraints = {"cov_factor": constraints.independent(constraints.real, 2),  # noqa: RUF012
+                       "scale": constraints.independent(constraints.positive, 1)}
 
     def __init__(self, cov_factor: Tensor, scale: Tensor) -> None:
         check_tensor("cov_factor", cov_factor, min_dim=2)
@@ -359,10 +362,6 @@ class LowRankCovariance(Covariance):
         bottom = self.cov_factor.mT @ Y
         shape = torch.broadcast_shapes(top.shape[:-2], bottom.shape[:-2])
         return torch.cat([top.expand(shape + top.shape[-2:]), bottom.expand(shape + bottom.shape[-2:])], dim=-2)
-
-    def right_apply(self, A: Tensor) -> Tensor:
-        W = self.cov_factor
-        return A * self.cov_diag.unsqueeze(-2) + (A @ W) @ W.mT
 
     def dense(self) -> Tensor:
         return self.cov_factor @ self.cov_factor.mT + torch.diag_embed(self.cov_diag)
@@ -448,3 +447,8 @@ def _trace_generic(p: Covariance, q: Covariance) -> Tensor:
 @register_trace_inv_mul(DiagonalCovariance, Covariance)
 def _trace_diagonal(p: DiagonalCovariance, q: Covariance) -> Tensor:
     return (q.diagonal() / p.variance).sum(-1)
+
+
+@register_trace_inv_mul(DiagonalCovariance, DiagonalCovariance)
+def _trace_diagonal_pair(p: DiagonalCovariance, q: DiagonalCovariance) -> Tensor:
+    return (q.scale / p.scale).square().sum(-1)  # ratios first: no under/overflow at extreme scales
