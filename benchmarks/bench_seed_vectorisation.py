@@ -73,22 +73,20 @@ def plain_loop(data, method: str, seeds, epochs: int, dtype, floor: float) -> No
 
 
 def harness_run(data, config, methods, seeds, epochs: int, dtype) -> None:
-    from hardeq.experiments.chemical import ChemicalTask
-    from hardeq.experiments.harness import BatchedMLP, TrainConfig, train
+    from hardeq.studies.chemical.models import build_model
+    from hardeq.studies.chemical.run import make_task
+    from hardeq.studies.harness import TrainConfig, train
 
-    task = ChemicalTask(data, methods, len(seeds), pinn_weight=config["pinn_weight"],
-                        variance_floor=config["ours"]["variance_floor"],
-                        ecnn_dependent=config["datasets"][data.name]["ecnn_dependent"], dtype=dtype)
+    _, task = make_task(data.name, config, methods, len(seeds), dtype, torch.device("cpu"))
     member_seeds = task.member_seeds(seeds)
-    model = BatchedMLP(data.x.shape[1], config["model"]["hidden"], task.out_sizes, member_seeds, dtype=dtype,
-                       detach_outputs=task.detach_outputs)
+    model = build_model(task, data.x.shape[1], seeds, config["model"], dtype=dtype, device=torch.device("cpu"))
     cfg = TrainConfig(epochs=epochs, batch_size=config["train"]["batch_size"], lr=config["train"]["lr"])
     train(model, task, data.tensors("train", dtype), data.tensors("val", dtype), cfg, member_seeds,
           progress=False)
 
 
 def main() -> None:
-    from hardeq.experiments import chemical
+    from hardeq.studies.chemical import data as chemical
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dataset", default="cstr", choices=["cstr", "plant", "distillation"])

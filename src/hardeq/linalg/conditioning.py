@@ -89,6 +89,9 @@ _KAPPA_MAX_32 = 1e3
 _KAPPA_MAX_64 = 1e10
 #: elements of a transient (chunk x a x n) tensor
 _CHUNK_ELEMS = 1 << 24
+#: most groups for which grouped sums run as a GEMM with the one-hot matrix (O(a n)); beyond, the O(n)
+#: scatter wins (a PyG batch of 128 graphs: 50x slower as a GEMM)
+_ONEHOT_MAX_GROUPS = 16
 #: largest n * a(a+1)/2 for the product-matrix Gram of a per-sample diagonal covariance
 _PRODUCT_ELEMS = 1 << 25
 
@@ -143,10 +146,10 @@ class Conditioner:
                 self.method, self.grouped = "grouped", True
                 _check_pivots(gv, torch.zeros_like(gv))
                 self._c, self._v, self._gv = c, v, gv
-                # small a * n and a shared covariance: group sums by a GEMM with the one-hot matrix E (blocked
-                # accumulation, as accurate as the two-level sum) and the gain as one GEMM with W' = E diag(v')
+                # few groups, small a * n and a shared covariance: group sums by a GEMM with the one-hot matrix E
+                # (blocked accumulation, as accurate as the two-level sum), the gain as one GEMM with W' = E diag(v')
                 a, n = gv.shape[-1], v.shape[-1]
-                if v.dim() == 1 and a * n <= _CHUNK_ELEMS:
+                if v.dim() == 1 and a <= _ONEHOT_MAX_GROUPS and a * n <= _CHUNK_ELEMS:
                     self._E = con.dense_matrix()
                     self._W = self._E * v
                 self.group_variance = con.diagonal_gram(cov.variance)  # diag of S (for the KL's closed form)

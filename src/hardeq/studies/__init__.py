@@ -1,0 +1,38 @@
+"""The paper's studies, run by ``hardeq reproduce NAME``; one subpackage per study.
+
+Discovery is lazy: :func:`available` lists the subpackages that hold a ``config.json`` and :func:`info` reads
+it, without importing any study (``hardeq --help`` stays light). :func:`load_study` imports one study and
+returns its :class:`~hardeq.studies.contract.Study`. The contract is described in
+:mod:`hardeq.studies.contract`; the shared training harness is :mod:`hardeq.studies.harness`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+__all__ = ["available", "info", "load_study"]
+
+_ROOT = Path(__file__).resolve().parent
+
+
+def available() -> list[str]:
+    """Names of the studies (folders of this package with a ``config.json``), sorted."""
+    return sorted(p.parent.name for p in _ROOT.glob("*/config.json") if not p.parent.name.startswith("_"))
+
+
+@lru_cache(maxsize=None)
+def info(name: str) -> dict[str, Any]:
+    """The ``config.json`` of study ``name`` (read, not imported); unknown names raise ``ValueError``."""
+    if name not in available():
+        raise ValueError(f"unknown study {name!r}; available: {available()}.")
+    return json.loads((_ROOT / name / "config.json").read_text())
+
+
+def load_study(name: str):
+    """Import study ``name`` and return its ``STUDY`` object; unknown names raise ``ValueError``."""
+    info(name)
+    return importlib.import_module(f"{__name__}.{name}.study").STUDY

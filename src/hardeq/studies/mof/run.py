@@ -1,0 +1,126 @@
+"""Running the mof study: training units (split x method group) in parallel processes, each resumable.
+
+A *unit* trains every member of one group (e.g. ``raza``: KKT, variance, CL, two initialisations each) on
+one split with the shared harness (members share every graph batch; per-member early stopping on validation
+MAD), then evaluates each member's best-validation parameters on the test split and stores the per-atom
+``mu`` and ``variance`` (float64). Unit results are saved atomically to ``CKPT/mof-s{split}-{group}.result.pt``
+(with the run's fingerprint); the harness checkpoints each unit every ``checkpoint_every`` epochs, so
+``--resume`` continues an interrupted unit exactly and skips finished ones.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..harness import LoaderBatches, MemberList, TrainConfig, atomic_torch_save, fingerprint, load_checkpoint, train
+from .data import collate, epoch_batches, load_graphs, make_split
+from .models import build_member
+from .task import MofTask, unit_methods
+
+__all__ = ["run_unit", "train_all", "unit_plan"]
+
+
+def unit_plan(config: Mapping[str, Any], settings: Mapping[str, Any]) -> list[tuple[int, str]]:
+    """Units ``(split, group)``, costliest group first within each split (for a balanced process pool)."""
+    cost = {g: float(v.get("relative_cost", 1.0)) for g, v in config["groups"].items()}
+    groups = sorted(settings.get("groups") or config["groups"], key=lambda g: -cost[g])
+    return [(s, g) for s in range(int(settings["splits"])) for g in groups]
+
+
+def _unit_id(config: Mapping[str, Any], settings: Mapping[str, Any], split: int, group: str) -> dict[str, Any]:
+    g = config["groups"][group]
+    return {"study": "mof", "split": split, "group": group, "methods": unit_methods(g), "arch": g["arch"],
+            "batch_size": g["batch_size"], "lr": g["lr"], "patience": _patience(settings, group, g),
+            "epochs": int(settings["epochs"]), "graphs": settings.get("graphs"), "split_rule": config["split"],
+            "dtype": "float32 network, float64 head"}
+
+
+def _patience(settings: Mapping[str, Any], group: str, g: Mapping[str, Any]) -> int:
+    p = settings.get("patience")
+    return int(p[group]) if isinstance(p, Mapping) else int(g["patience"])
+
+
+def run_unit(config: Mapping[str, Any], settings: Mapping[str, Any], split: int, group: str, *,
+             checkpoint_dir: Path, resume: bool, device: str = "cpu", threads: int | None = None,
+             progress: bool = False) -> dict[str, Any]:
+    """Train and test one unit (see the module docstring); returns its result (plain containers, tensors)."""
+    if threads:
+        torch.set_num_threads(int(threads))
+    dev = torch.device(device)
+    run_id = _unit_id(config, settings, split, group)
+    result_path = Path(checkpoint_dir) / f"mof-s{split}-{group}.result.pt"
+    if resume and result_path.exists():
+        done = load_checkpoint(result_path)
+        if done.get("fingerprint") == fingerprint(run_id):
+            return done
+    t0 = time.perf_counter()
+    data = load_graphs(None, settings.get("graphs"))
+    split_ix = make_split(data, split, tuple(config["split"]["fractions"]), base_seed=int(config["split"]["base_seed"]))
+    train_graphs = [data.graphs[i] for i in split_ix["train"]]
+    val_batch = collate([data.graphs[i] for i in split_ix["val"]]).to(dev)
+    test_batch = collate([data.graphs[i] for i in split_ix["test"]]).to(dev)
+    g = config["groups"][group]
+    methods = unit_methods(g)
+    seeds = [1000 * split + 10 * list(config["groups"]).index(group) + i for i in range(len(methods))]
+    model = MemberList([build_member(g["arch"], s) for s in seeds], per_member_inputs=False).to(dev)
+    bs = int(g["batch_size"])
+
+    def make(epoch: int, ctx) -> list:
+        return [b.to(dev) for b in epoch_batches(train_graphs, bs, seed=split, epoch=epoch)]
+
+    source = LoaderBatches(make, None, batch_size_of=lambda b: int(b.num_nodes), num_samples=len(train_graphs))
+    cfg = TrainConfig(epochs=int(settings["epochs"]), batch_size=bs, lr=float(g["lr"]), select_metric="mad",
+                      patience=_patience(settings, group, g), checkpoint_every=int(settings.get("checkpoint_every", 1)))
+    task = MofTask(methods)
+    res = train(model, task, source, [val_batch], cfg, seeds, checkpoint_path=Path(checkpoint_dir) /
+                f"mof-s{split}-{group}.pt", resume=resume, run_id=run_id, progress=progress, desc=f"s{split}-{group}",
+                log_every=1 if progress else 0)
+    model.load_state_dict(res.best_state)
+    model.eval()
+    with torch.no_grad():
+        out = model(test_batch).cpu()  # (M, N, 2)
+    out_doc = {
+        "fingerprint": fingerprint(run_id), "split": split, "group": group, "methods": methods, "seeds": seeds,
+        "mu": out[..., 0].clone(), "var": out[..., 1].clone(),
+        "best_epoch": res.best_epoch, "stopped_epoch": res.stopped_epoch,
+        "history": {k: v for k, v in res.history.items()}, "redraws": split_ix["redraws"],
+        "seconds": time.perf_counter() - t0,
+    }
+    atomic_torch_save(out_doc, result_path)
+    return out_doc
+
+
+def _worker(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return run_unit(**kwargs)
+
+
+def train_all(config: Mapping[str, Any], settings: Mapping[str, Any], *, checkpoint_dir: Path, resume: bool,
+              device: str, jobs: int, threads: int, progress: bool) -> dict[tuple[int, str], dict[str, Any]]:
+    """Run every unit (``jobs`` spawned processes on the CPU, else in this process); ``{(split, group): result}``."""
+    plan = unit_plan(config, settings)
+    common = dict(config=dict(config), settings=dict(settings), checkpoint_dir=Path(checkpoint_dir), resume=resume,
+                  device=device, threads=threads, progress=progress)
+    if jobs <= 1 or device != "cpu":
+        out = {}
+        for s, g in plan:
+            out[(s, g)] = run_unit(**common, split=s, group=g)
+            if progress:
+                print(f"[mof] unit s{s}-{g} done in {out[(s, g)]['seconds']:.0f} s", flush=True)
+        return out
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_worker, {**common, "split": s, "group": g}): (s, g) for s, g in plan}
+        out = {}
+        for f in as_completed(futures):
+            key = futures[f]
+            out[key] = f.result()
+            if progress:
+                print(f"[mof] unit s{key[0]}-{key[1]} done in {out[key]['seconds']:.0f} s", flush=True)
+    return {k: out[k] for k in plan}
