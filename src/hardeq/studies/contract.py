@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PRESETS", "Preset", "Study"]
+__all__ = ["PRESETS", "Preset", "Study", "positive_int"]
 
 #: the preset names every study offers, smallest first
 PRESETS = ("quick", "cpu", "paper")
@@ -75,3 +75,14 @@ class Study(ABC):
     @abstractmethod
     def report(self, doc: dict[str, Any], out: Path, *, quiet: bool = False) -> list[Path]:
         """Write ``out / f"{name}.md"`` and the figures from the results document; return the paths."""
+
+
+def positive_int(text: str) -> int:
+    """argparse type for counts (``--seeds``, ``--epochs``, ...): an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..contract import Study
+from ..contract import Study, positive_int
 from .data import CONFIG_PATH, load_config
 
 __all__ = ["ChemicalStudy", "STUDY"]
@@ -28,13 +28,13 @@ class ChemicalStudy(Study):
         parser.add_argument("--dtype", choices=["float32", "float64"], default=None, help="default: the config's")
         parser.add_argument("--checkpoint-dir", type=Path, default=None,
                             help="default: OUT/checkpoints (removed after a completed run unless --keep-checkpoints)")
-        parser.add_argument("--checkpoint-every", type=_positive, default=None, help="epochs between checkpoints")
+        parser.add_argument("--checkpoint-every", type=positive_int, default=None, help="epochs between checkpoints")
         parser.add_argument("--keep-checkpoints", action="store_true")
         parser.add_argument("--config", type=Path, default=None, help="alternative config JSON")
-        parser.add_argument("--jobs", type=_positive, default=None,
+        parser.add_argument("--jobs", type=positive_int, default=None,
                             help="parallel worker processes; the units are the data sets, the largest split into its "
                                  "baselines and its ours* variants (default: the preset's)")
-        parser.add_argument("--threads", type=_positive, default=1, help="intra-op threads per process (default 1)")
+        parser.add_argument("--threads", type=positive_int, default=1, help="intra-op threads per process (default 1)")
 
     def run(self, args: argparse.Namespace) -> dict[str, Any]:
         import torch
@@ -113,13 +113,6 @@ class ChemicalStudy(Study):
             print(f"\nwrote {out / 'chemical.json'}, {out / 'chemical.md'} and plots in "
                   f"{doc.get('timing', {}).get('total_s', float('nan')):.1f} s")
         return paths
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 STUDY = ChemicalStudy("chemical", load_config(CONFIG_PATH))

@@ -15,6 +15,8 @@ Two training sources:
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -27,14 +29,15 @@ from .distributed import DistContext
 __all__ = ["BatchSource", "MemberBatches", "LoaderBatches", "as_source", "eval_batches"]
 
 
-class BatchSource:
+class BatchSource(ABC):
     """Interface of a training source: ``epoch(epoch)`` yields ``(batch, global_batch_size)``; the state of
     its random streams is saved in checkpoints through ``state_dict`` / ``load_state_dict``."""
 
     num_samples: int | None = None
 
+    @abstractmethod
     def epoch(self, epoch: int) -> Iterator[tuple[Any, int]]:
-        raise NotImplementedError
+        """Yield ``(batch, global_batch_size)`` for one epoch."""
 
     def state_dict(self) -> list:
         return []

@@ -9,30 +9,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..contract import Study
+from ..contract import Study, positive_int
 from .data import CONFIG_PATH, load_config
 
 __all__ = ["MofStudy", "STUDY"]
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 class MofStudy(Study):
     """Charge-neutral partial charges on MOF graphs with an MPNN (docs/mof.md)."""
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--splits", type=_positive, default=None,
+        parser.add_argument("--splits", type=positive_int, default=None,
                             help="number of random splits (default: the preset's; --seeds is a synonym)")
         parser.add_argument("--groups", nargs="+", default=None, choices=list(self.config["groups"]),
                             help="train only these method groups (default: all)")
-        parser.add_argument("--graphs", type=_positive, default=None, help="use only the first N graphs")
-        parser.add_argument("--jobs", type=_positive, default=None, help="parallel processes (default: the preset's)")
-        parser.add_argument("--threads", type=_positive, default=None, help="intra-op threads per process")
+        parser.add_argument("--graphs", type=positive_int, default=None, help="use only the first N graphs")
+        parser.add_argument("--jobs", type=positive_int, default=None,
+                            help="parallel processes (default: the preset's)")
+        parser.add_argument("--threads", type=positive_int, default=None, help="intra-op threads per process")
         parser.add_argument("--checkpoint-dir", type=Path, default=None,
                             help="default: OUT/checkpoints (removed after a completed run unless --keep-checkpoints)")
         parser.add_argument("--keep-checkpoints", action="store_true")

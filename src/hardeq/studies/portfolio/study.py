@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..contract import Study
+from ..contract import Study, positive_int
 from .data import CONFIG_PATH, load_config
 
 __all__ = ["PortfolioStudy", "STUDY"]
@@ -21,13 +21,13 @@ class PortfolioStudy(Study):
 
         parser.add_argument("--methods", nargs="+", default=None, metavar="NAME", choices=list(METHODS),
                             help=f"subset of {', '.join(METHODS)} (default: all)")
-        parser.add_argument("--num-assets", type=_positive, default=None,
+        parser.add_argument("--num-assets", type=positive_int, default=None,
                             help="stocks drawn from the data set (default: the preset's)")
         parser.add_argument("--checkpoint-dir", type=Path, default=None,
                             help="default: OUT/checkpoints (removed after a completed run unless --keep-checkpoints)")
         parser.add_argument("--keep-checkpoints", action="store_true")
         parser.add_argument("--config", type=Path, default=None, help="alternative config JSON")
-        parser.add_argument("--threads", type=_positive, default=1,
+        parser.add_argument("--threads", type=positive_int, default=1,
                             help="intra-op threads (default 1: robust when the CPU is shared)")
 
     def run(self, args: argparse.Namespace) -> dict[str, Any]:
@@ -86,13 +86,6 @@ class PortfolioStudy(Study):
         if not quiet:
             print(text)
         return paths
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 STUDY = PortfolioStudy("portfolio", load_config(CONFIG_PATH))

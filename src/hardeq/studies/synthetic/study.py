@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..contract import Study
+from ..contract import Study, positive_int
 
 __all__ = ["SyntheticStudy", "STUDY"]
 
@@ -18,7 +18,7 @@ class SyntheticStudy(Study):
     """Bias, variance and average error of gradient estimators on synthetic problems (docs/synthetic.md)."""
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--estimates", type=_positive, default=None,
+        parser.add_argument("--estimates", type=positive_int, default=None,
                             help="estimates per parameter set (default: the preset's, 1000 quick / 10000 cpu)")
         parser.epilog = ("--seeds sets the number of random parameter sets (default 4 quick / 20 cpu); "
                          "--epochs does not apply to this study (it trains nothing).")
@@ -96,13 +96,6 @@ class SyntheticStudy(Study):
         if not quiet:
             print(text)
         return [out / "synthetic.md", *paths]
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 STUDY = SyntheticStudy("synthetic", json.loads((Path(__file__).resolve().parent / "config.json").read_text()))
