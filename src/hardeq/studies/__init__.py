@@ -19,9 +19,15 @@ __all__ = ["available", "info", "load_study"]
 _ROOT = Path(__file__).resolve().parent
 
 
+def _folder(name: str) -> str:
+    """The subpackage of study ``name`` (``vae-latent`` lives in ``vae_latent``)."""
+    return name.replace("-", "_")
+
+
 def available() -> list[str]:
-    """Names of the studies (folders of this package with a ``config.json``), sorted."""
-    return sorted(p.parent.name for p in _ROOT.glob("*/config.json") if not p.parent.name.startswith("_"))
+    """Names of the studies (folders of this package with a ``config.json``, ``_`` read as ``-``), sorted."""
+    return sorted(p.parent.name.replace("_", "-") for p in _ROOT.glob("*/config.json")
+                  if not p.parent.name.startswith("_"))
 
 
 @lru_cache(maxsize=None)
@@ -29,10 +35,10 @@ def info(name: str) -> dict[str, Any]:
     """The ``config.json`` of study ``name`` (read, not imported); unknown names raise ``ValueError``."""
     if name not in available():
         raise ValueError(f"unknown study {name!r}; available: {available()}.")
-    return json.loads((_ROOT / name / "config.json").read_text())
+    return json.loads((_ROOT / _folder(name) / "config.json").read_text())
 
 
 def load_study(name: str):
     """Import study ``name`` and return its ``STUDY`` object; unknown names raise ``ValueError``."""
     info(name)
-    return importlib.import_module(f"{__name__}.{name}.study").STUDY
+    return importlib.import_module(f"{__name__}.{_folder(name)}.study").STUDY

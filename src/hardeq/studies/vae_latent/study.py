@@ -1,0 +1,89 @@
+"""``hardeq reproduce vae-latent``: the study's contract (flags, run, report)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+from ..contract import Study, positive_int
+from .run import CONFIG_PATH, load_config
+
+__all__ = ["VaeLatentStudy", "STUDY"]
+
+
+class VaeLatentStudy(Study):
+    """VAE on MNIST with a constrained latent; every gradient estimator (docs/vae.md)."""
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        protocol = self.config["protocol"]
+        parser.add_argument("--methods", nargs="+", default=None, choices=protocol["methods"], metavar="NAME",
+                            help=f"subset of {', '.join(protocol['methods'])} (default: all)")
+        parser.add_argument("--constraints", nargs="+", default=None, choices=list(protocol["constraints"]),
+                            help="latent constraints to run (default: the preset's)")
+        parser.add_argument("--importance-samples", type=positive_int, default=None,
+                            help="K of the importance-sampled NLL (default: the preset's)")
+        parser.add_argument("--threads", type=positive_int, default=None,
+                            help="intra-op threads (default: the preset's; 1 is fastest on a shared CPU)")
+        parser.add_argument("--checkpoint-dir", type=Path, default=None,
+                            help="default: OUT/checkpoints (removed after a completed run unless --keep-checkpoints)")
+        parser.add_argument("--keep-checkpoints", action="store_true")
+
+    def run(self, args: argparse.Namespace) -> dict[str, Any]:
+        import torch
+
+        from ..results import write_json
+        from .report import summarise
+        from .run import run, settings
+
+        s = settings(self.config, args.preset)
+        if getattr(args, "importance_samples", None):
+            s["importance_samples"] = int(args.importance_samples)
+        trials = list(range(args.seeds if args.seeds is not None else int(s["seeds"])))
+        epochs = args.epochs if args.epochs is not None else int(s["epochs"])
+        device = torch.device(getattr(args, "device", None) or s.get("device", "cpu"))
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device: cuda was asked for (the paper preset's default) but CUDA is not available; "
+                             "pass --device cpu to run it on the CPU.")
+        torch.set_num_threads(int(getattr(args, "threads", None) or s.get("threads", 1)))
+        out = Path(args.out)
+        ckpt_dir = Path(getattr(args, "checkpoint_dir", None) or out / "checkpoints")
+        ckpt = ckpt_dir / f"vae-latent-{args.preset}.pt"
+        t0 = time.perf_counter()
+        result = run(s, trials, epochs, methods=getattr(args, "methods", None),
+                     constraints=getattr(args, "constraints", None), checkpoint_path=ckpt,
+                     resume=bool(args.resume), device=device, progress=not bool(getattr(args, "quiet", False)))
+        wall = time.perf_counter() - t0
+        summary = summarise(result, self.config)
+        used = {**s, "preset": args.preset, "trials": trials, "epochs": epochs, "methods_run": result["methods"],
+                "constraints_run": result["constraints"], "paper": self.config["paper"],
+                "source": self.config["source"]}
+        doc = write_json(out / "vae-latent.json", "vae-latent", args.preset, used, summary["records"], device=device,
+                         data={"n_train": result["n_train"], "n_test": result["n_test"]},
+                         per_trial=summary["per_trial"], curves=summary["curves"],
+                         significance=summary["significance"], timing={"total_s": wall, **summary["timing"]},
+                         command=(getattr(args, "command_line", None)
+                                  or f"hardeq reproduce vae-latent --preset {args.preset}"))
+        if not getattr(args, "keep_checkpoints", False):
+            ckpt.unlink(missing_ok=True)
+            try:
+                ckpt_dir.rmdir()
+            except OSError:
+                pass
+        return doc
+
+    def report(self, doc: dict[str, Any], out: Path, *, quiet: bool = False) -> list[Path]:
+        from ..results import atomic_write_text
+        from .report import plot_curves, plot_metrics, render_markdown
+
+        out = Path(out)
+        text = render_markdown(doc)
+        atomic_write_text(out / "vae-latent.md", text)
+        paths = [out / "vae-latent.md", plot_metrics(doc, out), plot_curves(doc, out)]
+        if not quiet:
+            print(text)
+        return paths
+
+
+STUDY = VaeLatentStudy("vae-latent", load_config(CONFIG_PATH))
