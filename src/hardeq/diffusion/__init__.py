@@ -1,0 +1,55 @@
+r"""Hard linear equality constraints for diffusion models, by exact conditioning of the :math:`x_0`-prediction.
+
+A DDPM / DDIM sampling loop predicts, at every step, the clean image
+:math:`\hat x_0 = (x_t - \sqrt{1 - \bar\alpha_t}\,\varepsilon_\theta(x_t, t)) / \sqrt{\bar\alpha_t}`. At the steps of
+a *schedule* this package replaces :math:`\hat x_0` by an exact sample of :math:`\mathcal N(\hat x_0, \sigma_t^2 I)`
+conditioned on :math:`A x_0 = k` (Matheron's rule via :class:`hardeq.ConstrainedNormal`; O(n) for per-channel sums),
+and continues the loop from it. When the last step is conditioned, every returned image satisfies the constraint
+to round-off.
+
+* constraints on images: :func:`channel_sum_constraint` (each channel sums to :math:`k_c`), or any
+  :class:`~hardeq.LinearConstraint` / :class:`~hardeq.SumConstraint` on the flattened image;
+* schedules: :class:`Uniform`, :class:`StartEnd`, :class:`StartSpaced`, :class:`EndSpaced`, :class:`Steps`;
+* the conditioned replacement: :func:`constrained_x0`;
+* native samplers (no diffusers): :func:`ddpm_sample` (exact last step), :func:`ddim_sample` (Algorithm 1);
+* diffusers integration: :class:`ConstrainedScheduler` around ``DDPMScheduler`` / ``DDIMScheduler``;
+* post-processing baselines: :func:`project_onto`, :func:`project_and_clip` (``post=`` of the samplers).
+
+``diffusers`` is optional (``pip install "hardeq[diffusion]"``); it is imported only by
+:class:`ConstrainedScheduler`. See ``docs/diffusion.md``.
+"""
+
+from __future__ import annotations
+
+from .conditioning import constrained_x0
+from .ddim import ddim_sample, ddim_timesteps
+from .ddpm import ddpm_sample
+from .image_constraints import channel_sum_constraint, channel_sums, satisfies_constraint
+from .noise import derive_generator
+from .noise_schedule import make_betas
+from .post import clip_to, project_and_clip, project_onto
+from .scheduler import ConstrainedScheduler, ConstrainedSchedulerOutput
+from .schedules import EndSpaced, Schedule, StartEnd, StartSpaced, Steps, Uniform
+
+__all__ = [
+    "Schedule",
+    "Uniform",
+    "StartEnd",
+    "StartSpaced",
+    "EndSpaced",
+    "Steps",
+    "channel_sum_constraint",
+    "channel_sums",
+    "satisfies_constraint",
+    "constrained_x0",
+    "ddpm_sample",
+    "ddim_sample",
+    "ddim_timesteps",
+    "make_betas",
+    "derive_generator",
+    "project_onto",
+    "project_and_clip",
+    "clip_to",
+    "ConstrainedScheduler",
+    "ConstrainedSchedulerOutput",
+]

@@ -1,0 +1,21 @@
+"""The docstring examples of hardeq.diffusion run as written."""
+
+import doctest
+import importlib
+
+import pytest
+import torch
+
+import hardeq
+import hardeq.diffusion
+
+MODULES = ["hardeq.diffusion.schedules", "hardeq.diffusion.image_constraints", "hardeq.diffusion.conditioning",
+           "hardeq.diffusion.ddim"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_doctests(name):
+    module = importlib.import_module(name)
+    globs = {"torch": torch, "hardeq": hardeq, **{k: getattr(hardeq.diffusion, k) for k in hardeq.diffusion.__all__}}
+    result = doctest.testmod(module, extraglobs=globs, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0

@@ -1,0 +1,157 @@
+"""ConstrainedScheduler: exactness, argument checks, optional import."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hardeq.diffusion import (ConstrainedScheduler, ConstrainedSchedulerOutput, EndSpaced, StartEnd, StartSpaced,
+                              Uniform, channel_sum_constraint, satisfies_constraint)
+
+from .conftest import RTOL, assert_exact, gen, toy_eps
+
+SHAPE = (3, 2, 4, 4)
+TOTALS = [2.0, -3.0]
+T = 20
+
+
+def _run(scheduler, seed=0, dtype=torch.float32, **step_kwargs):
+    g = gen(seed)
+    x = torch.randn(SHAPE, generator=g, dtype=dtype)
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            x = scheduler.step(toy_eps(x, t.expand(SHAPE[0])), t, x, generator=g, **step_kwargs).prev_sample
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("cls, kwargs", [
+    ("DDPMScheduler", {}),
+    ("DDPMScheduler", {"variance_type": "fixed_large"}),
+    ("DDIMScheduler", {"set_alpha_to_one": False}),
+    ("DDIMScheduler", {"set_alpha_to_one": True}),
+    ("DDIMScheduler", {"set_alpha_to_one": False, "prediction_type": "v_prediction"}),
+    ("DDIMScheduler", {"set_alpha_to_one": False, "prediction_type": "sample"}),
+    ("DDPMScheduler", {"prediction_type": "v_prediction"}),
+])
+@pytest.mark.parametrize("schedule", [None, Uniform(2), StartEnd(1, 1), EndSpaced(2, 2)])
+def test_wrapper_exact(dtype, cls, kwargs, schedule):
+    diffusers = pytest.importorskip("diffusers")
+    c = channel_sum_constraint(SHAPE, TOTALS)
+    for deterministic in (False, True):
+        sch = ConstrainedScheduler(getattr(diffusers, cls)(num_train_timesteps=T, clip_sample=False, **kwargs), c,
+                                   schedule, deterministic=deterministic)
+        sch.set_timesteps(5)
+        x = _run(sch, dtype=dtype, **({"eta": 0.5} if cls == "DDIMScheduler" else {}))
+        assert x.dtype == dtype
+        assert_exact(x, TOTALS, RTOL[dtype])
+
+
+def test_wrapper_full_ddpm_loop_and_output_type():
+    diffusers = pytest.importorskip("diffusers")
+    c = channel_sum_constraint(SHAPE, TOTALS)
+    sch = ConstrainedScheduler(diffusers.DDPMScheduler(num_train_timesteps=T, clip_sample=False), c)
+    assert len(sch.timesteps) == T and sch.conditioned_steps() == (T - 1,)
+    x = _run(sch)
+    assert satisfies_constraint(x, c).all()
+    x0 = torch.randn(SHAPE)
+    out = sch.step(torch.zeros(SHAPE), sch.timesteps[-1], x0)
+    assert isinstance(out, ConstrainedSchedulerOutput) and torch.equal(out.prev_sample, out.pred_original_sample)
+    prev, pred = sch.step(torch.zeros(SHAPE), sch.timesteps[-1], x0, return_dict=False)
+    assert_exact(prev, TOTALS, 1e-5)
+    # delegation
+    assert sch.config.num_train_timesteps == T and sch.init_noise_sigma == 1.0
+    assert torch.equal(sch.scale_model_input(x0, 3), x0)
+    assert "DDPMScheduler" in repr(sch)
+
+
+def test_wrapper_schedule_not_including_last_is_not_exact():
+    diffusers = pytest.importorskip("diffusers")
+    c = channel_sum_constraint(SHAPE, TOTALS)
+    sch = ConstrainedScheduler(diffusers.DDIMScheduler(num_train_timesteps=T, clip_sample=False), c, StartSpaced(2, 1))
+    sch.set_timesteps(5)
+    assert sch.conditioned_steps() == (0, 1)
+    assert not satisfies_constraint(_run(sch), c).all()
+
+
+def test_wrapper_streams():
+    """The derived conditioning stream does not draw from the step generator: its state after a constrained loop
+    equals that after the plain loop (DDIM, eta > 0: one draw per step)."""
+    diffusers = pytest.importorskip("diffusers")
+    c = channel_sum_constraint(SHAPE, TOTALS)
+    states = []
+    for constraint in (None, c):
+        sch = ConstrainedScheduler(diffusers.DDIMScheduler(num_train_timesteps=T, clip_sample=False), constraint,
+                                   Uniform(5) if constraint is not None else None)
+        sch.set_timesteps(5)
+        g = gen(0)
+        x = torch.randn(SHAPE, generator=g)
+        for t in sch.timesteps:
+            x = sch.step(toy_eps(x, t.expand(3)), t, x, eta=1.0, generator=g).prev_sample
+        states.append(g.get_state())
+    assert torch.equal(states[0], states[1])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({}, "clip_sample=True .*clip_sample=False"),
+    ({"clip_sample": False, "thresholding": True}, "thresholding=True"),
+    ({"clip_sample": False, "variance_type": "learned_range"}, "variance_type='learned_range'"),
+])
+def test_unsupported_configs_raise(kwargs, match):
+    diffusers = pytest.importorskip("diffusers")
+    with pytest.raises(ValueError, match=match):
+        ConstrainedScheduler(diffusers.DDPMScheduler(num_train_timesteps=T, **kwargs),
+                             channel_sum_constraint(SHAPE, TOTALS))
+
+
+def test_clip_sample_default_of_ddim_raises():
+    diffusers = pytest.importorskip("diffusers")
+    with pytest.raises(ValueError, match="breaks the constraint"):
+        ConstrainedScheduler(diffusers.DDIMScheduler(), channel_sum_constraint(SHAPE, TOTALS))
+
+
+def test_bad_arguments():
+    diffusers = pytest.importorskip("diffusers")
+    c = channel_sum_constraint(SHAPE, TOTALS)
+    with pytest.raises(TypeError, match="DDPMScheduler or diffusers.DDIMScheduler"):
+        ConstrainedScheduler(diffusers.EulerDiscreteScheduler(), c)
+    with pytest.raises(TypeError, match="constraint must be"):
+        ConstrainedScheduler(diffusers.DDIMScheduler(clip_sample=False), torch.ones(2))
+    with pytest.raises(TypeError, match="schedule must be"):
+        ConstrainedScheduler(diffusers.DDIMScheduler(clip_sample=False), c, "last")
+    sch = ConstrainedScheduler(diffusers.DDIMScheduler(num_train_timesteps=T, clip_sample=False), c)
+    sch.set_timesteps(5)
+    with pytest.raises(ValueError, match="not in scheduler.timesteps"):
+        sch.step(torch.zeros(SHAPE), 7, torch.zeros(SHAPE))
+    with pytest.raises(ValueError, match="flatten to n = 18"):
+        sch.step(torch.zeros(3, 2, 3, 3), sch.timesteps[-1], torch.zeros(3, 2, 3, 3))
+    sch = ConstrainedScheduler(diffusers.DDIMScheduler(num_train_timesteps=T, clip_sample=False), c, Uniform(6))
+    sch.set_timesteps(5)
+    with pytest.raises(ValueError, match="num_steps = 5"):
+        sch.conditioned_steps()
+
+
+def test_missing_diffusers(monkeypatch):
+    """The wrapper says how to install diffusers when it is missing."""
+    monkeypatch.setitem(sys.modules, "diffusers", None)  # import diffusers -> ImportError
+    import hardeq.diffusion as hd
+
+    with pytest.raises(ImportError, match='pip install "hardeq\\[diffusion\\]"'):
+        hd.ConstrainedScheduler(object(), None)
+
+
+def test_import_without_diffusers():
+    """import hardeq.diffusion (and the native samplers) work in a fresh interpreter where diffusers is missing."""
+    code = (
+        "import sys; sys.modules['diffusers'] = None\n"
+        "import torch, hardeq.diffusion as hd\n"
+        "c = hd.channel_sum_constraint((2, 1, 2, 2), [1.0])\n"
+        "x = hd.ddim_sample(lambda x, t: 0 * x, (2, 1, 2, 2), 2, c, num_train_timesteps=4)\n"
+        "assert hd.satisfies_constraint(x, c).all() and 'diffusers' not in {m.split('.')[0] for m in sys.modules "
+        "if sys.modules[m] is not None}\n"
+        "try:\n    hd.ConstrainedScheduler(None)\nexcept ImportError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert 'pip install "hardeq[diffusion]"' in out.stdout
