@@ -20,8 +20,8 @@ def test_readme_example_runs():
 def test_ci_runs_the_readme_test_command():
     text = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
-    assert 'pip install torch==2.13.0 -e ".[test,graphs]" && python -m pytest' in text
-    assert 'pip install --quiet torch==2.13.0 -e ".[test,graphs]"' in ci and "python -m pytest" in ci
+    assert 'pip install torch==2.13.0 -e ".[test,graphs,diffusion]" && python -m pytest' in text
+    assert 'pip install --quiet torch==2.13.0 -e ".[test,graphs,diffusion]"' in ci and "python -m pytest" in ci
 
 
 def test_cli_version_and_help():
