@@ -304,7 +304,7 @@ class SumConstraint(EqualityConstraint):
         return self._group_sum(z)
 
     def rmatvec(self, u: Tensor) -> Tensor:
-        return u.index_select(-1, self.index)
+        return self._group_sum.broadcast(u)
 
     def matmul(self, X: Tensor) -> Tensor:
         return self._group_sum.matmul(X)

@@ -128,6 +128,15 @@ class Conditioner:
         self.dtype = constraint.k.dtype
         self._factorise()
 
+    @property
+    def group_variance(self) -> Tensor:
+        """``grouped`` only: the diagonal of :math:`S = A\\Sigma A^\top` (per-group sums of the variances)."""
+        if not self.grouped:
+            raise AttributeError("group_variance exists only for the grouped method.")
+        if self._group_variance is None:
+            self._group_variance = self.constraint.diagonal_gram(self.cov.variance)
+        return self._group_variance
+
     # ================================================================== factorisation
     def _factorise(self, method: str | None = None) -> None:
         """All factorisation work. ``method=None``: choose (see the module docstring); otherwise force
@@ -152,7 +161,7 @@ class Conditioner:
                 if v.dim() == 1 and a <= _ONEHOT_MAX_GROUPS and a * n <= _CHUNK_ELEMS:
                     self._E = con.dense_matrix()
                     self._W = self._E * v
-                self.group_variance = con.diagonal_gram(cov.variance)  # diag of S (for the KL's closed form)
+                self._group_variance = None  # diag of S, for the KL's closed form: computed when asked for
                 return
         self.grouped = False
         self._v = None

@@ -40,6 +40,11 @@ def summarise(result: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
             us = [_unit(units, c, m, t, first) for t in trials]
             per_trial[c][m] = {k: [u["metrics"][k] for u in us] for k in METRICS}
             per_trial[c][m]["max_latent_residual"] = [u["metrics"]["max_latent_residual"] for u in us]
+            if all("posterior_std" in u["metrics"] for u in us):
+                std = np.asarray([u["metrics"]["posterior_std"] for u in us])
+                records.append({"dataset": c, "method": m, "metric": "posterior_std", "mean": float(std.mean()),
+                                "std": float(std.std(ddof=1)) if std.size > 1 else 0.0, "n_seeds": int(std.size),
+                                "paper": None})
             curves[c][m] = {"train_nelbo": np.mean([u["curve_train_nelbo"] for u in us], 0).tolist(),
                             "test_nelbo": np.mean([u["curve_test_nelbo"] for u in us], 0).tolist(),
                             "test_nelbo_std": np.std([u["curve_test_nelbo"] for u in us], 0, ddof=1).tolist()
@@ -93,12 +98,15 @@ def render_markdown(doc: dict[str, Any]) -> str:
     for c in cfg["constraints_run"]:
         lines += [f"## Constraint `{c}`: {cfg['constraints'][c]['description']}", ""]
         rows = []
+        has_std = any(r["metric"] == "posterior_std" for r in doc["records"])
         for m in _rank(doc, c, "nll"):
             res = next(r["mean"] for r in doc["records"] if r["dataset"] == c and r["method"] == m
                        and r["metric"] == "max_latent_residual")
             rows.append([LABELS.get(m, m)] + [_cell(doc, c, m, k) for k in METRICS]
+                        + ([_cell(doc, c, m, "posterior_std")] if has_std else [])
                         + ["n/a" if m == "unconstrained" else f"{res:.1e}"])
-        lines += [markdown_table(["method"] + list(METRICS.values()) + ["max |A z - k|"], rows)]
+        lines += [markdown_table(["method"] + list(METRICS.values())
+                                 + (["posterior std"] if has_std else []) + ["max |A z - k|"], rows)]
         lines += ["Paired tests over trials (same initialisation, data order and evaluation noise): "
                   "difference a - b of the mean, paired t-test p (Wilcoxon p in brackets).", ""]
         rows = []

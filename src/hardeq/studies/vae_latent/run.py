@@ -98,10 +98,11 @@ def evaluate(model: VAE, x: Tensor, K: int, seed: int, chunk: int) -> dict[str, 
     r"""Test metrics per image, averaged: importance-sampled NLL :math:`-\log\frac1K\sum_k w_k`, NELBO
     :math:`-\frac1K\sum_k\log p(x\mid z_k) + \mathrm{KL}` and reconstruction loss :math:`-\frac1K\sum_k
     \log p(x\mid z_k)`, with :math:`z_k` exact samples of the (constrained) posterior; also the largest
-    constraint residual of every latent sample drawn. Noise from its own generator (``seed``)."""
+    constraint residual of every latent sample drawn and the mean marginal standard deviation of the posterior.
+    Noise from its own generator (``seed``)."""
     model.eval()
     g = torch.Generator().manual_seed(seed)
-    nll, nelbo, rec, residual = [], [], [], 0.0
+    nll, nelbo, rec, scale, residual = [], [], [], [], 0.0
     for xb in x.split(chunk):
         q = model.posterior(xb)
         prior = model.latent.prior(xb)
@@ -112,6 +113,7 @@ def evaluate(model: VAE, x: Tensor, K: int, seed: int, chunk: int) -> dict[str, 
         log_px = model.log_likelihood(xb, z)
         log_w = log_px + prior.log_prob(z) - q.log_prob(z)
         kl = model.latent.kl(q)
+        scale.append(q.stddev.mean(-1))
         nll.append(-importance_log_likelihood(log_w, dim=0))
         rec.append(-log_px.mean(0))
         nelbo.append(-log_px.mean(0) + kl)
@@ -120,7 +122,7 @@ def evaluate(model: VAE, x: Tensor, K: int, seed: int, chunk: int) -> dict[str, 
     out = {"nll": float(cat(nll).mean()), "nelbo": float(cat(nelbo).mean()), "rec": float(cat(rec).mean())}
     if not all(math.isfinite(v) for v in out.values()):
         raise FloatingPointError(f"non-finite test metrics {out}")
-    return {**out, "max_latent_residual": residual}
+    return {**out, "max_latent_residual": residual, "posterior_std": float(cat(scale).mean())}
 
 
 @torch.no_grad()
