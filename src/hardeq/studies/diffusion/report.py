@@ -1,0 +1,374 @@
+"""Reporting the ``diffusion`` study: ``diffusion.md`` from the results document alone, the schedule and
+training-loss figures from it, and the sample grids (written by the run, from the samples)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..extras import require
+from ..palette import color
+from ..results import markdown_table
+
+__all__ = ["render_markdown", "plot_schedules", "plot_training", "save_grids", "claims", "GRID_FILES"]
+
+#: the sample-grid figures the run writes (table -> file), and the real-vs-constrained grid
+GRID_FILES = {"3": "diffusion-samples-table3.png", "4": "diffusion-samples-table4.png",
+              "6": "diffusion-samples-table6.png", "7": "diffusion-samples-table7.png",
+              "grid": "diffusion-real-vs-constrained.png"}
+#: the metrics of a row
+METRICS = ("violation_rate", "max_residual", "mean_residual", "out_of_range", "mean_abs_change", "fid",
+           "inception_score", "classifier_fd", "classifier_score", "classifier_confidence")
+_METRIC_NAMES = {"violation_rate": "violation rate", "max_residual": "max |sum - k|", "out_of_range":
+                 "pixels outside [0, 1]", "fid": "FID", "classifier_fd": "classifier FD",
+                 "classifier_score": "classifier score", "mean_abs_change": "mean |change|"}
+
+
+def _pyplot():
+    require("matplotlib", "diffusion", purpose="the diffusion study's figures").use("Agg")
+    return require("matplotlib.pyplot", "diffusion", purpose="the diffusion study's figures")
+
+
+def _fmt(x: float | None, spec: str = ".3g") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    return f"{x:{spec}}"
+
+
+def _index(doc: Mapping[str, Any]) -> dict[tuple[str, str, str], dict[str, Any]]:
+    return {(r["table"], r["method"], r["metric"]): r for r in doc["records"]}
+
+
+def _cell(rec: Mapping[str, Any] | None, spec: str = ".3g", *, boot: bool = False) -> str:
+    if rec is None or rec.get("mean") is None:
+        return "–"
+    text = _fmt(rec["mean"], spec)
+    if rec.get("std") is not None:
+        text += f" ± {_fmt(rec['std'], spec)}"
+    elif boot and rec.get("bootstrap_std") is not None:
+        text += f" ± {_fmt(rec['bootstrap_std'], spec)}"
+    return text
+
+
+def _ci(rec: Mapping[str, Any] | None, spec: str = ".3g") -> str:
+    if rec is None or not rec.get("ci95_diff"):
+        return "–"
+    lo, hi = rec["ci95_diff"]
+    return f"[{_fmt(lo, spec)}, {_fmt(hi, spec)}]"
+
+
+def _paper(rec: Mapping[str, Any] | None, spec: str = ".3f") -> str:
+    if rec is None or rec.get("paper") is None:
+        return "–"
+    text = _fmt(rec["paper"], spec)
+    if rec.get("paper_std") is not None:
+        text += f" ± {_fmt(rec['paper_std'], spec)}"
+    return text
+
+
+def _rows(doc: Mapping[str, Any], table: str) -> list[str]:
+    meta = doc["tables"][table]
+    return [v["label"] for v in meta["variants"]] + ["real images (train split)"]
+
+
+def claims(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The paper's qualitative claims, checked on this run: ``[{"claim", "holds": bool | None, "evidence"}]``."""
+    idx = _index(doc)
+    out = []
+    exact, inexact, viol_un = [], [], []
+    for tk, meta in doc["tables"].items():
+        for v in meta["variants"]:
+            r = idx.get((tk, v["label"], "violation_rate"))
+            if r is None:
+                continue
+            if v["key"] in ("ddpm", "ddim"):
+                viol_un.append(r["mean"])
+            elif v["exact"]:
+                exact.append((v["label"], r["mean"]))
+            else:
+                inexact.append((v["label"], r["mean"]))
+    ours_exact = [(label, m) for label, m in exact if "ours" in label]
+    if ours_exact:
+        worst = max(m for _, m in ours_exact)
+        out.append({"claim": "conditioning the last step drives the violation rate to 0 (from about 1 without it)",
+                    "holds": worst == 0.0 and bool(viol_un) and min(viol_un) > 0.9,
+                    "evidence": f"largest violation rate of a conditioned sampler whose schedule includes the last "
+                                f"step: {worst:.4g}; unconstrained DDPM/DDIM: "
+                                + ", ".join(f"{m:.4g}" for m in viol_un)})
+    start_only = [(label, m) for label, m in inexact if "Space" in label and "Start" in label]
+    if start_only:
+        out.append({"claim": "schedules that do not condition the last step are not exact (end placement is needed)",
+                    "holds": min(m for _, m in start_only) > 0.5 and (not ours_exact or max(m for _, m in ours_exact)
+                                                                      == 0.0),
+                    "evidence": "; ".join(f"{label}: {m:.4g}" for label, m in start_only)})
+    clip = [(label, m) for label, m in inexact if label.endswith("projection + clip")]
+    if clip:
+        out.append({"claim": "projecting after sampling and then clipping to the pixel range is not exact",
+                    "holds": min(m for _, m in clip) > 0.0,
+                    "evidence": "; ".join(f"{label}: violation rate {m:.4g}" for label, m in clip)})
+    for tk, ours_label in (("3", "DDPM + ours (last step)"), ("4", None)):
+        meta = doc["tables"].get(tk)
+        if meta is None:
+            continue
+        if ours_label is None:
+            ours_label = meta["variants"][1]["label"]
+        for metric in ("fid", "classifier_fd"):
+            r = idx.get((tk, ours_label, metric))
+            if r is None or not r.get("ci95_diff"):
+                continue
+            lo, hi = r["ci95_diff"]
+            base = idx.get((tk, meta["baseline"], metric))
+            verdict = "better" if hi < 0 else ("worse" if lo > 0 else "no significant difference")
+            out.append({"claim": f"{ours_label}: {_METRIC_NAMES[metric]} not worse than {meta['baseline']}",
+                        "holds": lo <= 0, "evidence": f"{_fmt(r['mean'], '.4g')} vs {_fmt(base['mean'], '.4g')}; "
+                        f"paired bootstrap 95% CI of the difference [{_fmt(lo, '.3g')}, {_fmt(hi, '.3g')}]: "
+                        f"{verdict} (n = {r['n_samples']} per variant)"})
+    return out
+
+
+def render_markdown(doc: Mapping[str, Any], out: Path | None = None) -> str:
+    """``diffusion.md``: the tables next to the paper's values, the FID checks, the claims, run facts."""
+    idx = _index(doc)
+    s = doc["config"]["settings"]
+    data, model, timing = doc["data"], doc["model"], doc.get("timing", {})
+    ds = data["dataset"]
+    seeds = s.get("seeds", 1)
+    fid_on = any(t["fid"] for t in doc["tables"].values())
+    lines = [f"# diffusion: brightness-constrained {ds.upper() if ds == 'mnist' else 'CIFAR-10'} "
+             f"(preset `{doc['preset']}`)", "",
+             "One denoiser is trained once; every variant below is a sampling-time change of the same weights, "
+             "and every variant of a table starts from the same noise (image i of every row shares x_T). "
+             f"{seeds} noise seed(s); with one seed the ± is a bootstrap std over images (set metrics) and "
+             "differences carry a paired bootstrap 95% CI; with several, ± is the std over seeds.", "",
+             f"**Constraint.** {data['constraint']}: k = {', '.join(f'{t:.4f}' for t in data['totals'])} "
+             f"(pixels in [0, 1]). The model works in [-1, 1] (y = 2x - 1), where the constraint is "
+             f"sum y = 2k - {data['shape'][1] * data['shape'][2]} = "
+             f"{', '.join(f'{t:.4f}' for t in data['model_totals'])}. An image violates it when "
+             f"|sum x - k| > {s['tolerance']:g} for a channel, measured on the unclipped float output.", ""]
+    if ds == "mnist":
+        lines += ["**Not comparable with the paper's numbers.** The paper's tables are CIFAR-10 at 50,000 samples "
+                  "with a 35.7 M-parameter U-Net; this run is MNIST with a small denoiser and far fewer samples. "
+                  "The paper's values are printed next to ours for the direction of each effect only.", ""]
+    else:
+        lines += ["**CIFAR-10 from a JPEG (q75) copy**: lossy, so FIDs are not comparable with published "
+                  "CIFAR-10 FIDs.", ""]
+    acc = model["classifier"]["test_accuracy"]
+    lines += ["## Setup", "",
+              f"- data: {data['source']}; {data['n_train']} training and {data['n_test']} test images; "
+              f"{data['water_fill']}.",
+              f"- denoiser: diffusers `UNet2DModel`, {model['parameters']:,} parameters (channels "
+              f"{'/'.join(str(c) for c in model['unet']['block_out_channels'])}, {model['unet']['layers_per_block']} "
+              f"res block(s) per level), epsilon-prediction, linear betas {s['diffusion']['beta_start']:g}.."
+              f"{s['diffusion']['beta_end']:g}, T = {s['diffusion']['num_train_timesteps']}; {model['train_steps']} "
+              f"steps at batch {s['train']['batch_size']}, EMA {s['train']['ema_decay']:g} (samples use the EMA "
+              f"weights); final training loss {model['final_loss']:.4f}"
+              f"{' (loaded from the cached checkpoint)' if model.get('cached') else ''}.",
+              f"- samplers: DDPM over all T steps; DDIM {s['sampling']['ddim_steps']} steps, eta = "
+              f"{s['sampling']['eta']:g}; conditioned steps draw an exact sample of N(x0_hat, beta_t I) given the "
+              f"constraint ({'conditional mean' if s['sampling']['deterministic'] else 'sampled'}).",
+              f"- feature classifier (small CNN, {model['classifier']['features']}-d features) trained on the "
+              f"brightness-constrained training images: test accuracy {acc:.4f}. Classifier FD = Fréchet distance "
+              "to its features of the real test images; classifier score = the Inception-Score formula with this "
+              "CNN's class probabilities (not the Inception Score).",
+              "- images for FID and the classifier are the 8-bit images a user saves (clipped to [0, 1], rounded)."]
+    if fid_on and model.get("inception"):
+        inc = model["inception"]
+        lines.append(f"- FID: {inc['weights']} (SHA-1 {inc['sha1']}), {inc['input']}; reference: "
+                     f"{doc['checks'][0]['reference'] if doc.get('checks') else '–'}. **Inception Score: "
+                     f"{inc['inception_score']}** (the paper's IS values are printed; ours are not computed).")
+    else:
+        lines.append("- FID: not computed in this run (no Inception network requested); IS: not available (the "
+                     "Inception TorchScript used for FID has no logits layer).")
+    lines.append("")
+    for tk in ("3", "4"):
+        meta = doc["tables"].get(tk)
+        if meta is None:
+            continue
+        how = (f"DDPM over all T = {s['diffusion']['num_train_timesteps']} steps; the four rows share each image's "
+               "trajectory up to the last step" if tk == "3" else f"DDIM {s['sampling']['ddim_steps']} steps")
+        lines += [f"## Table {tk}: {meta['title']}", "",
+                  f"{how}; n = {meta['n']} images per row and seed; baseline for the differences: "
+                  f"{meta['baseline']}.", ""]
+        header = ["method", "violation rate", "paper", "max abs(sum - k)", "pixels outside [0,1]"]
+        if meta["fid"]:
+            header += ["FID", "Δ FID 95% CI", "paper FID"]
+        header += ["paper IS", "classifier FD", "Δ CFD 95% CI", "classifier score", "mean abs change"]
+        rows = []
+        for label in _rows(doc, tk):
+            g = {m: idx.get((tk, label, m)) for m in METRICS}.get
+            row = [label, _cell(g("violation_rate"), ".4g"), _paper(g("violation_rate"), ".4g"),
+                   _cell(g("max_residual"), ".2g"), _cell(g("out_of_range"), ".2g")]
+            if meta["fid"]:
+                row += [_cell(g("fid"), ".2f", boot=True), _ci(g("fid"), ".2f"), _paper(g("fid"))]
+            row += [_paper(g("inception_score")), _cell(g("classifier_fd"), ".3g", boot=True),
+                    _ci(g("classifier_fd")), _cell(g("classifier_score"), ".3f"), _cell(g("mean_abs_change"), ".3g")]
+            rows.append(row)
+        lines.append(markdown_table(header, rows))
+    for tk in ("6", "7"):
+        meta = doc["tables"].get(tk)
+        if meta is None:
+            continue
+        lines += [f"## Table {tk}: {meta['title']}", "",
+                  f"DDIM {s['sampling']['ddim_steps']} steps, n = {meta['n']} images per row and seed (the first n of "
+                  f"the noise stream of Table 4); differences against {meta['baseline']}.", ""]
+        header = ["schedule", "conditioned steps include the last", "violation rate", "paper violation"]
+        if meta["fid"]:
+            header += ["FID", "Δ FID 95% CI"]
+        header += ["paper FID", "paper IS", "classifier FD", "Δ CFD 95% CI", "classifier score"]
+        rows = []
+        exact = {v["label"]: v["exact"] for v in meta["variants"]}
+        for label in _rows(doc, tk):
+            g = {m: idx.get((tk, label, m)) for m in METRICS}.get
+            row = [label, {True: "yes", False: "no"}.get(exact.get(label), "–") if "ours" in label else "–",
+                   _cell(g("violation_rate"), ".4g"), _paper(g("violation_rate"), ".4g")]
+            if meta["fid"]:
+                row += [_cell(g("fid"), ".2f", boot=True), _ci(g("fid"), ".2f")]
+            row += [_paper(g("fid")), _paper(g("inception_score")), _cell(g("classifier_fd"), ".3g", boot=True),
+                    _ci(g("classifier_fd")), _cell(g("classifier_score"), ".3f")]
+            rows.append(row)
+        lines.append(markdown_table(header, rows))
+    if doc.get("checks"):
+        lines += ["## FID sanity checks", "",
+                  "Computed with the same network, preprocessing and reference statistics as the tables.", ""]
+        rows = [[c["check"], c["n"], _fmt(c["fid"], ".4g"), c["expected"]] for c in doc["checks"]]
+        lines.append(markdown_table(["check", "n", "FID", "expected"], rows))
+    lines += ["## The paper's qualitative claims at this scale", ""]
+    for c in claims(doc):
+        mark = {True: "holds", False: "does not hold", None: "not tested"}[c["holds"]]
+        lines.append(f"- **{c['claim']}**: {mark}. {c['evidence']}.")
+    lines.append("")
+    def tm(key: str) -> str:
+        return _fmt(timing.get(key), ".0f")
+
+    per_step = ", ".join(f"{k}: {_fmt(v, '.3f')} ms per image and step"
+                         for k, v in timing.get("ms_per_image_step", {}).items())
+    lines += ["## Run", "",
+              f"- command: `{doc.get('command', '')}`; device {doc['environment']['device']}, "
+              f"{doc['environment']['threads']} thread(s); git {doc['environment']['git'][:12]}"
+              f"{' (uncommitted changes)' if doc['environment'].get('dirty') else ''}.",
+              f"- time: total {tm('total_s')} s; data {tm('data_s')} s; training {tm('train_compute_s')} s "
+              f"({_fmt(timing.get('train_s_per_step'), '.3f')} s/step{', cached' if model.get('cached') else ''}); "
+              f"classifier {tm('classifier_s')} s; sampling {tm('sampling_s')} s ({per_step}); "
+              f"metrics {tm('metrics_s')} s (Inception {tm('inception_s')} s).",
+              f"- images sampled per seed: {', '.join(f'{k}: {v}' for k, v in doc.get('group_sizes', {}).items())}.",
+              ""]
+    if out is not None:
+        figs = [f for f in (*GRID_FILES.values(), "diffusion-schedules.png", "diffusion-training.png")
+                if (Path(out) / f).exists()]
+        if figs:
+            lines += ["## Figures", ""] + [f"- [{f}]({f})" for f in figs] + [""]
+    return "\n".join(lines)
+
+
+def plot_schedules(doc: Mapping[str, Any], out: Path) -> Path | None:
+    """Violation rate and classifier FD (± bootstrap std) of every schedule of Tables 6 and 7."""
+    idx = _index(doc)
+    tabs = [tk for tk in ("6", "7") if tk in doc["tables"]]
+    if not tabs:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, len(tabs), figsize=(5.5 * len(tabs), 6), squeeze=False)
+    for j, tk in enumerate(tabs):
+        labels = _rows(doc, tk)[:-1]
+        short = [lb.replace("DDIM + ours (", "").rstrip(")") for lb in labels]
+        for i, metric in enumerate(("violation_rate", "classifier_fd")):
+            ax = axes[i][j]
+            vals = [idx.get((tk, lb, metric), {}).get("mean") for lb in labels]
+            err = [idx.get((tk, lb, metric), {}).get("std") or idx.get((tk, lb, metric), {}).get("bootstrap_std") or 0
+                   for lb in labels]
+            exact = {v["label"]: v["exact"] for v in doc["tables"][tk]["variants"]}
+            colors = ["#7f7f7f" if i_ == 0 else (color("ours") if exact.get(lb) else "#ff9896")
+                      for i_, lb in enumerate(labels)]
+            ax.bar(range(len(labels)), [v if v is not None else 0 for v in vals], yerr=err, color=colors)
+            for i_, lb in enumerate(labels):
+                if i_ and not exact.get(lb):
+                    ax.patches[i_].set_hatch("//")
+            ax.set_xticks(range(len(labels)), short, rotation=60, ha="right", fontsize=7)
+            ax.set_ylabel(_METRIC_NAMES[metric])
+            if i == 0:
+                ax.set_title(f"Table {tk} (grey: unconstrained DDIM; hatched: last step not conditioned)",
+                             fontsize=8)
+    fig.tight_layout()
+    path = Path(out) / "diffusion-schedules.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_training(doc: Mapping[str, Any], out: Path) -> Path | None:
+    curve = doc["model"].get("loss_curve") or []
+    if not curve:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot([c[0] for c in curve], [c[1] for c in curve], color="#1f77b4")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("epsilon MSE (window mean)")
+    ax.set_yscale("log")
+    ax.set_title("denoiser training loss")
+    fig.tight_layout()
+    path = Path(out) / "diffusion-training.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _strip(images: Tensor, count: int, pad: int = 2) -> Tensor:
+    """``count`` 8-bit images side by side (float ``(H, W', C)`` in [0, 1], white padding)."""
+    x = images[:count].float() / 255
+    n, c, h, w = x.shape
+    strip = torch.ones(c, h, count * (w + pad) - pad)
+    for i in range(n):
+        strip[:, :, i * (w + pad): i * (w + pad) + w] = x[i]
+    return strip.permute(1, 2, 0)
+
+
+def save_grids(grids: Mapping[str, Tensor], tables: Mapping[str, Any], out: Path, *, per_row: int = 12) -> list[Path]:
+    """The sample figures: per table one row per variant (the same noise in every column) under a row of real
+    images, and an 8 x 8 grid of real images next to the two constrained samplers."""
+    from ..images import save_grid
+
+    plt = _pyplot()
+    paths = []
+    for tk, meta in tables.items():
+        rows = [("real (test)", grids["real"])] + [(v["label"], grids[v["key"]]) for v in meta["variants"]
+                                                   if v["key"] in grids]
+        count = min(per_row, *(r[1].shape[0] for r in rows))
+        fig, axes = plt.subplots(len(rows), 1, figsize=(0.55 * count + 2.6, 0.62 * len(rows) + 0.3), squeeze=False)
+        for ax, (label, imgs) in zip(axes[:, 0], rows):
+            strip = _strip(imgs, count).numpy()
+            ax.imshow(strip[..., 0] if strip.shape[-1] == 1 else strip, cmap="gray", vmin=0, vmax=1,
+                      interpolation="nearest")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            ax.set_ylabel(label, rotation=0, ha="right", va="center", fontsize=7)
+        fig.suptitle(f"Table {tk}: same noise in every column", fontsize=8)
+        fig.tight_layout()
+        path = Path(out) / GRID_FILES[tk]
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    panels = [("real (test)", grids["real"])]
+    for tk in ("3", "4"):
+        if tk in tables and tables[tk]["variants"][1]["key"] in grids:
+            v = tables[tk]["variants"][1]
+            panels.append((v["label"], grids[v["key"]]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.4 * len(panels), 3.7), squeeze=False)
+    tmp = Path(out) / ".diffusion-grid-tmp.png"
+    for ax, (label, imgs) in zip(axes[0], panels):
+        save_grid(imgs[:64].float() / 255, tmp, nrow=8)
+        ax.imshow(plt.imread(tmp))
+        ax.set_title(label, fontsize=8)
+        ax.axis("off")
+    tmp.unlink(missing_ok=True)
+    fig.tight_layout()
+    path = Path(out) / GRID_FILES["grid"]
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    paths.append(path)
+    return paths

@@ -1,0 +1,157 @@
+r"""The sampled variants of the ``diffusion`` study and the sampling of one chunk of images.
+
+Every variant is a sampling-time change of the same trained denoiser, and every variant of a chunk starts from
+the same noise:
+
+* **DDPM group** (paper Table 3): one 1000-step ancestral trajectory per image. Its last step is taken twice
+  from the same :math:`x_1`: unconstrained (``DDPM``) and conditioned on the constraint (``DDPM + ours``, the
+  exact last step of :func:`hardeq.diffusion.ddpm_sample`, computed as a one-step ``ddpm_sample`` with
+  ``betas = betas[:1]`` and ``noise = x_1``, which is that loop's last step). The unconstrained output is also
+  repaired after the fact: orthogonal (KKT) projection onto the constraint (``+ projection``), and the
+  projection followed by clipping to the pixel range (``+ projection + clip``).
+* **DDIM groups** (Tables 4, 6, 7): ``ddim_sample`` with ``eta = 0`` (deterministic DDIM), unconstrained (with
+  the same two repairs) or with the :math:`\hat x_0`-prediction conditioned at the steps of a schedule. The
+  initial noise :math:`x_T` of chunk ``j`` is the same for every schedule, and so is the conditioning stream.
+
+A chunk's result keeps, per variant, what the evaluation needs and nothing else: the 8-bit images (what a user
+saves), the per-image, per-channel constraint residuals of the *unclipped* float output (pixel units of
+``[0, 1]``) and the share of pixels outside ``[0, 1]``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .data import quantize, residuals
+
+__all__ = ["Variant", "parse_schedule", "schedule_label", "ddpm_variants", "ddim_variants", "sample_group",
+           "group_of"]
+
+_SCHEDULE = re.compile(r"^\s*(Uniform|StartEnd|StartSpaced|EndSpaced)\(\s*(\d+)\s*(?:,\s*(\d+)\s*)?\)\s*$")
+
+
+def parse_schedule(text: str):
+    """``"StartEnd(3, 3)"`` (or ``Uniform(4)``, ``StartSpaced(4, 2)``, ``EndSpaced(4, 1)``) as a
+    :mod:`hardeq.diffusion` schedule."""
+    from hardeq import diffusion
+
+    m = _SCHEDULE.match(text)
+    if m is None:
+        raise ValueError(f"schedule {text!r}: expected Uniform(n), StartEnd(a, b), StartSpaced(n, s) or "
+                         "EndSpaced(n, s).")
+    cls = getattr(diffusion, m.group(1))
+    args = [int(m.group(2))] + ([int(m.group(3))] if m.group(3) is not None else [])
+    return cls(*args)
+
+
+def schedule_label(text: str) -> str:
+    """The paper's name of a schedule, e.g. ``"Start 3 End 3"``."""
+    return parse_schedule(text).label
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One sampled variant: ``key`` (stable id), ``label`` (printed), ``group`` (the sampling run it comes
+    from), ``post`` (a repair of the group's unconstrained output) and ``exact`` (expected to satisfy the
+    constraint to round-off)."""
+
+    key: str
+    label: str
+    group: str
+    post: str | None
+    exact: bool
+
+
+def ddpm_variants() -> list[Variant]:
+    return [Variant("ddpm", "DDPM", "ddpm", None, False),
+            Variant("ddpm+ours", "DDPM + ours (last step)", "ddpm", "ours", True),
+            Variant("ddpm+project", "DDPM + projection", "ddpm", "project", True),
+            Variant("ddpm+project+clip", "DDPM + projection + clip", "ddpm", "project_clip", False)]
+
+
+def ddim_variants(schedules: list[str], num_steps: int) -> list[Variant]:
+    """The unconstrained DDIM run, its two repairs, and one conditioned run per schedule (exact when the
+    schedule conditions the last of the ``num_steps`` steps)."""
+    out = [Variant("ddim", "DDIM", "ddim", None, False),
+           Variant("ddim+project", "DDIM + projection", "ddim", "project", True),
+           Variant("ddim+project+clip", "DDIM + projection + clip", "ddim", "project_clip", False)]
+    for text in schedules:
+        sch = parse_schedule(text)
+        key = f"ddim@{sch!r}"
+        out.append(Variant(key, f"DDIM + ours ({sch.label})", key, None, sch.includes_last(num_steps)))
+    return out
+
+
+def group_of(key: str) -> str:
+    """The sampling group of a variant key (``"ddpm"``, ``"ddim"`` or ``"ddim@Schedule(...)"``)."""
+    if key.startswith("ddpm"):
+        return "ddpm"
+    if key.startswith("ddim@"):
+        return key
+    return "ddim"
+
+
+def _summary(y: Tensor, totals: Tensor) -> dict[str, Tensor]:
+    x01 = (y.detach().to(torch.float64) + 1) / 2
+    return {"images": quantize(y).cpu(), "residual": residuals(y, totals).cpu(),
+            "out_of_range": ((x01 < 0) | (x01 > 1)).to(torch.float32).mean((1, 2, 3)).cpu()}
+
+
+@torch.no_grad()
+def sample_group(model: nn.Module, group: str, *, shape: tuple[int, int, int], n: int, full: int,
+                 totals: Tensor, model_totals: Tensor, seed: int, betas: Tensor, ddim_steps: int, eta: float,
+                 deterministic: bool, device: torch.device) -> dict[str, dict[str, Tensor]]:
+    """Sample one chunk of ``n`` images of ``group`` from the noise stream ``seed``.
+
+    ``full`` is the chunk's nominal size: :math:`x_T` is drawn as ``full`` images and the first ``n`` kept, so a
+    shorter chunk pairs image by image with a full one of another group. ``totals`` are the channel sums in
+    ``[0, 1]`` units, ``model_totals`` in the model's ``[-1, 1]`` space.
+
+    Returns ``{variant key: {"images", "residual", "out_of_range"}}`` for the group's variants."""
+    from hardeq import diffusion
+
+    C, H, W = shape
+    gen = torch.Generator().manual_seed(int(seed))
+    x_T = torch.randn((full, C, H, W), generator=gen)[:n].to(device)
+    cond_gen = torch.Generator(device=device).manual_seed(int(seed) + 1)
+    con = diffusion.channel_sum_constraint((n, C, H, W), model_totals.to(torch.float32), device=device)
+    if group == "ddpm":
+        T = betas.shape[0]
+        captured: dict[str, Tensor] = {}
+
+        def keep_x1(i: int, t: int, x: Tensor, x0: Tensor) -> None:
+            if i == T - 2:
+                captured["x1"] = x.clone()
+
+        step_gen = torch.Generator(device=device).manual_seed(int(seed) + 2)
+        y = diffusion.ddpm_sample(model, (n, C, H, W), betas=betas, noise=x_T, generator=step_gen,
+                                  callback=keep_x1, device=device)
+        ours = diffusion.ddpm_sample(model, (n, C, H, W), con, betas=betas[:1], noise=captured["x1"],
+                                     condition_generator=cond_gen, deterministic=deterministic, device=device)
+        outs = {"ddpm": y, "ddpm+ours": ours}
+        base = "ddpm"
+    elif group == "ddim":
+        y = diffusion.ddim_sample(model, (n, C, H, W), ddim_steps, betas=betas, eta=eta, noise=x_T,
+                                  generator=gen, device=device)
+        outs = {"ddim": y}
+        base = "ddim"
+    elif group.startswith("ddim@"):
+        sch = parse_schedule(group[len("ddim@"):])
+        y = diffusion.ddim_sample(model, (n, C, H, W), ddim_steps, con, sch, betas=betas, eta=eta, noise=x_T,
+                                  generator=gen, condition_generator=cond_gen, deterministic=deterministic,
+                                  device=device)
+        return {group: _summary(y, totals)}
+    else:
+        raise ValueError(f"unknown sampling group {group!r}.")
+    outs[f"{base}+project"] = diffusion.project_onto(con, outs[base])
+    outs[f"{base}+project+clip"] = diffusion.project_and_clip(con, outs[base], -1.0, 1.0)
+    return {k: _summary(v, totals) for k, v in outs.items()}
+
+
+def describe_variants(variants: list[Variant]) -> list[dict[str, Any]]:
+    return [{"key": v.key, "label": v.label, "group": v.group, "post": v.post, "exact": v.exact} for v in variants]
