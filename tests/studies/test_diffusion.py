@@ -153,9 +153,9 @@ def test_preset_settings_and_tables():
     assert cpu["dataset"] == "mnist" and cpu["unet"]["block_out_channels"] == [16, 32, 32]
     assert cpu["diffusion"] == {"num_train_timesteps": 1000, "beta_start": 1e-4, "beta_end": 0.02,
                                 "beta_schedule": "linear"}
-    assert config["presets"]["cpu"]["duration"] == "not yet measured"
     tables = tables_of(cpu)
-    assert [tables[k]["n"] for k in "3467"] == [500, 1000, 500, 500]
+    assert [tables[k]["n"] for k in "3467"] == [200, 600, 200, 200]
+    assert cpu["train"]["steps"] == 2000 and cpu["threads"] == 1
     assert [tables[k]["fid"] for k in "3467"] == [True, True, False, False]
     assert len(tables["6"]["variants"]) == 11 and len(tables["7"]["variants"]) == 7
     paper = settings(config, "paper")

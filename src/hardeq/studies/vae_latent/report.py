@@ -24,6 +24,11 @@ LABELS = {"marginal_expectation": "Marginal Expectation", "pathwise": "pathwise 
 REFERENCES = ("marginal_expectation", "pathwise")
 
 
+def _color(method: str) -> str:
+    """The shared palette's colour; black for the unconstrained reference (its hash colour is taken)."""
+    return "#000000" if method == "unconstrained" else color(method)
+
+
 def _unit(units: dict[str, Any], constraint: str, method: str, trial: int, first: str) -> dict[str, Any]:
     """The unconstrained reference is trained once (under the first constraint) and shown under each."""
     return units[f"{first if method == 'unconstrained' else constraint}/{method}/{trial}"]
@@ -143,13 +148,12 @@ def plot_metrics(doc: dict[str, Any], out: Path) -> Path:
             recs = {r["method"]: r for r in doc["records"] if r["dataset"] == c and r["metric"] == k}
             means = [recs[m]["mean"] for m in methods]
             ax.bar(range(len(methods)), means, yerr=[recs[m]["std"] for m in methods],
-                   color=[color(m) for m in methods], capsize=3)
-            finite = [v for m, v in zip(methods, means) if m != "random"] or means
-            lo, hi = min(finite), max(finite)
-            ax.set_ylim(lo - 0.15 * (hi - lo + 1e-9) - 1, hi + 0.3 * (hi - lo + 1e-9) + 1)
-            if "random" in methods and recs["random"]["mean"] > ax.get_ylim()[1]:
-                ax.text(methods.index("random"), ax.get_ylim()[1], f"{recs['random']['mean']:.0f}↑", ha="center",
-                        va="top", fontsize=7)
+                   color=[_color(m) for m in methods], capsize=3)
+            lo, hi = 0.9 * min(means), 1.6 * float(np.median(means))  # diverged runs would hide the rest
+            ax.set_ylim(lo, hi)
+            for pos, v in enumerate(means):
+                if v > hi:
+                    ax.text(pos, hi, f"{v:.0f}↑", ha="center", va="top", fontsize=7)
             ax.set_xticks(range(len(methods)), [LABELS.get(m, m) for m in methods], rotation=60, ha="right",
                           fontsize=7)
             ax.set_title(f"{c}: {label}", fontsize=9)
@@ -173,15 +177,18 @@ def plot_curves(doc: dict[str, Any], out: Path) -> Path:
     cs = cfg["constraints_run"]
     fig, axes = plt.subplots(1, len(cs), figsize=(6 * len(cs), 4), squeeze=False)
     for ax, c in zip(axes[0], cs):
-        ends = []
+        lasts = []
         for m in cfg["methods_run"]:
             y = doc["curves"][c][m]["test_nelbo"]
-            ax.plot(range(1, len(y) + 1), y, color=color(m), label=LABELS.get(m, m),
+            ax.plot(range(1, len(y) + 1), y, color=_color(m), label=LABELS.get(m, m),
                     ls="--" if m == "pathwise" else "-")
-            if m != "random":
-                ends += y[len(y) // 2:]
-        if ends:
-            ax.set_ylim(min(ends) - 2, max(ends) + 8)
+            lasts.append(y[-1])
+        lo, hi = min(lasts) - 5, 1.6 * float(np.median(lasts))
+        ax.set_ylim(lo, hi)
+        off = [LABELS.get(m, m) for m in cfg["methods_run"] if doc["curves"][c][m]["test_nelbo"][-1] > hi]
+        if off:
+            ax.text(0.99, 0.97, "off scale: " + ", ".join(off), transform=ax.transAxes, ha="right", va="top",
+                    fontsize=7)
         integer_epochs(ax)
         ax.set_xlabel("epoch")
         ax.set_ylabel("test NELBO (1 sample, nats)")
