@@ -31,9 +31,8 @@ class PortfolioStudy(Study):
                             help="intra-op threads (default 1: robust when the CPU is shared)")
 
     def run(self, args: argparse.Namespace) -> dict[str, Any]:
-        import torch
-
         from ..results import write_json
+        from ..runtime import discard_checkpoint, setup_run
         from .report import significance, summarise
         from .run import run, settings
 
@@ -41,18 +40,10 @@ class PortfolioStudy(Study):
         s = settings(config, args.preset)
         if getattr(args, "num_assets", None):
             s["data"]["num_assets"] = int(args.num_assets)
-        num_runs = args.seeds if args.seeds is not None else s["seeds"]
-        epochs = args.epochs if args.epochs is not None else s["epochs"]
-        device = torch.device(getattr(args, "device", None) or s.get("device", "cpu"))
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device: cuda was asked for (the paper preset's default) but CUDA is not available; "
-                             "pass --device cpu to run it on the CPU.")
-        torch.set_num_threads(int(getattr(args, "threads", 1) or 1))
-        out = Path(args.out)
-        ckpt_dir = Path(getattr(args, "checkpoint_dir", None) or out / "checkpoints")
-        ckpt = ckpt_dir / f"portfolio-{args.preset}.pt"
+        r = setup_run(args, s, "portfolio")
+        epochs, device, ckpt, out = r.epochs, r.device, r.checkpoint, r.out
         t0 = time.perf_counter()
-        result = run(s, list(range(num_runs)), epochs=epochs, methods=getattr(args, "methods", None),
+        result = run(s, r.trials, epochs=epochs, methods=getattr(args, "methods", None),
                      checkpoint_path=ckpt, resume=bool(args.resume), device=device,
                      progress=not bool(getattr(args, "quiet", False)))
         wall = time.perf_counter() - t0
@@ -67,12 +58,7 @@ class PortfolioStudy(Study):
                          timing={"total_s": wall, **result["timing"]},
                          command=(getattr(args, "command_line", None)
                                   or f"hardeq reproduce portfolio --preset {args.preset}"))
-        if not getattr(args, "keep_checkpoints", False):
-            ckpt.unlink(missing_ok=True)
-            try:
-                ckpt_dir.rmdir()
-            except OSError:
-                pass
+        discard_checkpoint(args, ckpt)
         return doc
 
     def report(self, doc: dict[str, Any], out: Path, *, quiet: bool = False) -> list[Path]:

@@ -31,25 +31,16 @@ class VaeLatentStudy(Study):
         parser.add_argument("--keep-checkpoints", action="store_true")
 
     def run(self, args: argparse.Namespace) -> dict[str, Any]:
-        import torch
-
         from ..results import write_json
+        from ..runtime import discard_checkpoint, setup_run
         from .report import summarise
         from .run import run, settings
 
         s = settings(self.config, args.preset)
         if getattr(args, "importance_samples", None):
             s["importance_samples"] = int(args.importance_samples)
-        trials = list(range(args.seeds if args.seeds is not None else int(s["seeds"])))
-        epochs = args.epochs if args.epochs is not None else int(s["epochs"])
-        device = torch.device(getattr(args, "device", None) or s.get("device", "cpu"))
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device: cuda was asked for (the paper preset's default) but CUDA is not available; "
-                             "pass --device cpu to run it on the CPU.")
-        torch.set_num_threads(int(getattr(args, "threads", None) or s.get("threads", 1)))
-        out = Path(args.out)
-        ckpt_dir = Path(getattr(args, "checkpoint_dir", None) or out / "checkpoints")
-        ckpt = ckpt_dir / f"vae-latent-{args.preset}.pt"
+        r = setup_run(args, s, "vae-latent")
+        trials, epochs, device, ckpt, out = r.trials, r.epochs, r.device, r.checkpoint, r.out
         t0 = time.perf_counter()
         result = run(s, trials, epochs, methods=getattr(args, "methods", None),
                      constraints=getattr(args, "constraints", None), checkpoint_path=ckpt,
@@ -65,12 +56,7 @@ class VaeLatentStudy(Study):
                          significance=summary["significance"], timing={"total_s": wall, **summary["timing"]},
                          command=(getattr(args, "command_line", None)
                                   or f"hardeq reproduce vae-latent --preset {args.preset}"))
-        if not getattr(args, "keep_checkpoints", False):
-            ckpt.unlink(missing_ok=True)
-            try:
-                ckpt_dir.rmdir()
-            except OSError:
-                pass
+        discard_checkpoint(args, ckpt)
         return doc
 
     def report(self, doc: dict[str, Any], out: Path, *, quiet: bool = False) -> list[Path]:
