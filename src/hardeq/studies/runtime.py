@@ -10,7 +10,19 @@ from typing import Any
 
 import torch
 
-__all__ = ["RunSetup", "setup_run", "discard_checkpoint"]
+__all__ = ["RunSetup", "add_run_arguments", "setup_run", "discard_checkpoint"]
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags :func:`setup_run` and :func:`discard_checkpoint` read: ``--threads``, ``--checkpoint-dir``,
+    ``--keep-checkpoints``."""
+    from .contract import positive_int
+
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="intra-op threads (default: the preset's; 1 is fastest on a shared CPU)")
+    parser.add_argument("--checkpoint-dir", type=Path, default=None,
+                        help="default: OUT/checkpoints (removed after a completed run unless --keep-checkpoints)")
+    parser.add_argument("--keep-checkpoints", action="store_true")
 
 
 @dataclass(frozen=True)

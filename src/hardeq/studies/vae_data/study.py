@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..contract import Study, positive_int
+from ..runtime import add_run_arguments
 from .run import CONFIG_PATH, load_config
 
 __all__ = ["VaeDataStudy", "STUDY"]
@@ -24,11 +25,7 @@ class VaeDataStudy(Study):
                             help="subset of the trained variants (default: all)")
         parser.add_argument("--importance-samples", type=positive_int, default=None,
                             help="K of the importance-sampled NLL (default: the preset's)")
-        parser.add_argument("--threads", type=positive_int, default=None,
-                            help="intra-op threads (default: the preset's; 1 is fastest on a shared CPU)")
-        parser.add_argument("--checkpoint-dir", type=Path, default=None,
-                            help="default: OUT/checkpoints (removed after a completed run unless --keep-checkpoints)")
-        parser.add_argument("--keep-checkpoints", action="store_true")
+        add_run_arguments(parser)
 
     def run(self, args: argparse.Namespace) -> dict[str, Any]:
         from ..results import write_json
