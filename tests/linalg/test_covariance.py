@@ -187,3 +187,9 @@ def test_trace_dispatch_prefers_the_most_specific_registration():
 
     torch.testing.assert_close(trace_inv_mul(p, q), torch.tensor(0.75, dtype=DT))
     assert calls == [1]
+
+
+def test_trace_inv_mul_rejects_unregistered_types():
+    q = hardeq.DiagonalCovariance(torch.ones(3, dtype=DT))
+    with pytest.raises(TypeError, match=r"p: Tensor, q: DiagonalCovariance"):
+        trace_inv_mul(torch.eye(3, dtype=DT), q)

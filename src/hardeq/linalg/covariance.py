@@ -423,7 +423,8 @@ def register_trace_inv_mul(type_p: type, type_q: type) -> Callable:
 def _dispatch_trace(type_p: type, type_q: type) -> Callable[[Covariance, Covariance], Tensor]:
     matches = [(sp, sq) for sp, sq in _TRACE_REGISTRY if issubclass(type_p, sp) and issubclass(type_q, sq)]
     if not matches:
-        raise NotImplementedError(f"no trace_inv_mul registered for ({type_p.__name__}, {type_q.__name__}).")
+        raise TypeError(f"trace_inv_mul(p, q) needs two hardeq Covariance objects (or types registered with "
+                        f"register_trace_inv_mul), got p: {type_p.__name__}, q: {type_q.__name__}.")
     # most specific: smallest MRO distance, p first then q
     best = min(matches, key=lambda m: (type_p.__mro__.index(m[0]), type_q.__mro__.index(m[1])))
     return _TRACE_REGISTRY[best]
