@@ -26,6 +26,7 @@ from hardeq.nn import importance_log_likelihood
 
 from ..harness.checkpoint import run_blocks
 from ..images import brightness_mnist
+from ..runtime import train_epoch
 
 __all__ = ["CONFIG_PATH", "VARIANTS", "load_config", "settings", "pixel_sum_constraint", "observation",
            "units_of", "run_unit", "evaluate", "run"]
@@ -133,22 +134,14 @@ def run_unit(s: dict[str, Any], model_name: str, variant: str, trial: int, train
     for epoch in range(epochs):
         t0 = time.perf_counter()
         perm = torch.randperm(train_x.shape[0], generator=data_gen)
-        total, count = 0.0, 0
-        for i in range(0, len(perm), bs):
-            xb = train_x[perm[i:i + bs]].to(device)
+        def loss_per_item(xb: Tensor) -> Tensor:
             mean, log_var, kl = model(xb)
-            loss_per = _reconstruction_loss(variant, observation(variant, mean, log_var, constraint), xb) + kl
-            loss = loss_per.mean()
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"{model_name}/{variant}/trial {trial}: non-finite loss at epoch "
-                                         f"{epoch + 1}, step {i // bs}.")
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            total += float(loss_per.detach().sum())
-            count += xb.shape[0]
+            return _reconstruction_loss(variant, observation(variant, mean, log_var, constraint), xb) + kl
+
+        loss = train_epoch(train_x, perm, bs, opt, loss_per_item, device=device,
+                           where=f"{model_name}/{variant}/trial {trial}, epoch {epoch + 1}")
         epoch_s.append(time.perf_counter() - t0)
-        curve.append(total / count)
+        curve.append(loss)
         if progress:
             print(f"  {model_name:6s} {variant:14s} trial {trial} epoch {epoch + 1}/{epochs}: train loss "
                   f"{curve[-1]:.2f} ({epoch_s[-1]:.1f} s)", flush=True)

@@ -23,6 +23,7 @@ from hardeq.nn import ConstrainedGaussianLatent, importance_log_likelihood
 
 from ..harness.checkpoint import run_blocks
 from ..images import load_mnist
+from ..runtime import train_epoch
 
 __all__ = ["CONFIG_PATH", "load_config", "settings", "build_constraint", "VAE", "binarised_mnist", "run_unit",
            "evaluate", "run"]
@@ -151,23 +152,14 @@ def run_unit(s: dict[str, Any], constraint_name: str, method: str, trial: int, t
         t0 = time.perf_counter()
         perm = torch.randperm(train_x.shape[0], generator=data_gen)
         xb_all = torch.bernoulli(train_x, generator=data_gen)
-        total, count = 0.0, 0
-        for i in range(0, len(perm), bs):
-            xb = xb_all[perm[i:i + bs]].to(device)
+        def loss_per_item(xb: Tensor) -> Tensor:
             q = model.posterior(xb)
-            z = _sample(q, method)
-            loss_per = -model.log_likelihood(xb, z) + model.latent.kl(q)
-            loss = loss_per.mean()
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"{constraint_name}/{method}/trial {trial}: non-finite loss at epoch "
-                                         f"{epoch + 1}, step {i // bs}.")
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            total += float(loss_per.detach().sum())
-            count += xb.shape[0]
+            return -model.log_likelihood(xb, _sample(q, method)) + model.latent.kl(q)
+
+        loss = train_epoch(xb_all, perm, bs, opt, loss_per_item, device=device,
+                           where=f"{constraint_name}/{method}/trial {trial}, epoch {epoch + 1}")
         epoch_s.append(time.perf_counter() - t0)
-        curve_train.append(total / count)
+        curve_train.append(loss)
         curve_test.append(_test_nelbo(model, test_x.to(device), int(s["eval"]["seed"]) + 1, chunk))
         if progress:
             print(f"  {constraint_name:5s} {method:32s} trial {trial} epoch {epoch + 1}/{epochs}: train NELBO "
