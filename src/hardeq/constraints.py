@@ -26,7 +26,6 @@ from ._utils import (
     check_tensor,
     validate_default,
 )
-from .linalg.cholesky import psd_cholesky
 from .ops import GroupSum
 
 __all__ = ["EqualityConstraint", "LinearConstraint", "SumConstraint"]
@@ -102,20 +101,55 @@ class EqualityConstraint(ABC):
         return self.matvec(z) - self.k
 
     def check(self, z: Tensor, rtol: float | None = None) -> Tensor:
-        r"""Boolean tensor ``(*sample, *batch)``: does ``z`` satisfy ``A z = k`` to round-off?
+        r"""Boolean tensor ``(*sample, *batch)``: does ``z`` satisfy every row of ``A z = k`` to round-off?
 
-        The tolerance is ``rtol * (1 + max_i (|A| |z| + |k|)_i)`` with ``rtol = 1e3 * eps(dtype)`` by default,
-        i.e. relative to the size of the summed terms.
-        """
+        Per row ``i``: :math:`|(Az - k)_i| \le \mathrm{rtol}\,(|A||z| + |k|)_i`, with ``rtol = 1e3 eps(dtype)``
+        by default, i.e. relative to the size of the terms summed in that row (never to the largest row:
+        a small group cannot hide behind a large one)."""
         if rtol is None:
             rtol = 1e3 * torch.finfo(z.dtype).eps
-        residual = self.residual(z).abs().amax(-1)
-        scale = (self._abs_matvec(z.abs()) + self.k.abs()).amax(-1)
-        return residual <= rtol * (1 + scale)
+        residual = self.residual(z).abs()
+        scale = self.abs_matvec(z.abs()) + self.k.abs()
+        return (residual <= rtol * scale).all(-1)
 
     @abstractmethod
-    def _abs_matvec(self, z_abs: Tensor) -> Tensor:
+    def abs_matvec(self, z_abs: Tensor) -> Tensor:
+        r""":math:`|A|\,x` for ``x >= 0`` (``|A|`` elementwise): the size of the terms summed in each row,
+        ``(*sample, *batch, n) -> (*sample, *batch, a)``."""
         ...
+
+    # ------------------------------------------------------------------ what the conditioner asks for
+    @property
+    def storage_numel(self) -> int:
+        """Entries stored to represent ``A`` (a cached ``a x n`` product is worth it when not much larger)."""
+        return self.num_constraints * self.event_size
+
+    def gram(self, covariance) -> Tensor:
+        r""":math:`S = A\Sigma A^\top` under a :class:`~hardeq.Covariance`, ``(*batch, a, a)``."""
+        return covariance.sandwich(self.dense_matrix())
+
+    def sqrt_gram_factor(self, covariance) -> Tensor:
+        r""":math:`B^\top = F^\top A^\top` with :math:`\Sigma = FF^\top`, ``(*batch, m, a)``
+        (:math:`S = BB^\top`; the QR fallback factorises it)."""
+        return covariance.sqrt_t_matmul(self.dense_matrix().mT)
+
+    def cross_covariance(self, covariance) -> Tensor:
+        r""":math:`\Sigma A^\top = \mathrm{Cov}(z, Az)`, ``(*batch, n, a)``."""
+        return covariance.matmul(self.dense_matrix().mT)
+
+    def orthonormal_decomposition(self) -> tuple[Tensor, Tensor, Tensor]:
+        r"""Complete QR of :math:`A^\top` in float64: :math:`A^\top = [Q_A, N]\,[R; 0]`. Returns ``Q_A``
+        (``(*batch_A, n, a)``, orthonormal basis of the row space), ``R`` (``(*batch_A, a, a)``, upper) and ``N``
+        (``(*batch_A, n, n - a)``, orthonormal basis of :math:`\mathrm{null}(A)`). Dense: O(n^2) memory."""
+        A = self.dense_matrix().to(torch.float64)
+        a = A.shape[-2]
+        Q, R = torch.linalg.qr(A.mT, mode="complete")
+        return Q[..., :a], R[..., :a, :], Q[..., a:]
+
+    def pinned_values(self) -> tuple[Tensor, Tensor] | None:
+        """Coordinates the constraint alone determines (e.g. a group of one): ``(mask, values)`` with ``mask``
+        ``(n,)`` bool and ``values`` ``(*batch, n)``, valid where ``mask``; ``None`` if there are none."""
+        return None
 
     @abstractmethod
     def expand(self, batch_shape: torch.Size) -> "EqualityConstraint":
@@ -210,10 +244,15 @@ class LinearConstraint(EqualityConstraint):
         return self.A
 
     def logdet_gram_identity(self) -> Tensor:
-        chol = psd_cholesky(self.A @ self.A.mT, name="A A^T")
-        return 2 * chol.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+        # QR of A^T: log det(A A^T) = 2 sum log |R_jj|, without squaring cond(A)
+        R = torch.linalg.qr(self.A.mT, mode="r")[1]
+        return 2 * R.diagonal(dim1=-2, dim2=-1).abs().log().sum(-1)
 
-    def _abs_matvec(self, z_abs: Tensor) -> Tensor:
+    @property
+    def storage_numel(self) -> int:
+        return self.A.numel()
+
+    def abs_matvec(self, z_abs: Tensor) -> Tensor:
         return batch_mv(self.A.abs(), z_abs)
 
     def expand(self, batch_shape: torch.Size) -> "LinearConstraint":
@@ -284,6 +323,7 @@ class SumConstraint(EqualityConstraint):
         self.counts = counts
         # precise two-level summation (hardeq.ops.GroupSum): a plain index_add drifts ~ n eps
         self._group_sum = GroupSum(index, a)
+        self._pinned = None
         self._validate_args = validate_default(validate_args)
         if self._validate_args:
             check_finite("total", total)
@@ -321,13 +361,33 @@ class SumConstraint(EqualityConstraint):
     def logdet_gram_identity(self) -> Tensor:
         return self.counts.to(self.k.dtype).log().sum()
 
-    def _abs_matvec(self, z_abs: Tensor) -> Tensor:
+    @property
+    def storage_numel(self) -> int:
+        return self.event_size
+
+    def abs_matvec(self, z_abs: Tensor) -> Tensor:
         return self.matvec(z_abs)
+
+    def gram(self, covariance) -> Tensor:
+        if covariance.is_diagonal:
+            return torch.diag_embed(self.diagonal_gram(covariance.variance))
+        return super().gram(covariance)
+
+    def pinned_values(self) -> tuple[Tensor, Tensor] | None:
+        """Members of groups of one: their value is the group's total."""
+        if self._pinned is None:
+            mask = self.counts[self.index] == 1
+            self._pinned = (mask, bool(mask.any()))
+        mask, any_pinned = self._pinned
+        if not any_pinned:
+            return None
+        return mask, self.k[..., self.index]
 
     def expand(self, batch_shape: torch.Size) -> "SumConstraint":
         new = object.__new__(SumConstraint)
         new.index, new.counts, new._validate_args = self.index, self.counts, False
         new._group_sum = self._group_sum
+        new._pinned = self._pinned
         new.k = self.k.expand(torch.Size(batch_shape) + self.k.shape[-1:])
         return new
 

@@ -137,6 +137,44 @@ class Covariance(ABC):
     def logdet(self) -> Tensor:
         r""":math:`\log\det\Sigma`, ``(*batch)``."""
 
+    # ------------------------------------------------------------------ structure the conditioner asks for
+    @property
+    def is_diagonal(self) -> bool:
+        r"""True when :math:`\Sigma` is diagonal for every value of the parameters (then :attr:`variance` holds it)."""
+        return False
+
+    @property
+    def param_numel(self) -> int:
+        """Number of parameter entries (what a cached product may cost without exceeding the inputs)."""
+        return sum(t.numel() for t in self.tensors())
+
+    def max_abs_sqrt(self) -> Tensor:
+        r"""Largest absolute entry of the square root ``F`` per batch element, ``(*batch, 1)``, detached.
+
+        The conditioner divides ``F`` by it, so that scales of 1e-20 or 1e20 neither under- nor overflow in
+        :math:`A\Sigma A^\top` (the gain is invariant to :math:`\Sigma \to \Sigma / c^2`)."""
+        with torch.no_grad():
+            return self.diagonal().amax(-1, keepdim=True).sqrt()
+
+    @abstractmethod
+    def scaled(self, c: Tensor) -> "Covariance":
+        """The same structure with square root ``F / c`` (``c``: ``(*batch, 1)``, broadcastable)."""
+
+    def matmul(self, X: Tensor) -> Tensor:
+        r""":math:`\Sigma X`: ``(*batch, n, p) -> (*batch, n, p)``."""
+        return self.sqrt_matmul(self.sqrt_t_matmul(X))
+
+    def sandwich(self, A: Tensor) -> Tensor:
+        r""":math:`A\Sigma A^\top` for a dense ``A`` of shape ``(*batch_A, a, n)``; returns ``(*batch, a, a)``.
+        Cost O(batch a n m + batch a^2 m) as one GEMM :math:`B^\top B` with :math:`B = F^\top A^\top`."""
+        B = self.sqrt_t_matmul(A.mT)
+        return B.mT @ B
+
+    def reparameterize_(self, noise: Tensor, loc: Tensor) -> Tensor:
+        r""":math:`\mu + F\varepsilon`, shape ``(*sample, *batch, n)``; may overwrite ``noise`` (pass a
+        buffer the caller owns) to save an ``n``-sized temporary."""
+        return loc + self.sqrt_matvec(noise)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(n={self.event_size}, batch_shape={tuple(self.batch_shape)})"
 
@@ -220,6 +258,29 @@ class DiagonalCovariance(Covariance):
     def logdet(self) -> Tensor:
         return 2 * self.scale.log().sum(-1)
 
+    @property
+    def is_diagonal(self) -> bool:
+        return True
+
+    def max_abs_sqrt(self) -> Tensor:
+        with torch.no_grad():  # max |scale| without an n-sized temporary
+            return torch.maximum(self.scale.amax(-1, keepdim=True), -self.scale.amin(-1, keepdim=True))
+
+    def scaled(self, c: Tensor) -> "DiagonalCovariance":
+        return DiagonalCovariance(self.scale / c)
+
+    def matmul(self, X: Tensor) -> Tensor:
+        return self.variance.unsqueeze(-1) * X
+
+    def sandwich(self, A: Tensor) -> Tensor:
+        return _diag_sandwich(A, self.variance)
+
+    def reparameterize_(self, noise: Tensor, loc: Tensor) -> Tensor:
+        if noise.shape[-1] == self.event_size and not noise.requires_grad and not self.scale.requires_grad \
+                and not loc.requires_grad and noise.shape == torch.broadcast_shapes(noise.shape, loc.shape):
+            return noise.mul_(self.scale).add_(loc)
+        return loc + self.scale * noise
+
 
 class FullCovariance(Covariance):
     r""":math:`\Sigma = LL^\top` with ``L`` lower triangular with a positive diagonal.
@@ -291,6 +352,13 @@ class FullCovariance(Covariance):
 
     def logdet(self) -> Tensor:
         return 2 * self.scale_tril.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+
+    def max_abs_sqrt(self) -> Tensor:
+        with torch.no_grad():
+            return self.scale_tril.abs().amax((-2, -1)).unsqueeze(-1)
+
+    def scaled(self, c: Tensor) -> "FullCovariance":
+        return FullCovariance(self.scale_tril / c.unsqueeze(-1))
 
 
 class LowRankCovariance(Covariance):
@@ -400,6 +468,45 @@ class LowRankCovariance(Covariance):
     def logdet(self) -> Tensor:
         cap_logdet = 2 * self.capacitance_tril.diagonal(dim1=-2, dim2=-1).log().sum(-1)
         return cap_logdet + self.cov_diag.log().sum(-1)
+
+    def max_abs_sqrt(self) -> Tensor:
+        with torch.no_grad():
+            c1 = self.scale.abs().amax(-1, keepdim=True)
+            c2 = self.cov_factor.abs().amax((-2, -1)).unsqueeze(-1)
+            return torch.maximum(c1, c2)
+
+    def scaled(self, c: Tensor) -> "LowRankCovariance":
+        return LowRankCovariance(self.cov_factor / c.unsqueeze(-1), self.scale / c)
+
+
+#: largest n * a(a+1)/2 for the product-matrix Gram of a per-sample diagonal covariance
+_PRODUCT_ELEMS = 1 << 25
+#: elements of a transient (chunk x a x n) tensor
+_CHUNK_ELEMS = 1 << 24
+
+
+def _diag_sandwich(A: Tensor, v: Tensor) -> Tensor:
+    r""":math:`A\,\mathrm{diag}(v)A^\top` for ``A`` ``(*ba, a, n)`` and ``v`` ``(*bv, n)``: one GEMM.
+
+    Shared ``A`` (2-D) with batched ``v``: ``v @ P`` with ``P[j, (i, l)] = A_ij A_lj`` (``i <= l``) when
+    ``n a(a+1)/2`` is small, else batched GEMMs ``(A v_b) A^T`` over chunks of the batch (transient
+    ``chunk x a x n``)."""
+    a, n = A.shape[-2:]
+    if v.dim() == 1 or A.dim() > 2:
+        return (A * v.unsqueeze(-2)) @ A.mT
+    bshape = v.shape[:-1]
+    vf = v.reshape(-1, n)
+    iu = torch.triu_indices(a, a, device=A.device)
+    if n * iu.shape[1] <= _PRODUCT_ELEMS:
+        P = A[iu[0]] * A[iu[1]]  # (a(a+1)/2, n)
+        flat = vf @ P.mT  # (B, a(a+1)/2)
+        S = flat.new_zeros(vf.shape[0], a, a)
+        S[:, iu[0], iu[1]] = flat
+        S[:, iu[1], iu[0]] = flat
+        return S.reshape(bshape + (a, a))
+    step = max(1, _CHUNK_ELEMS // (a * n))
+    parts = [(A * vf[b:b + step].unsqueeze(-2)) @ A.mT for b in range(0, vf.shape[0], step)]
+    return torch.cat(parts, 0).reshape(bshape + (a, a))
 
 
 # ---------------------------------------------------------------------------------------- pairwise dispatch
