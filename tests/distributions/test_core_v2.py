@@ -17,15 +17,15 @@ README_K = torch.tensor([1.0, 2.0])
 
 @pytest.fixture
 def factorisations(monkeypatch):
-    """Counts calls of ``Conditioner._factorise`` (all factorisation work happens there)."""
+    """Counts calls of ``Conditioner._next_factor`` (every factor is built there)."""
     calls = []
-    original = conditioning.Conditioner._factorise
+    original = conditioning.Conditioner._next_factor
 
     def counting(self, *args, **kwargs):
         calls.append(type(self.cov).__name__)
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(conditioning.Conditioner, "_factorise", counting)
+    monkeypatch.setattr(conditioning.Conditioner, "_next_factor", counting)
     return calls
 
 

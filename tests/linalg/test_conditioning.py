@@ -11,7 +11,7 @@ import torch
 
 import hardeq
 from hardeq.errors import NotPSDError
-from hardeq.linalg import conditioning
+from hardeq.linalg import conditioning, covariance
 from hardeq.linalg.conditioning import Conditioner
 from hardeq.linalg.covariance import DiagonalCovariance, FullCovariance, LowRankCovariance
 from hardeq.testing import dense_conditional, random_spd
@@ -43,7 +43,7 @@ def test_sum_constraint_with_diagonal_covariance_is_grouped_and_dense_is_cholesk
     assert Conditioner(DiagonalCovariance(scale), hardeq.SumConstraint(index, torch.randn(3))).method == "grouped"
     L = torch.linalg.cholesky(random_spd(10, dtype=torch.float32))
     c = Conditioner(FullCovariance(L), hardeq.SumConstraint(index, torch.randn(3)))
-    assert c.method == "cholesky" and not c.grouped
+    assert c.method == "cholesky"
     dense = hardeq.LinearConstraint(torch.randn(3, 10), torch.randn(3))
     assert Conditioner(DiagonalCovariance(scale), dense).method == "cholesky"
 
@@ -79,7 +79,7 @@ def test_qr_fallback_when_the_cholesky_fails_float64():
 def test_residual_check_escalates_when_a_factor_is_accepted_too_eagerly(monkeypatch):
     """Force the float32 Cholesky path on an ill-conditioned S (accept any kappa): the residual check must
     detect the violation, refine, and escalate (cholesky -> cholesky64 -> qr) until the sample is exact."""
-    monkeypatch.setattr(conditioning, "_KAPPA_MAX_32", float("inf"))
+    monkeypatch.setitem(conditioning.KAPPA_MAX, "working", float("inf"))
     loc, scale, A, k = ill_conditioned(torch.float32, decades=8.0)
     c = Conditioner(DiagonalCovariance(scale), hardeq.LinearConstraint(A, k))
     assert c.method == "cholesky"
@@ -90,38 +90,45 @@ def test_residual_check_escalates_when_a_factor_is_accepted_too_eagerly(monkeypa
 
 
 def test_refinement_runs_only_when_the_check_asks(monkeypatch):
+    from hardeq.linalg.conditioning.factor import Factor
+
     calls = []
-    original = Conditioner._step
+    original = Factor.refine
 
     def counting(self, z):
         calls.append(z.shape)
         return original(self, z)
 
-    monkeypatch.setattr(Conditioner, "_step", counting)
+    monkeypatch.setattr(Factor, "refine", counting)
     torch.manual_seed(0)
     A, k = torch.randn(4, 50, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
     c = Conditioner(DiagonalCovariance(torch.rand(50, dtype=torch.float64) + 0.5), hardeq.LinearConstraint(A, k))
     c.condition(torch.randn(8, 50, dtype=torch.float64))
-    assert len(calls) == 1  # well conditioned: one Matheron step, no refinement
-    calls.clear()
-    # a group of one with scale 1e8: the first step leaves ulp(z_hat) ~ 1e-8 * 1e8; the check asks for a step
-    index = torch.tensor([0, 1, 1])
+    assert calls == []  # well conditioned: one Matheron step, no refinement
+    # a member with scale 1e8 in a group with a small total: the first step leaves ulp(z_hat) ~ 1e-8 * 1e8 in
+    # that group's sum; the per-row check asks for a step, and the group comes back exact per row
+    index = torch.tensor([0, 0, 1, 1])
+    k = torch.tensor([0.3755, 1.0])
+    c = Conditioner(DiagonalCovariance(torch.tensor([1e8, 1.0, 1.0, 2.0])), hardeq.SumConstraint(index, k))
+    z = c.condition(torch.tensor([1e8, 1.0, 0.0, 0.0]) * torch.randn(16, 4))
+    assert len(calls) >= 1
+    assert rel_residual(c.constraint.dense_matrix(), k, z) <= 1e-5
+    # a group of one is pinned to its total by the step itself
     c = Conditioner(DiagonalCovariance(torch.tensor([1e8, 1.0, 2.0])),
-                    hardeq.SumConstraint(index, torch.tensor([0.3755, 1.0])))
+                    hardeq.SumConstraint(torch.tensor([0, 1, 1]), torch.tensor([0.3755, 1.0])))
     z = c.condition(torch.tensor([1e8, 0.0, 0.0]) * torch.randn(16, 3))
-    assert len(calls) >= 2
     assert bool((z[:, 0] == torch.tensor(0.3755)).all())
 
 
 def test_factorisation_happens_once(monkeypatch):
     count = []
-    original = Conditioner._factorise
+    original = Conditioner._next_factor
 
     def counting(self, *args, **kwargs):
         count.append(1)
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(Conditioner, "_factorise", counting)
+    monkeypatch.setattr(Conditioner, "_next_factor", counting)
     torch.manual_seed(0)
     A, k = torch.randn(3, 20), torch.randn(3)
     c = Conditioner(DiagonalCovariance(torch.rand(20) + 0.5), hardeq.LinearConstraint(A, k))
@@ -152,12 +159,8 @@ def test_moments_match_the_dense_oracle_on_every_path(structure, kind, force):
         con = hardeq.LinearConstraint(torch.randn(a, n, generator=g, dtype=torch.float64), k)
     else:
         con = hardeq.SumConstraint(torch.tensor([0, 1, 1, 2, 2, 2, 0]), k)
-    c = Conditioner(cov, con)
-    if force is not None:
-        if c.grouped:
-            pytest.skip("grouped has no fallback (S is diagonal and exact)")
-        c._factorise(force)
-        assert c.method == force
+    c = Conditioner(cov, con, method=force)
+    assert force is None or c.method == force or (force, c.method) == ("cholesky64", "cholesky")  # float64 input
     loc = torch.randn(n, generator=g, dtype=torch.float64)
     A = con.dense_matrix()
     oracle = dense_conditional(loc, cov.dense(), A, k)
@@ -201,10 +204,11 @@ def test_product_and_chunked_gram_agree(monkeypatch):
     torch.manual_seed(0)
     A, v = torch.randn(5, 30, dtype=torch.float64), torch.rand(4, 30, dtype=torch.float64)
     ref = A @ torch.diag_embed(v) @ A.T
-    torch.testing.assert_close(conditioning._diag_gram(A, v), ref)
-    monkeypatch.setattr(conditioning, "_PRODUCT_ELEMS", 0)
-    monkeypatch.setattr(conditioning, "_CHUNK_ELEMS", 5 * 30)  # one batch element per chunk
-    torch.testing.assert_close(conditioning._diag_gram(A, v), ref)
+    cov = DiagonalCovariance(v.sqrt())
+    torch.testing.assert_close(cov.sandwich(A), ref)
+    monkeypatch.setattr(covariance, "_PRODUCT_ELEMS", 0)
+    monkeypatch.setattr(covariance, "_CHUNK_ELEMS", 5 * 30)  # one batch element per chunk
+    torch.testing.assert_close(cov.sandwich(A), ref)
 
 
 @pytest.mark.parametrize("shared", [True, False])
@@ -280,9 +284,7 @@ def test_condition_gradcheck(path):
         else:
             con = hardeq.LinearConstraint(A, k, validate_args=False)
         cov = FullCovariance(L.tril()) if path == "full" else DiagonalCovariance(scale)
-        c = Conditioner(cov, con)
-        if path == "qr":
-            c._factorise("qr")
+        c = Conditioner(cov, con, method="qr" if path == "qr" else None)
         return c.condition(loc + cov.sqrt_matvec(noise)), c.variance(), c.logdet()
 
     assert torch.autograd.gradcheck(f, (loc, scale, k, L0))

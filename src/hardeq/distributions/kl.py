@@ -57,16 +57,7 @@ def kl_constrained_normal(q: ConstrainedNormal, p: ConstrainedNormal) -> Tensor:
     A = q.constraint
     n, a = q.event_shape[0], A.num_constraints
     # tr(S_q^-1 A Sigma_q Sigma_p^-1 Sigma_q A^T) = tr(G^T Sigma_p^-1 G), G G^T = Sigma_q A^T S_q^-1 A Sigma_q
-    if cq.grouped and cp.cov.factor_part() is None:  # diagonal S_q and diagonal Sigma_p: O(n)
-        # sum_i d_i^2 / (sigma_p,i^2 s_g(i)) = sum_i (scale_q,i / scale_p,i)^2 (v_i / s'_g(i)), with the
-        # scale-free ratio v / s' of normalised variances (no under/overflow at extreme scales)
-        scale_q, scale_p = cq.cov.scale, cp.cov.scale
-        v = (scale_q / scale_q.amax(-1, keepdim=True)).square()
-        ratio = v / A.rmatvec(A.diagonal_gram(v))
-        correction = ((scale_q / scale_p).square() * ratio).sum(-1)
-    else:
-        G = cq.gain_factor()  # (*batch, n, a)
-        correction = cp.cov.inv_quad_matrix(G.expand(batch_shape + G.shape[-2:]))
+    correction = cq.trace_correction(cp.cov)
     trace = trace_inv_mul(cp.cov, cq.cov) - correction
     d = mean_q - p.mean
     kl = 0.5 * (

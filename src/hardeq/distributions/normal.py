@@ -11,7 +11,7 @@ from .._utils import LOG_2PI, check_finite, check_same_dtype_device, check_tenso
 from ..constraints import EqualityConstraint
 from ..estimators import normal as _normal_estimators  # noqa: F401  (registers the estimators)
 from ..estimators.registry import get_estimator
-from ..linalg.conditioning import Conditioner
+from ..linalg.conditioning import Conditioner, is_tracing
 from ..linalg.covariance import Covariance, DiagonalCovariance, FullCovariance, LowRankCovariance
 from .losses import gaussian_expected_abs, gaussian_expected_square
 
@@ -179,8 +179,9 @@ class ConstrainedNormal(Distribution):
         grad (even when first used under ``torch.no_grad()``), so later ``rsample`` calls keep their gradients.
         """
         needs_grad = any(t.requires_grad for t in self.covariance.tensors()) or self.constraint.k.requires_grad
+        static = not self._validate_args and is_tracing()
         with torch.set_grad_enabled(needs_grad or torch.is_grad_enabled()):
-            cond = Conditioner(self.covariance, self.constraint)
+            cond = Conditioner(self.covariance, self.constraint, static=static)
         cond.requires_grad = needs_grad
         return cond
 

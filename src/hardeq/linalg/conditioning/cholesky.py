@@ -1,0 +1,154 @@
+r"""Gram matrix and Cholesky factor, in the working precision or in float64.
+
+:math:`S' = A\Sigma'A^\top` is formed by one (batched) GEMM (:meth:`~hardeq.EqualityConstraint.gram`), equilibrated
+(Jacobi scaling :math:`D = \mathrm{diag}(S')^{1/2}`, :math:`\tilde S = D^{-1}S'D^{-1}` with unit diagonal: rows of
+very different sizes cost nothing) and factorised, :math:`\tilde S = LL^\top`. Then
+
+.. math::
+    S'^{-1}r = D^{-1}L^{-\top}L^{-1}D^{-1}r, \qquad Kr = \Sigma'A^\top S'^{-1}r, \qquad
+    \log\det S = 2a\log c + 2\textstyle\sum_j\log d_j + 2\textstyle\sum_j\log L_{jj},
+
+and :math:`G = c\,\Sigma'A^\top D^{-1}L^{-\top}` (:math:`GG^\top = \Sigma A^\top S^{-1}A\Sigma`).
+
+In float64 for a float32 input (``precision=torch.float64``), the ``a x a`` factor, the solves and the gain product
+:math:`\Sigma'A^\top x` are float64 (the entries of :math:`x = S'^{-1}r` cancel in that product when
+:math:`\kappa(\tilde S)` is large); the samples stay float32, rounded once.
+
+The product :math:`W' = A\Sigma'` (``a x n``) is kept when it is no larger than the inputs (a shared covariance), so
+that a gain costs one GEMM; otherwise the gain is applied as :math:`\Sigma'(A^\top x)`.
+
+Cost: factorisation O(batch n a^2 + batch a^3) at GEMM speed; a gain O(n a) (O(nnz) for a sparse constraint).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from ..._utils import batch_mv
+from ..triangular import tri_solve_vec
+from .factor import Factor
+
+if TYPE_CHECKING:
+    from ...constraints import EqualityConstraint
+    from ..covariance import Covariance
+
+__all__ = ["CholeskyFactor"]
+
+#: elements of a transient (chunk x batch x n) tensor in :meth:`CholeskyFactor.variance`
+_CHUNK_ELEMS = 1 << 24
+
+
+class CholeskyFactor(Factor):
+    r"""Cholesky factor of the equilibrated Gram matrix (see the module docstring).
+
+    Use :meth:`build`; ``kappa`` is the pivot-ratio estimate :math:`(\max L_{jj}/\min L_{jj})^2` of
+    :math:`\kappa(\tilde S)` (``inf`` when the factorisation failed), computed only when ``checked``.
+    """
+
+    name = "cholesky"
+
+    def __init__(self, cov: "Covariance", constraint: "EqualityConstraint", c: Tensor, precision: torch.dtype,
+                 *, checked: bool = True) -> None:
+        super().__init__(cov, constraint, c)
+        self.precision = precision
+        if precision != self.dtype:
+            self.name = "cholesky64"
+        self._con = constraint if precision == constraint.dtype else constraint.to(dtype=precision)
+        self._cov = cov.to(dtype=precision).scaled(c.to(precision))  # Sigma' in the factor's precision
+        S = self._con.gram(self._cov)
+        d = S.diagonal(dim1=-2, dim2=-1).sqrt()
+        self.d = d  # (*batch, a)
+        L, info = torch.linalg.cholesky_ex(S / (d.unsqueeze(-1) * d.unsqueeze(-2)))
+        self.L = L
+        self.kappa = math.inf
+        if checked:
+            if bool(torch.isfinite(S).all()) and not bool((info > 0).any()) and bool((d > 0).all()):
+                diag = L.diagonal(dim1=-2, dim2=-1)
+                kappa = float(((diag.amax(-1) / diag.amin(-1)).amax().detach()) ** 2)
+                self.kappa = kappa if math.isfinite(kappa) else math.inf
+        self._W = self._shared_product()
+
+    @classmethod
+    def build(cls, cov: "Covariance", constraint: "EqualityConstraint", c: Tensor, precision: torch.dtype,
+              kappa_max: float) -> "CholeskyFactor | None":
+        """The factor, or ``None`` when the factorisation fails or its :math:`\\kappa` estimate exceeds
+        ``kappa_max`` (then :math:`\\varepsilon\\kappa` would cost more than one refinement step)."""
+        factor = cls(cov, constraint, c, precision)
+        return factor if factor.kappa <= kappa_max else None
+
+    def _shared_product(self) -> Tensor | None:
+        r""":math:`W' = A\Sigma'` (``(*batch, a, n)``) when it is no larger than the inputs, else ``None``."""
+        con, cov = self._con, self._cov
+        batch = torch.broadcast_shapes(con.batch_shape, cov.batch_shape)
+        if math.prod(batch) * con.num_constraints * con.event_size > max(con.storage_numel, cov.param_numel):
+            return None
+        return con.cross_covariance(cov).mT
+
+    # ------------------------------------------------------------------ solves
+    def solve(self, residual: Tensor) -> Tensor:
+        r""":math:`S'^{-1}r`, in the factor's precision."""
+        y = tri_solve_vec(self.L, residual.to(self.precision) / self.d, upper=False)
+        return tri_solve_vec(self.L.mT, y, upper=True) / self.d
+
+    def _apply_cross(self, x: Tensor) -> Tensor:
+        r""":math:`\Sigma'A^\top x` in the factor's precision."""
+        if self._W is not None:
+            return batch_mv(self._W.mT, x)
+        return self._cov.matvec(self._con.rmatvec(x))
+
+    def gain(self, residual: Tensor) -> Tensor:
+        return self._apply_cross(self.solve(residual)).to(self.dtype)
+
+    def step_(self, z: Tensor) -> Tensor:
+        if self.precision != z.dtype:
+            return self.step(z)
+        con = self.constraint
+        x = self.solve(con.k - con.matvec(z))
+        W = self._W
+        if W is not None and W.dim() == 2 and z.dim() >= 2 and x.shape[:-1] == z.shape[:-1]:
+            n, a = W.shape[-1], W.shape[-2]
+            z.view(-1, n).addmm_(x.reshape(-1, a), W)  # the gain as one GEMM with beta = 1
+            return z
+        if self._cov.is_diagonal:
+            return z.addcmul_(self._cov.variance, con.rmatvec(x))
+        return z.add_(self._apply_cross(x))
+
+    def whiten(self, residual: Tensor) -> Tensor:
+        y = tri_solve_vec(self.L, residual.to(self.precision) / self.d, upper=False)
+        return (y / self.c.to(self.precision)).to(self.dtype)
+
+    def logdet(self) -> Tensor:
+        a = self.d.shape[-1]
+        out = (2 * self.L.diagonal(dim1=-2, dim2=-1).log().sum(-1) + 2 * self.d.log().sum(-1)
+               + 2 * a * self.c.squeeze(-1).to(self.precision).log())
+        return out.to(self.dtype)
+
+    # ------------------------------------------------------------------ second moments
+    def _whitening(self) -> Tensor:
+        r""":math:`Y = D^{-1}L^{-\top}` (``(*batch, a, a)``), so that :math:`G = c\,\Sigma'A^\top Y`."""
+        eye = torch.eye(self.L.shape[-1], dtype=self.precision, device=self.L.device)
+        return torch.linalg.solve_triangular(self.L.mT, eye.expand_as(self.L), upper=True) / self.d.unsqueeze(-1)
+
+    def gain_factor(self) -> Tensor:
+        cross = self._W.mT if self._W is not None else self._con.cross_covariance(self._cov)
+        return (cross @ self._whitening() * self.c.to(self.precision).unsqueeze(-1)).to(self.dtype)
+
+    def variance(self) -> Tensor:
+        r""":math:`\mathrm{diag}\,\Sigma - \lVert G_{i,:}\rVert^2`, accumulated over chunks of the columns of ``Y``:
+        each chunk is a batch of vectors :math:`\Sigma'A^\top y_j` (transient ``chunk x batch x n``), so nothing of
+        size ``a x n`` is formed unless :math:`W'` is kept anyway."""
+        Y = self._whitening()
+        if self._W is not None:
+            reduction = (self._W.mT @ Y).square().sum(-1)
+        else:
+            a, n = Y.shape[-1], self.cov.event_size
+            batch = torch.broadcast_shapes(Y.shape[:-2], self._con.batch_shape, self._cov.batch_shape)
+            step = max(1, _CHUNK_ELEMS // max(1, math.prod(batch) * n))
+            cols = Y.movedim(-1, 0)  # (a, *batch, a): column j of Y as a "sample"
+            reduction = sum(self._apply_cross(cols[j:j + step]).square().sum(0) for j in range(0, a, step))
+        reduction = reduction * self.c.to(self.precision).square()
+        return (self.cov.diagonal() - reduction.to(self.dtype)).clamp_min(0)

@@ -1,0 +1,126 @@
+r"""The interface every conditioning algorithm implements: one small object per factorisation of
+:math:`S = A\Sigma A^\top`.
+
+Notation (shared by the factor modules): :math:`\Sigma = FF^\top`; the factors work with the normalised
+:math:`\Sigma' = \Sigma / c^2` (``c`` = :meth:`~hardeq.Covariance.max_abs_sqrt`, per batch element), so that scales
+of 1e-20 or 1e20 neither under- nor overflow; :math:`S' = A\Sigma'A^\top = S / c^2`. The gain
+:math:`K = \Sigma A^\top S^{-1} = \Sigma'A^\top S'^{-1}` does not depend on ``c``.
+
+A factor answers, for one covariance/constraint pair:
+
+* :meth:`Factor.gain` -- :math:`Kr`; :meth:`Factor.step` -- the Matheron map :math:`z + K(k - Az)`;
+* :meth:`Factor.whiten` -- :math:`L^{-1}r` with :math:`LL^\top = S` (so :math:`\lVert L^{-1}r\rVert^2 = r^\top S^{-1}r`);
+* :meth:`Factor.logdet` -- :math:`\log\det S`;
+* :meth:`Factor.variance` -- the conditional marginal variances :math:`\mathrm{diag}(\Sigma - K A\Sigma)`;
+* :meth:`Factor.gain_factor` -- :math:`G` with :math:`GG^\top = \Sigma A^\top S^{-1}A\Sigma`, and from it
+  :meth:`Factor.covariance_matrix` and :meth:`Factor.trace_correction`.
+
+Factors never check residuals and never choose each other: :class:`~hardeq.linalg.conditioning.Conditioner` does.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from ...errors import NotPSDError
+
+if TYPE_CHECKING:
+    from ...constraints import EqualityConstraint
+    from ..covariance import Covariance
+
+__all__ = ["Factor", "check_pivots"]
+
+
+class Factor(ABC):
+    r"""A factorisation of :math:`S = A\Sigma A^\top` and everything derived from it.
+
+    Args:
+        cov: the covariance (batch shape ``B_s``).
+        constraint: the constraint (batch shape ``B_c``); results broadcast over ``B_s`` and ``B_c``.
+        c: the normalising scale, ``(*B_s, 1)``, detached.
+    """
+
+    #: short name of the algorithm (for messages and introspection)
+    name: str = "factor"
+    #: whether the null-space form pays on top of this factor when ``n - a < a`` (not for O(n) factors)
+    nullspace_pays: bool = True
+
+    def __init__(self, cov: "Covariance", constraint: "EqualityConstraint", c: Tensor) -> None:
+        self.cov = cov
+        self.constraint = constraint
+        self.c = c
+        self.dtype = constraint.dtype
+
+    # ------------------------------------------------------------------ the Matheron map
+    @abstractmethod
+    def gain(self, residual: Tensor) -> Tensor:
+        r""":math:`Kr = \Sigma A^\top S^{-1}r`: ``(*sample, *batch, a) -> (*sample, *batch, n)``."""
+
+    def step(self, z: Tensor) -> Tensor:
+        r"""One Matheron step :math:`z + K(k - Az)`: maps :math:`\mathcal N(\mu, \Sigma)` samples to exact conditional
+        samples and :math:`\mu` to :math:`\bar\mu`; a projection, so repeating it refines. Differentiable."""
+        return z + self.gain(self.constraint.k - self.constraint.matvec(z))
+
+    def step_(self, z: Tensor) -> Tensor:
+        """:meth:`step` on a buffer the caller owns and needs no gradient for; may update ``z`` in place."""
+        return self.step(z)
+
+    def refine(self, z: Tensor) -> Tensor:
+        """One refinement step applied to an (almost) exact ``z``; :meth:`step` unless the factor knows better."""
+        return self.step(z)
+
+    # ------------------------------------------------------------------ S
+    @abstractmethod
+    def whiten(self, residual: Tensor) -> Tensor:
+        r""":math:`L^{-1}r` with :math:`LL^\top = S`: ``(*sample, *batch, a) -> (*sample, *batch, a)``."""
+
+    def inv_quad(self, residual: Tensor) -> Tensor:
+        r""":math:`r^\top S^{-1}r`, shape ``(*sample, *batch)``."""
+        return self.whiten(residual).square().sum(-1)
+
+    @abstractmethod
+    def logdet(self) -> Tensor:
+        r""":math:`\log\det S`, shape ``(*batch)``."""
+
+    # ------------------------------------------------------------------ conditional second moments
+    @abstractmethod
+    def gain_factor(self) -> Tensor:
+        r""":math:`G` (``(*batch, n, a)``, transient) with :math:`GG^\top = \Sigma A^\top S^{-1}A\Sigma`."""
+
+    def variance(self) -> Tensor:
+        r"""Conditional marginal variances :math:`\mathrm{diag}\,\Sigma - \lVert G_{i,:}\rVert^2`, ``(*batch, n)``,
+        clamped at 0."""
+        return (self.cov.diagonal() - self.gain_factor().square().sum(-1)).clamp_min(0)
+
+    def covariance_matrix(self) -> Tensor:
+        r"""Dense conditional covariance :math:`\Sigma - GG^\top`, ``(*batch, n, n)``."""
+        G = self.gain_factor()
+        return self.cov.dense() - G @ G.mT
+
+    def trace_correction(self, other: "Covariance") -> Tensor:
+        r""":math:`\mathrm{tr}(G^\top\Sigma_p^{-1}G)` for another covariance :math:`\Sigma_p` (the part of the KL's
+        trace that the constraint removes), shape ``(*batch)``."""
+        G = self.gain_factor()
+        batch = torch.broadcast_shapes(G.shape[:-2], other.batch_shape)
+        return other.inv_quad_matrix(G.expand(batch + G.shape[-2:]))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(n={self.cov.event_size}, a={self.constraint.num_constraints})"
+
+
+def check_pivots(pivots: Tensor, tol: Tensor | float) -> None:
+    """Raise :class:`~hardeq.NotPSDError` when ``S`` is numerically singular: a pivot at or below ``tol`` (or NaN)."""
+    bad = ~(pivots > tol)
+    if bool(bad.any()):
+        first = tuple(torch.nonzero(bad)[0].tolist())
+        tol_at = torch.broadcast_to(torch.as_tensor(tol, dtype=pivots.dtype), pivots.shape)[first]
+        raise NotPSDError(
+            "A Sigma A^T is not numerically positive definite: the constraint rows are (nearly) linearly "
+            f"dependent under this covariance (batch/row index {first}, pivot {pivots[first].item():.3e} "
+            f"<= tolerance {tol_at.item():.3e}, dtype {pivots.dtype}). Remove redundant rows, rescale them, or use "
+            "float64."
+        )
