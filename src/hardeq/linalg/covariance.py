@@ -210,9 +210,16 @@ class DiagonalCovariance(Covariance):
     def __init__(self, scale: Tensor) -> None:
         check_tensor("scale", scale, min_dim=1)
         self.scale = scale
-        self.variance = scale.square()
+        self._variance: Tensor | None = None
         self.event_size = self.noise_size = scale.shape[-1]
         self.batch_shape = scale.shape[:-1]
+
+    @property
+    def variance(self) -> Tensor:
+        r""":math:`\sigma^2`, ``(*batch, n)``, computed on first use."""
+        if self._variance is None:
+            self._variance = self.scale * self.scale
+        return self._variance
 
     def tensors(self) -> tuple[Tensor, ...]:
         return (self.scale,)
@@ -263,8 +270,8 @@ class DiagonalCovariance(Covariance):
         return True
 
     def max_abs_sqrt(self) -> Tensor:
-        with torch.no_grad():  # max |scale| without an n-sized temporary
-            return torch.maximum(self.scale.amax(-1, keepdim=True), -self.scale.amin(-1, keepdim=True))
+        with torch.no_grad():  # scale > 0: the largest entry, one pass, no n-sized temporary
+            return self.scale.amax(-1, keepdim=True)
 
     def scaled(self, c: Tensor) -> "DiagonalCovariance":
         return DiagonalCovariance(self.scale / c)
