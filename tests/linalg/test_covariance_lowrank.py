@@ -19,6 +19,17 @@ class TestLowRankCovariance(CovarianceTestCase):
         return hardeq.LowRankCovariance(W, scale), W.double() @ W.double().mT + torch.diag_embed(scale.double() ** 2)
 
 
+class TestLowRankCovarianceSharedFactor(CovarianceTestCase):
+    """``W`` shared by the batch (2-D), ``scale`` batched: the parameters' batch shapes broadcast."""
+
+    def create(self, batch_shape, dtype, seed):
+        g = torch.Generator().manual_seed(seed)
+        W = (0.7 * torch.randn(self.event_size, 2, dtype=torch.float64, generator=g)).to(dtype)
+        scale = (0.5 + torch.rand(tuple(batch_shape) + (self.event_size,), dtype=torch.float64, generator=g))
+        scale = scale.to(dtype)
+        return hardeq.LowRankCovariance(W, scale), W.double() @ W.double().mT + torch.diag_embed(scale.double() ** 2)
+
+
 @pytest.mark.parametrize("cov_factor, scale, error, match", [
     (torch.ones(4, 2), torch.ones(3), ValueError, "cov_factor"),
     (torch.ones(4, 2), torch.ones(4, dtype=torch.float64), TypeError, "dtype"),

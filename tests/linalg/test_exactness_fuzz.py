@@ -4,10 +4,10 @@ Criterion (``hardeq.testing.exactness``): for the mean, ``sample()`` and ``rsamp
 ``hardeq.ConstrainedNormal`` and for every constraint row ``i``, ``|(Az - k)_i| <= tol (|A||z|)_i``, evaluated in
 float64, ``tol = 1e-5`` (float32) / ``1e-12`` (float64); never relative to the largest row.
 
-* Random problems (public API only): n in 2..40, dense ``LinearConstraint`` and grouped ``SumConstraint`` (groups
-  of one included), diagonal / full / low-rank covariance, scales log-uniform over up to eight decades, loc up
-  to 1e3 scales off the plane, right-hand sides of random magnitude, batched and not; 200 cases per
-  (dtype, structure, constraint) group, 2400 in all.
+* Random problems (public API only): n in 2..40, dense ``LinearConstraint`` (rows up to 1e3 apart in size) and
+  grouped ``SumConstraint`` (groups of one included), diagonal / full / low-rank covariance, scales log-uniform
+  over up to eight decades, loc up to 1e3 scales off the plane, right-hand sides of random magnitude, batched
+  and not; 200 cases per (dtype, structure, constraint) group, 2400 in all (about 5 s on one core).
 * Ragged graph batches like PyG's: 128 graphs of 1-59 nodes (singletons included), per-graph standard
   deviations spanning 1e2, 1e4 or 1e8, totals zero or not, via ``SumConstraint(batch, totals)``: per-row
   exactness for every graph and sample; a single-node graph returns its total exactly (``==``); a graph's mean
@@ -41,6 +41,20 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+def covariance(structure: str, scale: torch.Tensor, g: torch.Generator, dtype: torch.dtype, factor: float = 1.0):
+    """Diagonal ``scale^2``; full ``L`` with that diagonal and random entries below it; or low rank
+    ``W W^T + diag(scale^2)`` with ``W`` of 1-3 columns, ``factor * scale`` in size (``scale``: float64)."""
+    if structure == "diag":
+        return hardeq.DiagonalCovariance(scale.to(dtype))
+    shape = scale.shape + (scale.shape[-1],)
+    if structure == "full":
+        L = torch.randn(shape, generator=g, dtype=torch.float64).tril(-1) * 0.3 + torch.eye(shape[-1])
+        return hardeq.FullCovariance((L * scale.unsqueeze(-1)).to(dtype))
+    r = int(torch.randint(1, 4, (), generator=g))
+    W = torch.randn(scale.shape + (r,), generator=g, dtype=torch.float64) * scale.unsqueeze(-1) * factor
+    return hardeq.LowRankCovariance(W.to(dtype), scale.to(dtype))
+
+
 def make_case(g: torch.Generator, dtype: torch.dtype, structure: str, kind: str):
     """One random problem: ``(ConstrainedNormal, noise for rsample, description)``."""
     def u(lo, hi):
@@ -54,19 +68,15 @@ def make_case(g: torch.Generator, dtype: torch.dtype, structure: str, kind: str)
     batch = (int(torch.randint(2, 4, (), generator=g)),) if torch.rand((), generator=g) < 0.5 else ()
     decades, centre = u(0, 8), u(-3, 3)  # scale ratio up to 1e8
     scale = 10 ** (centre + decades * (torch.rand(batch + (n,), generator=g, dtype=torch.float64) - 0.5))
-    if structure == "diag":
-        cov = hardeq.DiagonalCovariance(scale.to(dtype))
-    elif structure == "full":
-        L = randn(*batch, n, n).tril(-1) * 0.3 + torch.eye(n, dtype=torch.float64)
-        cov = hardeq.FullCovariance((L * scale.unsqueeze(-1)).to(dtype))
-    else:
-        W = randn(*batch, n, int(torch.randint(1, 4, (), generator=g))) * scale.unsqueeze(-1) * u(0.01, 3)
-        cov = hardeq.LowRankCovariance(W.to(dtype), scale.to(dtype))
+    cov = covariance(structure, scale, g, dtype, factor=u(0.01, 3))
     off = 10 ** u(-2, 3)  # loc off the plane by up to 1e3 scales
     loc = (randn(*batch, n) * off * 10 ** centre).to(dtype)
     k = (randn(*batch, a) * 10 ** u(-3, 3)).to(dtype)
     if kind == "dense":
-        con = hardeq.LinearConstraint((randn(a, n) * 10 ** u(-1, 1)).to(dtype), k, validate_args=False)
+        # rows of different sizes (up to 1e3 apart; the plane does not change, the per-row criterion does)
+        rows = 10 ** (u(-1, 1) + u(0, 3) * torch.rand(a, 1, generator=g, dtype=torch.float64))
+        con = hardeq.LinearConstraint((randn(a, n) * rows).to(dtype), k * rows.squeeze(-1).to(dtype),
+                                      validate_args=False)
     else:  # every group non-empty; small groups (and groups of one) are common
         index = torch.cat([torch.arange(a), torch.randint(0, a, (n - a,), generator=g)])
         con = hardeq.SumConstraint(index[torch.randperm(n, generator=g)], k)
@@ -85,7 +95,8 @@ def run_group(dtype, structure, kind, cases=CASES_PER_GROUP):
         d, noise, desc = make_case(g, dtype, structure, kind)
         try:
             zs = [d.mean, d.sample((2,)), d.rsample((2,), noise=noise)]
-            ratio = max(float(row_residual_ratio(d.constraint, z).nan_to_num(float("inf"), float("inf")).max()) for z in zs)
+            ratios = [row_residual_ratio(d.constraint, z).nan_to_num(float("inf"), float("inf")) for z in zs]
+            ratio = max(float(r.max()) for r in ratios)
         except (RuntimeError, ValueError) as err:  # a failed factorisation counts as a failure
             ratio, desc = float("inf"), f"{desc} raised {type(err).__name__}: {str(err)[:120]}"
         failures += ratio > exactness_tolerance(dtype)
@@ -187,16 +198,9 @@ def test_rows_of_wildly_different_scales(dtype, structure):
         A[1] *= 1e-3
         k = A @ torch.randn(12, generator=g, dtype=torch.float64)
         scale = 10 ** (2 * torch.rand(12, generator=g, dtype=torch.float64) - 1)
-        if structure == "diag":
-            cov = hardeq.DiagonalCovariance(scale.to(dtype))
-        elif structure == "full":
-            L = torch.randn(12, 12, generator=g, dtype=torch.float64).tril(-1) * 0.3 + torch.eye(12, dtype=torch.float64)
-            cov = hardeq.FullCovariance((L * scale.unsqueeze(-1)).to(dtype))
-        else:
-            cov = hardeq.LowRankCovariance(torch.randn(12, 2, generator=g, dtype=torch.float64).to(dtype),
-                                           scale.to(dtype))
         loc = (10 * torch.randn(12, generator=g, dtype=torch.float64)).to(dtype)
-        d = hardeq.ConstrainedNormal(loc, covariance=cov, constraint=hardeq.LinearConstraint(A.to(dtype), k.to(dtype), validate_args=False),
+        con = hardeq.LinearConstraint(A.to(dtype), k.to(dtype), validate_args=False)
+        d = hardeq.ConstrainedNormal(loc, covariance=covariance(structure, scale, g, dtype), constraint=con,
                                      validate_args=False)
         noise = torch.randn((4, d.noise_size), generator=g, dtype=torch.float64).to(dtype)
         for name, z in [("mean", d.mean), ("rsample", d.rsample((4,), noise=noise))]:
