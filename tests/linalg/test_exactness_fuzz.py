@@ -114,6 +114,18 @@ def test_every_row_of_every_vector_is_exact(dtype, structure, kind):
                            f"worst ratio {worst:.2e} ({desc})")
 
 
+@DTYPES
+def test_singleton_group_with_a_huge_scale_returns_its_total(dtype):
+    """The issue's worst case: a group of one with scale 1.2e8 came back 0 where its total is 0.3755."""
+    index, k = torch.tensor([0, 1, 1, 1]), torch.tensor([0.3755, -2.0], dtype=dtype)
+    d = hardeq.ConstrainedNormal(torch.zeros(4, dtype=dtype), torch.tensor([1.2e8, 1.0, 3.0, 0.5], dtype=dtype),
+                                 constraint=hardeq.SumConstraint(index, k))
+    torch.manual_seed(0)
+    for z in (d.mean, d.sample((64,))):
+        assert bool((z[..., 0] == k[0]).all()), z[..., 0]
+        assert_exact_per_row(d.constraint, z)
+
+
 # ---------------------------------------------------------------------------------------- ragged graph batches
 
 
