@@ -115,6 +115,9 @@ class CovarianceTestCase:
         assert all(isinstance(t, Tensor) for t in cov.tensors())
         assert cov.param_numel == sum(t.numel() for t in cov.tensors())
         assert type(cov).__name__ in repr(cov)
+        assert len(cov.arg_constraints) == len(cov.tensors()), "one arg_constraints entry per parameter"
+        for name, constraint in cov.arg_constraints.items():
+            assert bool(constraint.check(getattr(cov, name)).all()), f"{name} violates its arg_constraint"
         _close(cov.dense(), S, dtype, "dense")
 
     @DTYPES
