@@ -58,9 +58,9 @@ def assert_agrees(actual, expected, dtype, what):
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
-    torch._dynamo.reset()
+    torch.compiler.reset()
     yield
-    torch._dynamo.reset()
+    torch.compiler.reset()
 
 
 def _check_compiled(kind, dtype, backend, inside):

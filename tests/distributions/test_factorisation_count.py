@@ -63,7 +63,7 @@ def build(constraint_kind: str, structure: str, seed: int = 0, constraint=None) 
 
 
 def warm_up(d: hardeq.ConstrainedNormal) -> hardeq.ConstrainedNormal:
-    d.mean
+    _ = d.mean
     z = d.sample((2,))
     d.log_prob(z)
     d.entropy()
