@@ -9,7 +9,7 @@ import torch
 import hardeq
 
 MODULES = ["hardeq.constraints", "hardeq.distributions.normal", "hardeq.baselines", "hardeq.baselines.projection",
-           "hardeq.baselines.elimination", "hardeq.baselines.completion", "hardeq.distributions.poisson"]
+           "hardeq.baselines.elimination", "hardeq.baselines.completion", "hardeq.distributions.poisson", "hardeq.testing.exactness"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -1,10 +1,24 @@
 """Test helpers shipped with hardeq: dense oracles, Monte Carlo tolerances and conformance test cases.
 
 * :mod:`hardeq.testing.oracles`: the dense null-space oracle of a conditioned Gaussian, ``mc_atol``.
+* :mod:`hardeq.testing.exactness`: the per-row exactness criterion (``row_residual_ratio``,
+  ``assert_exact_per_row``).
+* :mod:`hardeq.testing.covariance_case`: ``CovarianceTestCase``, the conformance suite of a covariance structure
+  (imported on first use: it needs pytest).
 """
 
 from __future__ import annotations
 
+from .exactness import assert_exact_per_row, exactness_tolerance, row_residual_ratio
 from .oracles import FAILURE_RATE, DenseConditional, dense_conditional, mc_atol, random_spd
 
-__all__ = ["DenseConditional", "dense_conditional", "mc_atol", "FAILURE_RATE", "random_spd"]
+__all__ = ["DenseConditional", "dense_conditional", "mc_atol", "FAILURE_RATE", "random_spd",
+           "row_residual_ratio", "assert_exact_per_row", "exactness_tolerance", "CovarianceTestCase"]
+
+
+def __getattr__(name: str):
+    if name == "CovarianceTestCase":  # pytest is a test dependency, not a dependency of the library
+        from .covariance_case import CovarianceTestCase
+
+        return CovarianceTestCase
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
