@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-r"""The issue-8 performance targets of :class:`hardeq.ConstrainedNormal`, measured in one run (float32, CPU).
+r"""The performance targets of :class:`hardeq.ConstrainedNormal`, measured in one run (float32, CPU).
 
 Every ratio is a ratio of two medians measured in the same process, with the repeat rounds of the variants
 interleaved (``time.perf_counter``, one warm-up call first). Sections:
@@ -7,22 +7,28 @@ interleaved (``time.perf_counter``, one warm-up call first). Sections:
 A. **Shared parameters, n = 1e6, 64 warm samples** (batch_shape ``()``): ``d.sample((64,))`` on a distribution
    whose factorisation is cached, and ``d.conditioner.sample(loc, (64,))`` (the fused in-place sampler), against
    the unconstrained ``loc + scale * torch.randn(64, n)``. Target: SumConstraint and dense ``a <= 8`` at
-   <= 1.5x.
+   <= 1.2x.
 B. **Per-sample parameters, shared A** (batch_shape ``(64,)``, ``loc``/``scale``/``k`` per sample, one
    ``A`` of shape ``(a, n)``): construct + factor + sample, i.e. ``LinearConstraint(A, k,
    validate_args=False)``, ``ConstrainedNormal(...)``, ``.sample()``, against ``loc + scale * randn(64, n)``.
-   Target: n = 1e5, a = 8 at <= 3x. Plus 64 x 1e6 x 64 (n = 1e6, a = 64) once, in a fresh subprocess, with its
+   Target: n = 1e5, a = 8 at <= 1.5x. Plus 64 x 1e6 x 64 (n = 1e6, a = 64) once, in a fresh subprocess, with its
    peak-RSS increase (``VmHWM`` after minus before, /proc/self/status).
 C. **Heavy case**: n = 2048, a = 1024, per-sample scale, shared A, batch 16 and 256. The reference is the plain
    float32 code a user would write: ``Bm = A * scale[:, None, :]`` (batch x a x n), ``S = Bm @ Bm.mT`` (one
    batched GEMM), ``torch.linalg.cholesky``, ``torch.cholesky_solve`` for ``k - A loc``, and the Matheron update;
    hardeq is ``ConstrainedNormal(...).sample()`` (construct + factor + sample). The machine's batched-GEMM FLOP
    rate is that of ``Bm @ Bm.mT`` alone (``2 batch a^2 n`` flops); hardeq's achieved fraction is
-   ``2 batch a^2 n / t_hardeq / rate``. Target >= 50%. Anchor (the source paper's authors, A800 GPU): 0.205 s
+   ``2 batch a^2 n / t_hardeq / rate``. Target >= 80% (the Gram matrix is symmetric, so a symmetric product can
+   beat the GEMM-normalised rate). Anchor (the source paper's authors, A800 GPU): 0.205 s
    (batch 16), 1.24 s (batch 256).
 
-The relative residual ``max_i |A z - k|_i / max_i (|A||z|)_i`` (float64) of the worst sample is reported for
-every hardeq row.
+D. **Ragged graph batch**: 128 graphs of 1-155 nodes (n about 1e4, PyG's ``batch`` vector), per-node ``loc`` and
+   ``scale`` from a "network" (leaf tensors with gradients), ``ConstrainedNormal(loc, scale,
+   constraint=SumConstraint(batch, totals)).rsample()`` + a squared loss + ``backward()``, against the unconstrained
+   ``loc + scale * randn`` + the same loss + ``backward()``. Target <= 3x.
+
+The per-row residual ``max_i |(A z - k)_i| / (|A||z|)_i`` (float64, ``hardeq.testing.row_residual_ratio``) of the
+worst sample and row is reported for every hardeq row.
 
 Usage::
 
@@ -45,6 +51,7 @@ import time
 import torch
 
 import hardeq
+from hardeq.testing import row_residual_ratio
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_sampling import _machine_facts, _proc_status_kb  # noqa: E402
@@ -53,15 +60,11 @@ DTYPE = torch.float32
 ANCHOR = {16: 0.205, 256: 1.24}
 
 
-def rel_residual(A: torch.Tensor, k: torch.Tensor, z: torch.Tensor) -> float:
-    A64, z64 = A.double(), z.double().reshape(-1, z.shape[-1])
-    k64 = k.double().expand(z.shape[:-1] + k.shape[-1:]).reshape(-1, k.shape[-1])
-    worst = 0.0
-    for i in range(0, z64.shape[0], 8):  # chunks: |A||z| of 64 x 1e6 x 64 in float64 is big
-        zc, kc = z64[i:i + 8], k64[i:i + 8]
-        res = (zc @ A64.mT - kc).abs().amax(-1)
-        worst = max(worst, float((res / (zc.abs() @ A64.abs().mT).amax(-1)).max()))
-    return worst
+def rel_residual(A, k: torch.Tensor, z: torch.Tensor) -> float:
+    """Worst per-row ratio ``|(Az - k)_i| / (|A||z|)_i`` over samples and rows (float64, in chunks of samples)."""
+    con = A if isinstance(A, hardeq.EqualityConstraint) else hardeq.LinearConstraint(A, k, validate_args=False)
+    flat = z.reshape((-1,) + con.batch_shape + z.shape[-1:]) if con.batch_shape else z.reshape(-1, z.shape[-1])
+    return max(float(row_residual_ratio(con, flat[i:i + 8]).max()) for i in range(0, flat.shape[0], 8))
 
 
 MIN_REPEATS = 5
@@ -108,8 +111,7 @@ def section_a(n: int) -> list[dict]:
         t = timed({"base": lambda: loc + scale * torch.randn(64, n, dtype=DTYPE),
                    "warm": lambda: d.sample((64,)),
                    "fused": lambda: cond.sample(loc, (64,))}, min_repeats=5)
-        A = c.dense_matrix()
-        resid = max(rel_residual(A, k, d.sample((64,))), rel_residual(A, k, cond.sample(loc, (64,))))
+        resid = max(rel_residual(c, k, d.sample((64,))), rel_residual(c, k, cond.sample(loc, (64,))))
         rows.append({"kind": kind, "n": n, "a": a, "method": cond.method, **t,
                      "r_warm": t["warm"] / t["base"], "r_fused": t["fused"] / t["base"], "resid": resid})
         print("  A", json.dumps(rows[-1]), file=sys.stderr, flush=True)
@@ -220,6 +222,32 @@ def section_c(batches: list[int], n: int = 2048, a: int = 1024) -> list[dict]:
     return rows
 
 
+# ----------------------------------------------------------------------------------------------- D
+def section_d(graphs: int = 128, max_nodes: int = 155) -> dict:
+    g = torch.Generator().manual_seed(4)
+    sizes = torch.randint(1, max_nodes + 1, (graphs,), generator=g)
+    batch = torch.repeat_interleave(torch.arange(graphs), sizes)
+    n = batch.numel()
+    loc = torch.randn(n, generator=g, dtype=DTYPE).requires_grad_()
+    scale = (torch.rand(n, generator=g, dtype=DTYPE) + 0.5).requires_grad_()
+    totals = torch.randn(graphs, generator=g, dtype=DTYPE)
+    target = torch.randn(n, generator=g, dtype=DTYPE)
+
+    def base():
+        ((loc + scale * torch.randn(n, dtype=DTYPE) - target) ** 2).sum().backward()
+
+    def constrained():
+        d = hardeq.ConstrainedNormal(loc, scale, constraint=hardeq.SumConstraint(batch, totals))
+        ((d.rsample() - target) ** 2).sum().backward()
+
+    t = timed({"base": base, "hardeq": constrained}, min_repeats=5, max_repeats=50)
+    con = hardeq.SumConstraint(batch, totals)
+    resid = rel_residual(con, totals, hardeq.ConstrainedNormal(loc, scale, constraint=con).rsample((8,)).detach())
+    row = {"graphs": graphs, "n": n, **t, "ratio": t["hardeq"] / t["base"], "resid": resid}
+    print("  D", json.dumps(row), file=sys.stderr, flush=True)
+    return row
+
+
 # ----------------------------------------------------------------------------------------------- output
 def ms(t: float) -> str:
     return f"{t * 1e3:.0f}" if t >= 0.1 else f"{t * 1e3:.1f}"
@@ -247,23 +275,23 @@ def main() -> None:
     t_start = time.perf_counter()
     facts = _machine_facts()
     facts["loadavg_at_start"] = " ".join(open("/proc/loadavg").read().split()[:3])
-    print("# hardeq issue-8 targets (float32, CPU; no GPU in this environment)\n")
+    print("# hardeq performance targets (float32, CPU; no GPU in this environment)\n")
     print("Machine: " + ", ".join(f"{k}={v}" for k, v in facts.items()) + "\n", flush=True)
 
     A = section_a(args.shared_n)
-    print("## A. Shared parameters, 64 warm samples (target: <= 1.5x unconstrained)\n")
+    print("## A. Shared parameters, 64 warm samples (target: <= 1.2x unconstrained)\n")
     print("| constraint | n | a | method | unconstr. ms | d.sample((64,)) ms | ÷ unconstr. | conditioner.sample ms "
           "| ÷ unconstr. | met (best of the two) | rel. residual | repeats |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in A:
         name = "SumConstraint" if r["kind"] == "sum" else "LinearConstraint"
-        met = "yes" if min(r["r_warm"], r["r_fused"]) <= 1.5 else "no"
+        met = "yes" if min(r["r_warm"], r["r_fused"]) <= 1.2 else "no"
         print(f"| {name} | {r['n']:,} | {r['a']} | {r['method']} | {ms(r['base'])} | {ms(r['warm'])} | "
               f"{r['r_warm']:.2f}x | {ms(r['fused'])} | {r['r_fused']:.2f}x | {met} | {r['resid']:.1e} | "
               f"{r['repeats']} |")
     Bs = section_b(args.per_sample_n, [int(x) for x in args.per_sample_a.split(",")])
     print("\n## B. Per-sample scale and k, shared A, batch 64: construct + factor + sample "
-          "(target: n = 1e5, a = 8 at <= 3x)\n")
+          "(target: n = 1e5, a = 8 at <= 1.5x)\n")
     print("| n | a | batch | method | unconstr. ms | ConstrainedNormal(...).sample() ms | ÷ unconstr. "
           "| with conditioner.sample ms | ÷ unconstr. | rel. residual | repeats |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -285,7 +313,7 @@ def main() -> None:
                   f"(one batch x n x a float32 tensor would be {64 * 1e6 * 64 * 4 / 2**30:.1f} GiB)")
             print(f"- rel. residual {big['resid']:.1e}")
     C = section_c([int(x) for x in args.heavy_batches.split(",")])
-    print("\n## C. Heavy case n = 2048, a = 1024, per-sample scale, shared A (target: >= 50% of the batched-GEMM "
+    print("\n## C. Heavy case n = 2048, a = 1024, per-sample scale, shared A (target: >= 80% of the batched-GEMM "
           "rate)\n")
     print("| batch | method | GEMM `Bm @ Bm.mT` s | GEMM rate GFLOP/s | plain Gram+Cholesky+solve s | plain % of rate "
           "| hardeq s | hardeq % of rate | hardeq (conditioner.sample) s | % of rate | A800 anchor s (paper) "
@@ -298,9 +326,15 @@ def main() -> None:
                  else "not timed | — | ")
               + f"{r['anchor_a800_s']} | "
               f"{r['resid']:.1e} ({r['resid_plain']:.1e}) | {r['repeats']} |")
+    D = section_d()
+    print("\n## D. Ragged batch of 128 graphs, rsample + backward (target: <= 3x unconstrained draw + backward)\n")
+    print("| graphs | n | unconstr. ms | hardeq ms | ÷ unconstr. | rel. residual | repeats |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| {D['graphs']} | {D['n']:,} | {ms(D['base'])} | {ms(D['hardeq'])} | {D['ratio']:.2f}x | {D['resid']:.1e} | "
+          f"{D['repeats']} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": facts, "A": A, "B": Bs, "big": big, "C": C}, f, indent=1)
+            json.dump({"machine": facts, "A": A, "B": Bs, "big": big, "C": C, "D": D}, f, indent=1)
     load = " ".join(open("/proc/loadavg").read().split()[:3])
     print(f"\nTotal wall time: {time.perf_counter() - t_start:.0f} s; load average at the end: {load}")
 
