@@ -280,7 +280,7 @@ class DiagonalCovariance(Covariance):
         return self.variance.unsqueeze(-1) * X
 
     def sandwich(self, A: Tensor) -> Tensor:
-        return _diag_sandwich(A, self.variance)
+        return _diag_sandwich(A, self.scale, lambda: self.variance)
 
     def reparameterize_(self, noise: Tensor, loc: Tensor) -> Tensor:
         if noise.shape[-1] == self.event_size and not noise.requires_grad and not self.scale.requires_grad \
@@ -492,27 +492,33 @@ _PRODUCT_ELEMS = 1 << 25
 _CHUNK_ELEMS = 1 << 24
 
 
-def _diag_sandwich(A: Tensor, v: Tensor) -> Tensor:
-    r""":math:`A\,\mathrm{diag}(v)A^\top` for ``A`` ``(*ba, a, n)`` and ``v`` ``(*bv, n)``: one GEMM.
+def _gram_of(B: Tensor) -> Tensor:
+    """``B @ B.mT``: one operand, so the product is symmetric to the last bit."""
+    return B @ B.mT
 
-    Shared ``A`` (2-D) with batched ``v``: ``v @ P`` with ``P[j, (i, l)] = A_ij A_lj`` (``i <= l``) when
-    ``n a(a+1)/2`` is small, else batched GEMMs ``(A v_b) A^T`` over chunks of the batch (transient
-    ``chunk x a x n``)."""
+
+def _diag_sandwich(A: Tensor, scale: Tensor, variance: Callable[[], Tensor]) -> Tensor:
+    r""":math:`A\,\mathrm{diag}(\sigma^2)A^\top` for ``A`` ``(*ba, a, n)`` and ``scale`` :math:`\sigma` ``(*bv, n)``
+    (``variance()`` returns :math:`\sigma^2`, cached by the caller).
+
+    Shared ``A`` (2-D) with batched ``scale`` and a small ``n a(a+1)/2``: one GEMM ``v @ P`` with the row products
+    ``P[j, (i, l)] = A_ij A_lj`` (``i <= l``). Otherwise :math:`BB^\top` with :math:`B = A\,\mathrm{diag}(\sigma)`
+    (one GEMM with the same operand on both sides), over chunks of the batch (transient ``chunk x a x n``)."""
     a, n = A.shape[-2:]
-    if v.dim() == 1 or A.dim() > 2:
-        return (A * v.unsqueeze(-2)) @ A.mT
-    bshape = v.shape[:-1]
-    vf = v.reshape(-1, n)
+    if scale.dim() == 1 or A.dim() > 2:
+        return _gram_of(A * scale.unsqueeze(-2))
+    bshape = scale.shape[:-1]
+    sf = scale.reshape(-1, n)
     iu = torch.triu_indices(a, a, device=A.device)
     if n * iu.shape[1] <= _PRODUCT_ELEMS:
         P = A[iu[0]] * A[iu[1]]  # (a(a+1)/2, n)
-        flat = vf @ P.mT  # (B, a(a+1)/2)
-        S = flat.new_zeros(vf.shape[0], a, a)
+        flat = variance().reshape(-1, n) @ P.mT  # (B, a(a+1)/2)
+        S = flat.new_zeros(sf.shape[0], a, a)
         S[:, iu[0], iu[1]] = flat
         S[:, iu[1], iu[0]] = flat
         return S.reshape(bshape + (a, a))
     step = max(1, _CHUNK_ELEMS // (a * n))
-    parts = [(A * vf[b:b + step].unsqueeze(-2)) @ A.mT for b in range(0, vf.shape[0], step)]
+    parts = [_gram_of(A * sf[b:b + step].unsqueeze(-2)) for b in range(0, sf.shape[0], step)]
     return torch.cat(parts, 0).reshape(bshape + (a, a))
 
 
