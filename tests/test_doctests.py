@@ -8,7 +8,7 @@ import torch
 
 import hardeq
 
-MODULES = ["hardeq.constraints.linear", "hardeq.constraints.sum", "hardeq.distributions.normal", "hardeq.baselines", "hardeq.baselines.projection",
+MODULES = ["hardeq.constraints.linear", "hardeq.constraints.sum", "hardeq.constraints.sparse", "hardeq.distributions.normal", "hardeq.baselines", "hardeq.baselines.projection",
            "hardeq.baselines.elimination", "hardeq.baselines.completion", "hardeq.distributions.poisson"]
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from .base import EqualityConstraint
 from .linear import LinearConstraint
+from .sparse import SparseConstraint
 from .sum import SumConstraint
 
-__all__ = ["EqualityConstraint", "LinearConstraint", "SumConstraint"]
+__all__ = ["EqualityConstraint", "LinearConstraint", "SparseConstraint", "SumConstraint"]
