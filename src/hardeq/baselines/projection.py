@@ -74,7 +74,8 @@ def kkt_projection(y: Tensor, constraint: EqualityConstraint) -> Tensor:
     r"""Functional form of :class:`KKTProjection`: :math:`y - A^\top (A A^\top)^{-1}(A y - k)`.
 
     The constraint projects itself (:meth:`~hardeq.constraints.EqualityConstraint.project`): O(n) for a
-    :class:`~hardeq.SumConstraint`, O(nnz + a^2) for a :class:`~hardeq.SparseConstraint` (cached Cholesky of :math:`AA^\top`),
+    :class:`~hardeq.SumConstraint`, O(nnz + a^2) for a :class:`~hardeq.SparseConstraint` (cached Cholesky of
+    :math:`AA^\top`),
     O(n a) for a :class:`~hardeq.LinearConstraint` after one float64 QR of its ``A`` (cached on the constraint).
     Differentiable w.r.t. ``y``, ``k`` and a dense ``A`` that requires grad.
 

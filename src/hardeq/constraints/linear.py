@@ -126,7 +126,8 @@ class LinearConstraint(EqualityConstraint):
         if not factors.full_rank(self.A.dtype):
             a, n = self.A.shape[-2:]
             raise ValueError(
-                f"A must have full row rank {a} (a = A.shape[-2]), but some row of A (shape {tuple(self.A.shape)}) lies within "
+                f"A must have full row rank {a} (a = A.shape[-2]), but some row of A (shape {tuple(self.A.shape)}) "
+                "lies within "
                 f"{factors.min_pivot:.2e} of the span of the other rows after normalising each row to unit length "
                 f"(expected more than max(a, n) eps = {max(a, n) * torch.finfo(self.A.dtype).eps:.2e}); "
                 "remove linearly dependent rows."
@@ -182,7 +183,7 @@ class LinearConstraint(EqualityConstraint):
         if factors is None:
             A64 = self.A.to(torch.float64)
             d = torch.linalg.vector_norm(A64, dim=-1)
-            R = torch.linalg.qr((A64 / d.unsqueeze(-1)).mT, mode="r")[1]
+            R = torch.linalg.qr((A64 / d.unsqueeze(-1)).mT, mode="reduced")[1]  # "r" has no derivative
             logdet = 2 * (d.log().sum(-1) + R.diagonal(dim1=-2, dim2=-1).abs().log().sum(-1))
             return logdet.to(self.A.dtype)
         return factors.logdet.to(self.A.dtype).expand(self.A.shape[:-2])

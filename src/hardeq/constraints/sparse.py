@@ -120,7 +120,8 @@ class SparseConstraint(EqualityConstraint):
         check_same_dtype_device(A=A, k=k)
         a, n = A.shape
         if k.shape[-1] != a:
-            raise ValueError(f"k must have shape (*batch, a) with a = A.shape[0] = {a}, got k.shape = {tuple(k.shape)}.")
+            raise ValueError(f"k must have shape (*batch, a) with a = A.shape[0] = {a}, "
+                             f"got k.shape = {tuple(k.shape)}.")
         if a >= n:
             raise ValueError(f"A must have fewer rows than columns (a < n) so that A z = k leaves freedom, got "
                              f"A.shape = {tuple(A.shape)}.")
