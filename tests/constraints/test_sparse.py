@@ -97,3 +97,27 @@ def test_operator_paths_do_not_densify(monkeypatch):
     assert G.shape == (a, a)
     assert bool(c.check(c.project(z)).all())
     assert bool(c.check(c.particular_solution()).all())
+
+
+def test_gram_without_the_pair_matrix(monkeypatch):
+    """Above MAX_GRAM_PAIRS the Gram matrix is one sparse-sparse product per batch element: same result."""
+    A = random_sparse(5, 30, 3, 2, torch.float64)
+    c = hardeq.SparseConstraint(A.to_sparse_csr(), torch.zeros(5, dtype=torch.float64))
+    cov = hardeq.DiagonalCovariance(torch.rand(2, 30, dtype=torch.float64) + 0.5)
+    expected = (A * cov.variance.unsqueeze(-2)) @ A.mT
+    torch.testing.assert_close(c.gram(cov), expected, rtol=1e-12, atol=0)
+    monkeypatch.setattr(hardeq.constraints.sparse, "MAX_GRAM_PAIRS", 0)
+    fresh = hardeq.SparseConstraint(A.to_sparse_csr(), torch.zeros(5, dtype=torch.float64))
+    torch.testing.assert_close(fresh.gram(cov), expected, rtol=1e-12, atol=0)
+    assert fresh._pair_matrix() is None
+
+
+def test_same_A_tensor_is_prepared_once(monkeypatch):
+    A = random_sparse(4, 12, 2, 3, torch.float64).to_sparse_csr()
+    c1 = hardeq.SparseConstraint(A, torch.zeros(4, dtype=torch.float64), validate_args=True)
+    calls = []
+    monkeypatch.setattr(hardeq.constraints.sparse, "_GramFactors",
+                        lambda *args: calls.append(1) or (_ for _ in ()).throw(AssertionError("refactorised")))
+    c2 = hardeq.SparseConstraint(A, torch.ones(4, dtype=torch.float64), validate_args=True)  # new k, same A
+    assert c2.sparse_matrix is c1.sparse_matrix and not calls
+    torch.testing.assert_close(c2.logdet_gram_identity(), c1.logdet_gram_identity())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 
 import torch
 from torch import Tensor
@@ -20,6 +21,36 @@ from .._utils import check_finite, check_same_dtype_device, check_tensor, valida
 from .base import EqualityConstraint
 
 __all__ = ["SparseConstraint"]
+
+#: largest number of column pairs sum_j c_j^2 for which the diagonal-covariance Gram uses the cached pair matrix
+MAX_GRAM_PAIRS = 64_000_000
+
+# id(A given by the user) -> (weak reference, A._version, [A_csr, At_csr, shared caches, validated]); an entry
+# dies with its tensor, so the per-step pattern SparseConstraint(A, k_step) converts and validates A once
+_PREPARED: dict[int, tuple] = {}
+
+
+def _prepared(A: Tensor) -> list | None:
+    entry = _PREPARED.get(id(A))
+    try:
+        if entry is not None and entry[0]() is A and entry[1] == A._version:
+            return entry[2]
+    except RuntimeError:  # no version counter (inference tensors)
+        pass
+    return None
+
+
+def _remember(A: Tensor, value: list) -> None:
+    key = id(A)
+
+    def _forget(ref: weakref.ref, key: int = key) -> None:
+        if key in _PREPARED and _PREPARED[key][0] is ref:
+            del _PREPARED[key]
+
+    try:
+        _PREPARED[key] = (weakref.ref(A, _forget), A._version, value)
+    except (TypeError, RuntimeError):
+        pass
 
 
 def _quiet(fn, *args):
@@ -125,24 +156,33 @@ class SparseConstraint(EqualityConstraint):
         if a >= n:
             raise ValueError(f"A must have fewer rows than columns (a < n) so that A z = k leaves freedom, got "
                              f"A.shape = {tuple(A.shape)}.")
-        if A.layout == torch.sparse_coo:
-            A = _quiet(lambda: A.coalesce().to_sparse_csr())
-        self._A = A
-        self._At = _transpose_csr(A)
+        given = A
+        prepared = _prepared(given)
+        if prepared is None:
+            A_csr = _quiet(lambda: A.coalesce().to_sparse_csr()) if A.layout == torch.sparse_coo else A
+            # caches that depend on A only, shared by with_k / expand and by later constructions on `given`
+            prepared = [A_csr, _transpose_csr(A_csr), {}, False]
+            _remember(given, prepared)
+        self._A, self._At, self._shared = prepared[0], prepared[1], prepared[2]
         self.k = k
-        self._shared: dict[str, object] = {}  # caches that depend on A only, shared by with_k / expand
         self._validate_args = validate_default(validate_args)
         if self._validate_args:
-            check_finite("A", A.values())
             check_finite("k", k)
-            factors = self._gram_factors()
-            if factors.min_pivot <= factors.tol:
-                raise ValueError(
-                    f"A must have full row rank {a} (a = A.shape[0]), but after normalising each row of A (shape "
-                    f"{tuple(A.shape)}, nnz {A._nnz()}) to unit length some row lies within {factors.min_pivot:.2e} of "
-                    f"the span of the rows before it (expected more than {factors.tol:.2e}); remove linearly "
-                    "dependent rows (e.g. one node balance of a closed flow network)."
-                )
+            if not prepared[3]:
+                self._validate_A()
+                prepared[3] = True
+
+    def _validate_A(self) -> None:
+        A = self._A
+        check_finite("A", A.values())
+        factors = self._gram_factors()
+        if factors.min_pivot <= factors.tol:
+            raise ValueError(
+                f"A must have full row rank {A.shape[0]} (a = A.shape[0]), but after normalising each row of A "
+                f"(shape {tuple(A.shape)}, nnz {A._nnz()}) to unit length some row lies within "
+                f"{factors.min_pivot:.2e} of the span of the rows before it (expected more than {factors.tol:.2e}); "
+                "remove linearly dependent rows (e.g. one node balance of a closed flow network)."
+            )
 
     # ------------------------------------------------------------------ shape
     @property
@@ -217,11 +257,39 @@ class SparseConstraint(EqualityConstraint):
         if not covariance.is_diagonal:
             return super().gram(covariance)
         v = covariance.variance  # shape: (*batch, n)
+        a = self.num_constraints
+        pairs = self._pair_matrix()
+        if pairs is not None:  # vec(G) = M v: one sparse-dense product for every batch element
+            return _spmm(pairs, v).reshape(v.shape[:-1] + (a, a))
         A = self._A
         crow, col, values = A.crow_indices(), A.col_indices(), A.values()
         flat = v.reshape(-1, v.shape[-1])
         grams = [_quiet(torch.matmul, _csr(crow, col, values * w[col], A.shape), self._At).to_dense() for w in flat]
-        return torch.stack(grams).reshape(v.shape[:-1] + (self.num_constraints, self.num_constraints))
+        return torch.stack(grams).reshape(v.shape[:-1] + (a, a))
+
+    def _pair_matrix(self) -> Tensor | None:
+        r"""The ``(a^2, n)`` CSR matrix :math:`M` with :math:`M_{(i,j),c} = A_{ic}A_{jc}`, so that
+        :math:`\mathrm{vec}(A\,\mathrm{diag}(v)A^\top) = Mv`. Built once, in O(P log P) for the
+        ``P = sum_c c_c^2`` pairs of nonzeros sharing a column (memory about 16 P bytes); ``None`` when ``P``
+        exceeds :data:`MAX_GRAM_PAIRS` (then :meth:`gram` runs a sparse-sparse product per batch element)."""
+        def make():
+            m = self._column_counts()
+            P = int(m.square().sum())
+            if P > MAX_GRAM_PAIRS:
+                return None
+            At = self._At  # (n, a) CSR: row c of A^T lists the rows of A that column c touches
+            crow, rows, vals = At.crow_indices(), At.col_indices(), At.values()
+            device = rows.device
+            column = torch.repeat_interleave(torch.arange(self.event_size, device=device), m)  # shape: (nnz,)
+            m_e = m[column]  # the count of the column each stored entry lies in
+            first = torch.repeat_interleave(torch.arange(rows.shape[0], device=device), m_e)  # shape: (P,)
+            start = torch.repeat_interleave(torch.cumsum(m_e, 0) - m_e, m_e)
+            second = crow[column[first]] + (torch.arange(P, device=device) - start)
+            a = self.num_constraints
+            index = torch.stack([rows[first] * a + rows[second], column[first]])
+            M = torch.sparse_coo_tensor(index, vals[first] * vals[second], (a * a, self.event_size))
+            return _quiet(lambda: M.coalesce().to_sparse_csr())
+        return self._cached("pairs", make)
 
     def diagonal_gram(self, variance: Tensor) -> Tensor | None:
         r"""When every column of ``A`` has at most one nonzero, :math:`A\,\mathrm{diag}(v)A^\top` is diagonal
