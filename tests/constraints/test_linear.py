@@ -105,3 +105,27 @@ def test_float32_log_det_near_square():
     expected = torch.linalg.slogdet(A.double() @ A.double().mT)[1]
     out = hardeq.LinearConstraint(A, torch.zeros(59)).logdet_gram_identity()
     assert abs(float(out) - float(expected)) <= 1e-5 * abs(float(expected))
+
+
+def test_expand_and_with_k_of_a_batched_A_share_the_factors(monkeypatch):
+    A = torch.randn(2, 3, 8, dtype=torch.float64)
+    c = hardeq.LinearConstraint(A, torch.randn(2, 3, dtype=torch.float64))
+    e = c.expand((4, 2)).with_k(torch.randn(4, 2, 3, dtype=torch.float64))
+    calls = _count_qr(monkeypatch)
+    e.logdet_gram_identity(), c.logdet_gram_identity(), e.particular_solution(), c.project(torch.randn(2, 8).double())
+    # R was computed when c was validated (tests run with validation on); Q is formed once, on first use
+    assert len(calls) == 1, "expand/with_k recomputed the factors of a batched A"
+
+
+def test_the_per_A_cache_dies_with_A():
+    import gc
+
+    from hardeq.constraints import linear
+
+    A = torch.randn(3, 7)
+    hardeq.LinearConstraint(A, torch.zeros(3), validate_args=True)
+    key = id(A)
+    assert key in linear._FACTORS
+    del A
+    gc.collect()
+    assert key not in linear._FACTORS

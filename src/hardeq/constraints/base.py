@@ -38,7 +38,8 @@ class RowSpaceFactors:
     log-determinant does not square :math:`\mathrm{cond}(A)` as a Cholesky of :math:`AA^\top` would.
 
     Computed without gradient (the verdict and cached quantities are constants); cost O(a^2 n) once, memory
-    ``n a`` float64 for ``Q`` (formed only when :meth:`orthonormal` is asked).
+    ``n a`` float64 for ``Q`` (formed only when :meth:`orthonormal` is asked). Holds no reference to ``A``
+    (a cache keyed weakly by ``A`` may keep it while ``A`` lives).
 
     Args:
         A (Tensor): ``(*batch_A, a, n)``, any floating dtype.
@@ -49,8 +50,7 @@ class RowSpaceFactors:
             A64 = A.detach().to(torch.float64)
             d = torch.linalg.vector_norm(A64, dim=-1)  # shape: (*batch_A, a)
             self.row_norms = d
-            self._normalised_t = (A64 / torch.where(d > 0, d, 1.0).unsqueeze(-1)).mT  # (*batch_A, n, a)
-            self.R = torch.linalg.qr(self._normalised_t, mode="r")[1]  # (*batch_A, a, a)
+            self.R = torch.linalg.qr(_normalised_t(A64, d), mode="r")[1]  # (*batch_A, a, a)
             pivots = self.R.diagonal(dim1=-2, dim2=-1).abs()
             #: smallest |R_jj| over rows and batch (0 for a zero row): 1 for orthogonal rows
             self.min_pivot = float(torch.where(d > 0, pivots, 0.0).min()) if d.numel() else 1.0
@@ -63,13 +63,18 @@ class RowSpaceFactors:
         a, n = self.shape[-2:]
         return self.min_pivot > max(a, n) * torch.finfo(dtype).eps
 
-    def orthonormal(self) -> Tensor:
-        """``Q`` (``(*batch_A, n, a)``, float64), formed once on first use."""
+    def orthonormal(self, A: Tensor) -> Tensor:
+        """``Q`` (``(*batch_A, n, a)``, float64) for the ``A`` these factors were computed from, formed once on
+        first use (with ``R`` from the same factorisation)."""
         if self._Q is None:
             with torch.no_grad():
-                self._Q = torch.linalg.qr(self._normalised_t, mode="reduced")[0]
-            # the QR is deterministic: Q matches the R computed in __init__
+                self._Q, self.R = torch.linalg.qr(_normalised_t(A.detach().to(torch.float64), self.row_norms))
         return self._Q
+
+
+def _normalised_t(A64: Tensor, d: Tensor) -> Tensor:
+    """``(D^{-1} A)^T``, ``(*batch, n, a)``, with zero rows left as they are."""
+    return (A64 / torch.where(d > 0, d, 1.0).unsqueeze(-1)).mT
 
 
 def min_norm_coefficients(R: Tensor, d: Tensor, k: Tensor) -> Tensor:
@@ -97,7 +102,7 @@ def particular_dense(A: Tensor, k: Tensor, factors: RowSpaceFactors | None = Non
 
 def _differentiable_factors(A: Tensor, factors: RowSpaceFactors | None) -> tuple[Tensor, Tensor, Tensor]:
     if factors is not None:
-        return factors.orthonormal(), factors.R, factors.row_norms
+        return factors.orthonormal(A), factors.R, factors.row_norms
     A64 = A.to(torch.float64)
     d = torch.linalg.vector_norm(A64, dim=-1)
     Q, R = torch.linalg.qr((A64 / d.unsqueeze(-1)).mT, mode="reduced")

@@ -43,9 +43,9 @@ def _lookup(A: Tensor) -> tuple[RowSpaceFactors, bool] | None:
 def _remember(A: Tensor, factors: RowSpaceFactors, validated: bool) -> None:
     key = id(A)
 
-    def _forget(ref: weakref.ref, key: int = key) -> None:
-        if key in _FACTORS and _FACTORS[key][0] is ref:
-            del _FACTORS[key]
+    def _forget(ref: weakref.ref, key: int = key, cache: dict = _FACTORS) -> None:  # cache: alive at exit
+        if key in cache and cache[key][0] is ref:
+            del cache[key]
 
     try:
         _FACTORS[key] = (weakref.ref(A, _forget), A._version, factors, validated)
@@ -109,15 +109,17 @@ class LinearConstraint(EqualityConstraint):
             check_finite("k", k)
             self._validate_A()
 
-    def _set(self, A: Tensor, k: Tensor, batch_shape: torch.Size, factors: RowSpaceFactors | None) -> None:
+    def _set(self, A: Tensor, k: Tensor, batch_shape: torch.Size, factors: RowSpaceFactors | None,
+             source: Tensor | None = None) -> None:
         self.A = A
         self.k = k
+        self._source = A if source is None else source  # the unexpanded A: the factors are computed from it
         self._batch_shape = batch_shape
         self._factors = factors
         self._abs_A: Tensor | None = None
 
     def _validate_A(self) -> None:
-        hit = _lookup(self.A)
+        hit = _lookup(self._source)
         if hit is not None and hit[1]:
             self._factors = hit[0]
             return
@@ -132,17 +134,17 @@ class LinearConstraint(EqualityConstraint):
                 f"(expected more than max(a, n) eps = {max(a, n) * torch.finfo(self.A.dtype).eps:.2e}); "
                 "remove linearly dependent rows."
             )
-        _remember(self.A, factors, validated=True)
+        _remember(self._source, factors, validated=True)
 
     def _row_space(self) -> RowSpaceFactors:
         """The cached float64 QR of the row-normalised ``A^T`` (computed on first use, shared per ``A`` tensor)."""
         if self._factors is None:
-            hit = _lookup(self.A)
+            hit = _lookup(self._source)
             if hit is not None:
                 self._factors = hit[0]
             else:
-                self._factors = RowSpaceFactors(self.A)
-                _remember(self.A, self._factors, validated=False)
+                self._factors = RowSpaceFactors(self._source)
+                _remember(self._source, self._factors, validated=False)
         return self._factors
 
     def _cached_factors(self) -> RowSpaceFactors | None:
@@ -190,7 +192,7 @@ class LinearConstraint(EqualityConstraint):
 
     @property
     def storage_numel(self) -> int:
-        return self.A.numel()
+        return self._source.numel()
 
     def abs_matvec(self, z_abs: Tensor) -> Tensor:
         if self.A.requires_grad:
@@ -202,12 +204,12 @@ class LinearConstraint(EqualityConstraint):
     def particular_solution(self) -> Tensor:
         r"""Minimum-norm solution :math:`QR^{-\top}D^{-1}k`, ``(*batch, n)``, from the cached float64 QR (O(n a)
         per call after the first)."""
-        out = particular_dense(self.A, self.k, self._cached_factors())
+        out = particular_dense(self._source, self.k, self._cached_factors())
         return out.expand(self.batch_shape + out.shape[-1:])
 
     def project(self, z: Tensor) -> Tensor:
         r""":math:`z - Q(Q^\top z - R^{-\top}D^{-1}k)` from the cached float64 QR: O(n a) per vector."""
-        return project_dense(self.A, self.k, z, self._cached_factors())
+        return project_dense(self._source, self.k, z, self._cached_factors())
 
     def same_row_space(self, other: EqualityConstraint) -> bool:
         """``True`` at once for the same ``A`` tensor (or an equal one); otherwise the dense test of the base class."""
@@ -223,13 +225,13 @@ class LinearConstraint(EqualityConstraint):
         batch_shape = torch.Size(batch_shape)
         new = object.__new__(LinearConstraint)
         A = self.A if self.A.dim() == 2 else self.A.expand(batch_shape + self.A.shape[-2:])
-        new._set(A, self.k.expand(batch_shape + self.k.shape[-1:]), batch_shape, self._factors)
+        new._set(A, self.k.expand(batch_shape + self.k.shape[-1:]), batch_shape, self._factors, self._source)
         new._validate_args = False
         return new
 
     def with_k(self, k: Tensor) -> LinearConstraint:
         new = LinearConstraint(self.A, k, validate_args=False)
-        new._factors = self._factors
+        new._factors, new._source = self._factors, self._source
         return new
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> LinearConstraint:

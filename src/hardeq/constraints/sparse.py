@@ -43,9 +43,9 @@ def _prepared(A: Tensor) -> list | None:
 def _remember(A: Tensor, value: list) -> None:
     key = id(A)
 
-    def _forget(ref: weakref.ref, key: int = key) -> None:
-        if key in _PREPARED and _PREPARED[key][0] is ref:
-            del _PREPARED[key]
+    def _forget(ref: weakref.ref, key: int = key, cache: dict = _PREPARED) -> None:  # cache: alive at exit
+        if key in cache and cache[key][0] is ref:
+            del cache[key]
 
     try:
         _PREPARED[key] = (weakref.ref(A, _forget), A._version, value)
