@@ -6,6 +6,9 @@ import torch
 import hardeq
 from hardeq.testing import ConstraintTestCase
 
+# torch's notice on building CSR tensors in this file (the library silences its own)
+pytestmark = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+
 
 def random_sparse(a, n, per_column, seed, dtype):
     """``a x n`` with ``per_column`` random rows per column (the pattern of a flow network's balances)."""

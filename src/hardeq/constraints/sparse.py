@@ -287,8 +287,9 @@ class SparseConstraint(EqualityConstraint):
             second = crow[column[first]] + (torch.arange(P, device=device) - start)
             a = self.num_constraints
             index = torch.stack([rows[first] * a + rows[second], column[first]])
-            M = torch.sparse_coo_tensor(index, vals[first] * vals[second], (a * a, self.event_size))
-            return _quiet(lambda: M.coalesce().to_sparse_csr())
+            shape = (a * a, self.event_size)
+            return _quiet(lambda: torch.sparse_coo_tensor(index, vals[first] * vals[second], shape,
+                                                          check_invariants=False).coalesce().to_sparse_csr())
         return self._cached("pairs", make)
 
     def diagonal_gram(self, variance: Tensor) -> Tensor | None:
