@@ -124,3 +124,19 @@ def test_same_A_tensor_is_prepared_once(monkeypatch):
     c2 = hardeq.SparseConstraint(A, torch.ones(4, dtype=torch.float64), validate_args=True)  # new k, same A
     assert c2.sparse_matrix is c1.sparse_matrix and not calls
     torch.testing.assert_close(c2.logdet_gram_identity(), c1.logdet_gram_identity())
+
+
+@pytest.mark.parametrize("layout", ["csr", "coo"])
+def test_the_per_A_cache_dies_with_A(layout):
+    import gc
+
+    from hardeq.constraints import sparse
+
+    dense = random_sparse(3, 9, 2, 4, torch.float64)
+    A = dense.to_sparse_csr() if layout == "csr" else dense.to_sparse()
+    c = hardeq.SparseConstraint(A, torch.zeros(3, dtype=torch.float64), validate_args=True)
+    key = id(A)
+    assert key in sparse._PREPARED
+    del A, c
+    gc.collect()
+    assert key not in sparse._PREPARED

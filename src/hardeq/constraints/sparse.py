@@ -123,7 +123,11 @@ class SparseConstraint(EqualityConstraint):
 
     Cost:
         :meth:`matvec`, :meth:`rmatvec`, :meth:`abs_matvec`: O(nnz) per vector. :meth:`gram` under a diagonal
-        covariance: one sparse-sparse product, O(sum_j c_j^2) for column counts ``c_j``, memory O(nnz + a^2).
+        covariance: one sparse-dense product with a cached ``(a^2, n)`` matrix of the ``P = sum_j c_j^2`` pairs of
+        nonzeros sharing a column (``c_j``: column counts), O(P) per batch element, memory about 16 P bytes
+        (above :data:`MAX_GRAM_PAIRS` pairs: a sparse-sparse product per batch element instead). The first
+        construction on an ``A`` tensor converts it to CSR and transposes it (O(nnz log nnz)); later ones with
+        the same, unchanged tensor reuse that work and the validation.
         :meth:`gram` under a full or low-rank covariance, :meth:`sqrt_gram_factor`, :meth:`cross_covariance`,
         :meth:`orthonormal_decomposition` and :meth:`same_row_space` with a non-sparse constraint densify
         ``A`` (``a x n``; the conditioner asks for them only in fallbacks or when small).
@@ -156,14 +160,15 @@ class SparseConstraint(EqualityConstraint):
         if a >= n:
             raise ValueError(f"A must have fewer rows than columns (a < n) so that A z = k leaves freedom, got "
                              f"A.shape = {tuple(A.shape)}.")
-        given = A
-        prepared = _prepared(given)
+        prepared = _prepared(A)
         if prepared is None:
             A_csr = _quiet(lambda: A.coalesce().to_sparse_csr()) if A.layout == torch.sparse_coo else A
-            # caches that depend on A only, shared by with_k / expand and by later constructions on `given`
-            prepared = [A_csr, _transpose_csr(A_csr), {}, False]
-            _remember(given, prepared)
-        self._A, self._At, self._shared = prepared[0], prepared[1], prepared[2]
+            # caches that depend on A only, shared by with_k / expand and by later constructions on the same A
+            # tensor (never A itself: the cache holds A weakly)
+            prepared = [None if A_csr is A else A_csr, _transpose_csr(A_csr), {}, False]
+            _remember(A, prepared)
+        self._A = A if prepared[0] is None else prepared[0]
+        self._At, self._shared = prepared[1], prepared[2]
         self.k = k
         self._validate_args = validate_default(validate_args)
         if self._validate_args:
