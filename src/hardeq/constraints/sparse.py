@@ -73,9 +73,10 @@ def _spmm(A: Tensor, z: Tensor) -> Tensor:
     r"""``A z`` for a CSR ``A`` ``(p, q)`` and ``z`` ``(*lead, q)``: the leading dims become the columns of one
     sparse-dense product; returns ``(*lead, p)``."""
     lead = z.shape[:-1]
-    cols = z.reshape(-1, z.shape[-1]).mT  # shape: (q, N)
+    cols = z.reshape(-1, z.shape[-1]).mT.contiguous()  # shape: (q, N), rows of N contiguous values
     out = _quiet(torch.matmul, A, cols)  # shape: (p, N)
-    return out.mT.reshape(lead + (A.shape[0],))
+    # one transposing copy here rather than strided access in every consumer of the result
+    return out.mT.contiguous().reshape(lead + (A.shape[0],))
 
 
 class _GramFactors:
