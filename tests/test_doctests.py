@@ -8,8 +8,10 @@ import torch
 
 import hardeq
 
-MODULES = ["hardeq.constraints", "hardeq.distributions.normal", "hardeq.baselines", "hardeq.baselines.projection",
-           "hardeq.baselines.elimination", "hardeq.baselines.completion", "hardeq.distributions.poisson", "hardeq.testing.exactness"]
+MODULES = ["hardeq.constraints.linear", "hardeq.constraints.sum", "hardeq.constraints.sparse",
+           "hardeq.distributions.normal", "hardeq.baselines", "hardeq.baselines.projection",
+           "hardeq.baselines.elimination", "hardeq.baselines.completion", "hardeq.distributions.poisson",
+           "hardeq.testing.exactness"]
 
 
 @pytest.mark.parametrize("name", MODULES)

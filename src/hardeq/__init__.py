@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from . import baselines, estimators
-from .constraints import EqualityConstraint, LinearConstraint, SumConstraint
+from .constraints import EqualityConstraint, LinearConstraint, SparseConstraint, SumConstraint
 from .distributions import ConstrainedNormal, ConstrainedPoisson
 from .errors import NotPSDError, NumericalWarning
 from .linalg.covariance import Covariance, DiagonalCovariance, FullCovariance, LowRankCovariance
@@ -19,6 +19,7 @@ __all__ = [
     "LowRankCovariance",
     "EqualityConstraint",
     "LinearConstraint",
+    "SparseConstraint",
     "SumConstraint",
     "NotPSDError",
     "NumericalWarning",

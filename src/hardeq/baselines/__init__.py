@@ -14,8 +14,8 @@ layer / function           what it does                                         
 API. The layers are ``nn.Module``\ s built from the constraint matrix ``A`` (``(*batch, a, n)``, checked
 once: full row rank, ``a < n``; stored with the precomputed factors as buffers, so ``.to()`` / ``.double()``
 move them) and called with the right-hand side per call, ``layer(y, k)``; ``k`` (``(*batch, a)``) may differ
-per sample, e.g. ``k = b - B x`` for inputs ``x``. ``Layer.from_constraint(c)`` builds one from a
-:class:`~hardeq.LinearConstraint` or :class:`~hardeq.SumConstraint` and keeps ``c.k`` as the default
+per sample, e.g. ``k = b - B x`` for inputs ``x``. ``Layer.from_constraint(c)`` builds one from any
+constraint object (its matrix materialised with ``c.dense_rows()``) and keeps ``c.k`` as the default
 ``k`` (``layer(y)``). Each call checks ``y`` and ``k`` (dtype, device, last dimension) and names the bad
 argument. The functional forms :func:`kkt_projection`, :func:`constraint_layer` and :func:`penalty_loss`
 take a constraint object instead.

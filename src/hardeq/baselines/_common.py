@@ -99,7 +99,8 @@ def check_broadcast(owner: str, **shapes: torch.Size) -> torch.Size:
 def check_constraint(constraint: object, owner: str) -> EqualityConstraint:
     if not isinstance(constraint, EqualityConstraint):
         raise TypeError(
-            f"{owner}: constraint must be a hardeq constraint (LinearConstraint or SumConstraint), got "
+            f"{owner}: constraint must be a hardeq constraint (an EqualityConstraint such as LinearConstraint, "
+            f"SumConstraint or SparseConstraint), got "
             f"{type(constraint).__name__}."
         )
     return constraint
@@ -157,14 +158,15 @@ class _AffineLayer(nn.Module):
 
     @classmethod
     def from_constraint(cls, constraint: EqualityConstraint, **kwargs):
-        r"""Build the layer from a :class:`~hardeq.LinearConstraint` or :class:`~hardeq.SumConstraint`.
+        r"""Build the layer from any :class:`~hardeq.constraints.EqualityConstraint`.
 
-        ``A`` is taken from ``constraint.dense_matrix()`` and ``constraint.k`` becomes the default
+        The layer operates on the matrix by definition, so ``A`` is materialised with
+        ``constraint.dense_rows()`` (``a x n``) and ``constraint.k`` becomes the default
         right-hand side, used when ``forward`` is called without ``constraint_value``. Keyword arguments are
         passed to the constructor.
         """
         constraint = check_constraint(constraint, cls.__name__)
-        return cls(constraint.dense_matrix(), constraint.k, **kwargs)
+        return cls(constraint.dense_rows(), constraint.k, **kwargs)
 
     @property
     def num_constraints(self) -> int:

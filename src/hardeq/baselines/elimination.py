@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..constraints import EqualityConstraint, SumConstraint
+from ..constraints import EqualityConstraint
 from ._common import (
     _AffineLayer,
     check_constraint,
@@ -93,9 +93,10 @@ def constraint_layer(y: Tensor, constraint: EqualityConstraint, order: Sequence[
                      ) -> Tensor:
     r"""Functional form of :class:`ConstraintLayer`; differentiable w.r.t. ``y`` and ``k`` (and a dense ``A``).
 
-    A :class:`~hardeq.SumConstraint` takes an O(n) path: in each group the highest-ranked member becomes
-    the group total minus the other members. A :class:`~hardeq.LinearConstraint` is eliminated on every
-    call (O(a^2 n)); build a :class:`ConstraintLayer` once when ``A`` is fixed.
+    A grouped-sum constraint (one with a ``group_index``, e.g. :class:`~hardeq.SumConstraint`) takes an O(n)
+    path: in each group the highest-ranked member becomes the group total minus the other members. Any other
+    constraint is materialised (``dense_rows()``, ``a x n``) and eliminated on every call (O(a^2 n)); build a
+    :class:`ConstraintLayer` once when ``A`` is fixed.
 
     Args:
         y (Tensor): ``(*sample, *batch, n)``, e.g. a reparameterised unconstrained Gaussian sample.
@@ -109,9 +110,9 @@ def constraint_layer(y: Tensor, constraint: EqualityConstraint, order: Sequence[
     y = check_y_against_constraint(y, constraint, "constraint_layer")
     n = constraint.event_size
     order_t = check_order(order, n, "constraint_layer")
-    if isinstance(constraint, SumConstraint):
+    if constraint.group_index is not None:
         return _sum_constraint_layer(y, constraint, order_t)
-    A = constraint.dense_matrix()
+    A = constraint.dense_rows()  # Gaussian elimination chooses pivots from the entries of A
     dependent = greedy_pivots(A, _scan_order(order_t, n), shared=False, owner="constraint_layer")
     E, R0 = dependent_operator(A, dependent)
     return fill_dependent(y, constraint.k, E, R0, dependent)
@@ -122,9 +123,9 @@ def _scan_order(order: Tensor | None, n: int) -> Tensor:
     return torch.arange(n - 1, -1, -1) if order is None else order.flip(0)
 
 
-def _sum_constraint_layer(y: Tensor, constraint: SumConstraint, order: Tensor | None) -> Tensor:
+def _sum_constraint_layer(y: Tensor, constraint: EqualityConstraint, order: Tensor | None) -> Tensor:
     """O(n) CL for grouped sums: the highest-ranked member of each group is total minus the others."""
-    index = constraint.index
+    index = constraint.group_index
     n, a = constraint.event_size, constraint.num_constraints
     rank = torch.arange(n, device=index.device)
     if order is not None:

@@ -14,8 +14,7 @@ import torch
 from torch import Tensor
 
 from .._utils import batch_mv
-from ..constraints import EqualityConstraint, SumConstraint
-from ..linalg.cholesky import psd_cholesky
+from ..constraints import EqualityConstraint
 from ..linalg.triangular import tri_solve_vec
 from ._common import _AffineLayer, check_constraint, check_y_against_constraint
 
@@ -74,9 +73,11 @@ class KKTProjection(_AffineLayer):
 def kkt_projection(y: Tensor, constraint: EqualityConstraint) -> Tensor:
     r"""Functional form of :class:`KKTProjection`: :math:`y - A^\top (A A^\top)^{-1}(A y - k)`.
 
-    A :class:`~hardeq.SumConstraint` costs O(n) (:math:`AA^\top` is the diagonal of group sizes, applied
-    with scatter/gather); a dense constraint costs a Cholesky of :math:`AA^\top` per call (build a
-    :class:`KKTProjection` once when ``A`` is fixed). Differentiable w.r.t. ``y``, ``k`` and a dense ``A``.
+    The constraint projects itself (:meth:`~hardeq.constraints.EqualityConstraint.project`): O(n) for a
+    :class:`~hardeq.SumConstraint`, O(nnz + a^2) for a :class:`~hardeq.SparseConstraint` (cached Cholesky of
+    :math:`AA^\top`),
+    O(n a) for a :class:`~hardeq.LinearConstraint` after one float64 QR of its ``A`` (cached on the constraint).
+    Differentiable w.r.t. ``y``, ``k`` and a dense ``A`` that requires grad.
 
     Args:
         y (Tensor): ``(*sample, *batch, n)``.
@@ -87,12 +88,5 @@ def kkt_projection(y: Tensor, constraint: EqualityConstraint) -> Tensor:
     """
     constraint = check_constraint(constraint, "kkt_projection")
     y = check_y_against_constraint(y, constraint, "kkt_projection")
-    r = constraint.residual(y)  # (*, a)
-    if isinstance(constraint, SumConstraint):
-        sizes = constraint.matvec(torch.ones(constraint.event_size, dtype=y.dtype, device=y.device))
-        return y - constraint.rmatvec(r / sizes)
-    A = constraint.dense_matrix()
-    C = psd_cholesky(A @ A.mT, name="A A^T")  # (*batch, a, a)
-    u = tri_solve_vec(C.mT, tri_solve_vec(C, r, upper=False), upper=True)  # (A A^T)^{-1} r
-    return y - constraint.rmatvec(u)
+    return constraint.project(y)
 

@@ -19,28 +19,10 @@ import torch
 from torch import Tensor
 from torch.distributions import register_kl
 
-from ..constraints import EqualityConstraint, LinearConstraint, SumConstraint
 from ..linalg.covariance import trace_inv_mul
 from .normal import ConstrainedNormal
 
 __all__ = ["kl_constrained_normal"]
-
-
-def _same_directions(p: EqualityConstraint, q: EqualityConstraint) -> bool:
-    """Do ``p`` and ``q`` constrain the same directions (equal row spaces of ``A``)?"""
-    if p is q:
-        return True
-    if p.num_constraints != q.num_constraints or p.event_size != q.event_size:
-        return False
-    if isinstance(p, SumConstraint) and isinstance(q, SumConstraint):
-        return bool(torch.equal(p.index, q.index))
-    Ap, Aq = p.dense_matrix(), q.dense_matrix()
-    if isinstance(p, LinearConstraint) and isinstance(q, LinearConstraint) and Ap.shape == Aq.shape \
-            and bool(torch.equal(Ap, Aq)):
-        return True
-    Ap, Aq = torch.broadcast_tensors(Ap, Aq)
-    rank = torch.linalg.matrix_rank(torch.cat([Ap, Aq], dim=-2))
-    return bool((rank == p.num_constraints).all())
 
 
 @register_kl(ConstrainedNormal, ConstrainedNormal)
@@ -50,7 +32,7 @@ def kl_constrained_normal(q: ConstrainedNormal, p: ConstrainedNormal) -> Tensor:
         raise ValueError(f"event shapes differ: {tuple(q.event_shape)} vs {tuple(p.event_shape)}.")
     batch_shape = torch.broadcast_shapes(q.batch_shape, p.batch_shape)
     mean_q = q.mean
-    if not _same_directions(p.constraint, q.constraint):
+    if not p.constraint.same_row_space(q.constraint):
         return torch.full(batch_shape, float("inf"), dtype=mean_q.dtype, device=mean_q.device)
     same_plane = p.constraint.check(mean_q)  # does q's subspace coincide with p's?
     cq, cp = q.conditioner, p.conditioner

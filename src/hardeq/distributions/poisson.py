@@ -9,7 +9,7 @@ from torch import Tensor
 from torch.distributions import Binomial, Distribution, constraints
 
 from .._utils import check_finite, check_group_index
-from ..constraints import SumConstraint
+from ..constraints import EqualityConstraint, SumConstraint
 from ..estimators import poisson as _poisson_estimators  # noqa: F401  (registers the estimators)
 from ..ops import gather, group_probs, group_sum
 from ..estimators.registry import get_estimator
@@ -75,8 +75,9 @@ class ConstrainedPoisson(Distribution):
             dims broadcast with ``rate``'s.
         index (LongTensor, optional): group id of every coordinate, shape ``(n,)``, values in ``[0, a)``,
             every group non-empty (PyG's ``batch`` vector).
-        constraint (SumConstraint, optional): the primary form, instead of ``total`` and ``index``: the
-            group ids and totals of a :class:`~hardeq.SumConstraint` (its ``k``).
+        constraint (EqualityConstraint, optional): the primary form, instead of ``total`` and ``index``: a
+            grouped-sum constraint such as :class:`~hardeq.SumConstraint`, whose ``group_index`` gives the groups
+            and ``k`` the totals. Any other constraint is a ``TypeError``.
         validate_args (bool, optional): value checks (``rate`` positive and finite, ``total`` a non-negative
             integer, ``log_prob`` arguments non-negative integers), as in ``torch.distributions``; defaults to
             torch's global setting. Types, shapes and ``index`` are always checked.
@@ -104,16 +105,18 @@ class ConstrainedPoisson(Distribution):
         total: Tensor | int | None = None,
         *,
         index: Tensor | None = None,
-        constraint: SumConstraint | None = None,
+        constraint: EqualityConstraint | None = None,
         validate_args: bool | None = None,
     ) -> None:
         if constraint is not None:
             if total is not None or index is not None:
                 raise ValueError("pass constraint= alone, or the shortcut (total, index=), not both.")
-            if not isinstance(constraint, SumConstraint):
-                raise TypeError("constraint must be a hardeq.SumConstraint (Poissons are conditioned on group sums), "
-                                f"got {type(constraint).__name__}.")
-            total, index = constraint.k, constraint.index
+            index = constraint.group_index if isinstance(constraint, EqualityConstraint) else None
+            if index is None:
+                raise TypeError("constraint must be a grouped-sum constraint such as hardeq.SumConstraint (Poissons "
+                                "are conditioned on group sums; its group_index is the group of each coordinate), "
+                                f"got {constraint!r}.")
+            total = constraint.k
         elif total is None:
             raise ValueError("total (with optional index=) or constraint= must be given.")
         if not isinstance(rate, Tensor):

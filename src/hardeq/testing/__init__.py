@@ -5,15 +5,18 @@
   ``assert_exact_per_row``).
 * :mod:`hardeq.testing.covariance_case`: ``CovarianceTestCase``, the conformance suite of a covariance structure
   (imported on first use: it needs pytest).
+* :mod:`hardeq.testing.constraint_case`: :class:`ConstraintTestCase`, the conformance suite of a constraint class.
 """
 
 from __future__ import annotations
 
+from .constraint_case import ConstraintTestCase
 from .exactness import assert_exact_per_row, exactness_tolerance, row_residual_ratio
 from .oracles import FAILURE_RATE, DenseConditional, dense_conditional, mc_atol, random_spd
 
 __all__ = ["DenseConditional", "dense_conditional", "mc_atol", "FAILURE_RATE", "random_spd",
-           "row_residual_ratio", "assert_exact_per_row", "exactness_tolerance", "CovarianceTestCase"]
+           "row_residual_ratio", "assert_exact_per_row", "exactness_tolerance", "CovarianceTestCase",
+           "ConstraintTestCase"]
 
 
 def __getattr__(name: str):

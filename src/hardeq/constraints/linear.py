@@ -1,0 +1,245 @@
+r""":class:`LinearConstraint`: a dense, possibly batched ``A`` of shape ``(*batch, a, n)``.
+
+What depends on ``A`` alone (the rank verdict, :math:`\log\det(AA^\top)`, the orthonormal row basis) is
+computed once, lazily, from one float64 QR of the row-normalised :math:`A^\top`
+(:class:`~hardeq.constraints.base.RowSpaceFactors`) and shared by :meth:`~LinearConstraint.with_k`,
+:meth:`~LinearConstraint.expand` and every later ``LinearConstraint(A, k)`` built on the same ``A`` tensor
+(keyed by the tensor's identity and version counter, so an in-place change of ``A`` invalidates it). The
+per-step pattern ``LinearConstraint(A, k_step)`` therefore validates ``A`` once, not every step.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import Tensor
+
+from .._utils import batch_mv, check_finite, check_same_dtype_device, check_tensor, validate_default
+from .base import (
+    EqualityConstraint,
+    RowSpaceFactors,
+    particular_dense,
+    project_dense,
+    same_row_space_dense,
+)
+
+__all__ = ["LinearConstraint"]
+
+# id(A) -> (weak reference to A, A._version, factors, validated). An entry dies with its tensor.
+_FACTORS: dict[int, tuple[weakref.ref, int, RowSpaceFactors, bool]] = {}
+
+
+def _lookup(A: Tensor) -> tuple[RowSpaceFactors, bool] | None:
+    entry = _FACTORS.get(id(A))
+    try:
+        if entry is not None and entry[0]() is A and entry[1] == A._version:
+            return entry[2], entry[3]
+    except RuntimeError:  # inference tensors have no version counter
+        pass
+    return None
+
+
+def _remember(A: Tensor, factors: RowSpaceFactors, validated: bool) -> None:
+    key = id(A)
+
+    def _forget(ref: weakref.ref, key: int = key, cache: dict = _FACTORS) -> None:  # cache: alive at exit
+        if key in cache and cache[key][0] is ref:
+            del cache[key]
+
+    try:
+        _FACTORS[key] = (weakref.ref(A, _forget), A._version, factors, validated)
+    except (TypeError, RuntimeError):  # no weak reference or no version counter (inference / functional tensors)
+        pass
+
+
+class LinearConstraint(EqualityConstraint):
+    r"""Dense linear equality constraint :math:`A z = k`.
+
+    Args:
+        A (Tensor): constraint matrix, shape ``(*batch, a, n)`` with full row rank ``a < n``.
+        k (Tensor): right-hand side, shape ``(*batch, a)``; batch dims of ``A`` and ``k`` broadcast (a shared
+            ``A`` with one ``k = b - B x`` per input is the common case).
+        validate_args (bool, optional): check finiteness and the rank of ``A`` (float64 QR of the row-normalised
+            :math:`A^\top`, O(a^2 n), done once per ``A`` tensor and remembered while it lives unchanged) and
+            finiteness of ``k``; defaults to torch.distributions' global setting. Shapes, dtypes and devices are
+            always checked.
+
+    Raises:
+        ValueError: ``A`` has non-finite entries or is rank-deficient (some normalised row lies within
+            ``max(a, n) eps`` of the span of the others; the verdict does not depend on row scaling), or
+            shapes do not match.
+
+    Example:
+        >>> c = LinearConstraint(torch.ones(1, 3), torch.tensor([1.0]))
+        >>> c.num_constraints, c.event_size, c.batch_shape
+        (1, 3, torch.Size([]))
+        >>> bool(c.check(c.project(torch.zeros(3))))
+        True
+    """
+
+    def __init__(self, A: Tensor, k: Tensor, *, validate_args: bool | None = None) -> None:
+        check_tensor("A", A, min_dim=2)
+        if A.layout != torch.strided:
+            raise TypeError(f"A must be a dense (strided) tensor, got layout {A.layout}; use hardeq.SparseConstraint.")
+        if isinstance(k, (int, float)):
+            k = torch.full(A.shape[-2:-1], float(k), dtype=A.dtype, device=A.device)
+        check_tensor("k", k, min_dim=1)
+        check_same_dtype_device(A=A, k=k)
+        a, n = A.shape[-2:]
+        if k.shape[-1] != a:
+            raise ValueError(
+                f"k must have shape (..., a) with a = A.shape[-2] = {a}, got k.shape = {tuple(k.shape)} "
+                f"for A.shape = {tuple(A.shape)}."
+            )
+        if a >= n:
+            raise ValueError(
+                f"A must have fewer rows than columns (a < n) so that A z = k leaves freedom, got "
+                f"A.shape = {tuple(A.shape)}."
+            )
+        try:
+            batch_shape = torch.broadcast_shapes(A.shape[:-2], k.shape[:-1])
+        except RuntimeError:
+            raise ValueError(
+                f"batch dimensions of A {tuple(A.shape[:-2])} and k {tuple(k.shape[:-1])} do not broadcast."
+            ) from None
+        self._set(A, k, batch_shape, None)
+        self._validate_args = validate_default(validate_args)
+        if self._validate_args:
+            check_finite("k", k)
+            self._validate_A()
+
+    def _set(self, A: Tensor, k: Tensor, batch_shape: torch.Size, factors: RowSpaceFactors | None,
+             source: Tensor | None = None) -> None:
+        self.A = A
+        self.k = k
+        self._source = A if source is None else source  # the unexpanded A: the factors are computed from it
+        self._batch_shape = batch_shape
+        self._factors = factors
+        self._abs_A: Tensor | None = None
+
+    def _validate_A(self) -> None:
+        hit = _lookup(self._source)
+        if hit is not None and hit[1]:
+            self._factors = hit[0]
+            return
+        check_finite("A", self.A)
+        factors = self._row_space()
+        if not factors.full_rank(self.A.dtype):
+            a, n = self.A.shape[-2:]
+            raise ValueError(
+                f"A must have full row rank {a} (a = A.shape[-2]), but some row of A (shape {tuple(self.A.shape)}) "
+                "lies within "
+                f"{factors.min_pivot:.2e} of the span of the other rows after normalising each row to unit length "
+                f"(expected more than max(a, n) eps = {max(a, n) * torch.finfo(self.A.dtype).eps:.2e}); "
+                "remove linearly dependent rows."
+            )
+        _remember(self._source, factors, validated=True)
+
+    def _row_space(self) -> RowSpaceFactors:
+        """The cached float64 QR of the row-normalised ``A^T`` (computed on first use, shared per ``A`` tensor)."""
+        if self._factors is None:
+            hit = _lookup(self._source)
+            if hit is not None:
+                self._factors = hit[0]
+            else:
+                self._factors = RowSpaceFactors(self._source)
+                _remember(self._source, self._factors, validated=False)
+        return self._factors
+
+    def _cached_factors(self) -> RowSpaceFactors | None:
+        """The cached factors, or ``None`` when a gradient w.r.t. ``A`` is wanted (then recompute with graph)."""
+        if self.A.requires_grad and torch.is_grad_enabled():
+            return None
+        return self._row_space()
+
+    @property
+    def num_constraints(self) -> int:
+        return self.A.shape[-2]
+
+    @property
+    def event_size(self) -> int:
+        return self.A.shape[-1]
+
+    @property
+    def batch_shape(self) -> torch.Size:
+        return self._batch_shape
+
+    def matvec(self, z: Tensor) -> Tensor:
+        return batch_mv(self.A, z)
+
+    def rmatvec(self, u: Tensor) -> Tensor:
+        return batch_mv(self.A.mT, u)
+
+    def matmul(self, X: Tensor) -> Tensor:
+        return self.A @ X
+
+    def dense_matrix(self) -> Tensor:
+        return self.A
+
+    def logdet_gram_identity(self) -> Tensor:
+        r""":math:`\log\det(AA^\top) = 2\sum_i\log d_i + 2\sum_j\log|R_{jj}|` from the cached float64 QR of the
+        row-normalised :math:`A^\top` (see :class:`~hardeq.constraints.base.RowSpaceFactors`), cast to ``dtype``;
+        shape ``A.shape[:-2]``. Differentiable w.r.t. ``A`` (then recomputed per call)."""
+        factors = self._cached_factors()
+        if factors is None:
+            A64 = self.A.to(torch.float64)
+            d = torch.linalg.vector_norm(A64, dim=-1)
+            R = torch.linalg.qr((A64 / d.unsqueeze(-1)).mT, mode="reduced")[1]  # "r" has no derivative
+            logdet = 2 * (d.log().sum(-1) + R.diagonal(dim1=-2, dim2=-1).abs().log().sum(-1))
+            return logdet.to(self.A.dtype)
+        return factors.logdet.to(self.A.dtype).expand(self.A.shape[:-2])
+
+    @property
+    def storage_numel(self) -> int:
+        return self._source.numel()
+
+    def abs_matvec(self, z_abs: Tensor) -> Tensor:
+        if self.A.requires_grad:
+            return batch_mv(self.A.abs(), z_abs)
+        if self._abs_A is None:
+            self._abs_A = self.A.abs()
+        return batch_mv(self._abs_A, z_abs)
+
+    def particular_solution(self) -> Tensor:
+        r"""Minimum-norm solution :math:`QR^{-\top}D^{-1}k`, ``(*batch, n)``, from the cached float64 QR (O(n a)
+        per call after the first)."""
+        out = particular_dense(self._source, self.k, self._cached_factors())
+        return out.expand(self.batch_shape + out.shape[-1:])
+
+    def project(self, z: Tensor) -> Tensor:
+        r""":math:`z - Q(Q^\top z - R^{-\top}D^{-1}k)` from the cached float64 QR: O(n a) per vector."""
+        return project_dense(self._source, self.k, z, self._cached_factors())
+
+    def same_row_space(self, other: EqualityConstraint) -> bool:
+        """``True`` at once for the same ``A`` tensor (or an equal one); otherwise the dense test of the base class."""
+        if isinstance(other, EqualityConstraint) and other.num_constraints == self.num_constraints \
+                and other.event_size == self.event_size:
+            B = other.dense_matrix()
+            if B is self.A or (B.shape == self.A.shape and bool(torch.equal(B, self.A))):
+                return True
+            return same_row_space_dense(self.A, B, self.dtype)
+        return super().same_row_space(other)
+
+    def expand(self, batch_shape: torch.Size) -> LinearConstraint:
+        batch_shape = torch.Size(batch_shape)
+        new = object.__new__(LinearConstraint)
+        A = self.A if self.A.dim() == 2 else self.A.expand(batch_shape + self.A.shape[-2:])
+        new._set(A, self.k.expand(batch_shape + self.k.shape[-1:]), batch_shape, self._factors, self._source)
+        new._validate_args = False
+        return new
+
+    def with_k(self, k: Tensor) -> LinearConstraint:
+        new = LinearConstraint(self.A, k, validate_args=False)
+        new._factors, new._source = self._factors, self._source
+        return new
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> LinearConstraint:
+        A, k = self.A.to(device=device, dtype=dtype), self.k.to(device=device, dtype=dtype)
+        if A is self.A and k is self.k:
+            return self
+        return LinearConstraint(A, k, validate_args=False)
+
+    def __repr__(self) -> str:
+        return (f"LinearConstraint(a={self.num_constraints}, n={self.event_size}, "
+                f"batch_shape={tuple(self.batch_shape)})")

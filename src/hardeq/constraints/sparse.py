@@ -1,0 +1,366 @@
+r""":class:`SparseConstraint`: a shared sparse ``A`` (CSR or COO, ``(a, n)``) with ``nnz`` stored entries.
+
+Mass balances over a flow network, conservation laws on a mesh, sums over overlapping regions: rows with few
+nonzeros over a large ``n``. Products with :math:`A`, :math:`A^\top` and :math:`|A|` cost O(nnz) per vector
+(the vectors of a sample or batch become the columns of one sparse-dense product), and the Gram matrix under a
+diagonal covariance, :math:`A\,\mathrm{diag}(v)A^\top`, is one sparse-sparse product (O(sum over columns of
+the squared column counts)), returned dense ``(a, a)``. Nothing ``n x n`` or dense ``a x n`` is formed on
+those paths.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import weakref
+
+import torch
+from torch import Tensor
+
+from .._utils import check_finite, check_same_dtype_device, check_tensor, validate_default
+from .base import EqualityConstraint
+
+__all__ = ["SparseConstraint"]
+
+#: largest number of column pairs sum_j c_j^2 for which the diagonal-covariance Gram uses the cached pair matrix
+MAX_GRAM_PAIRS = 64_000_000
+
+# id(A given by the user) -> (weak reference, A._version, [A_csr, At_csr, shared caches, validated]); an entry
+# dies with its tensor, so the per-step pattern SparseConstraint(A, k_step) converts and validates A once
+_PREPARED: dict[int, tuple] = {}
+
+
+def _prepared(A: Tensor) -> list | None:
+    entry = _PREPARED.get(id(A))
+    try:
+        if entry is not None and entry[0]() is A and entry[1] == A._version:
+            return entry[2]
+    except RuntimeError:  # no version counter (inference tensors)
+        pass
+    return None
+
+
+def _remember(A: Tensor, value: list) -> None:
+    key = id(A)
+
+    def _forget(ref: weakref.ref, key: int = key, cache: dict = _PREPARED) -> None:  # cache: alive at exit
+        if key in cache and cache[key][0] is ref:
+            del cache[key]
+
+    try:
+        _PREPARED[key] = (weakref.ref(A, _forget), A._version, value)
+    except (TypeError, RuntimeError):
+        pass
+
+
+def _quiet(fn, *args):
+    """Call ``fn`` without torch's one-time "sparse CSR support is in beta" notice."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
+        return fn(*args)
+
+
+def _csr(crow: Tensor, col: Tensor, values: Tensor, shape: tuple[int, int]) -> Tensor:
+    return _quiet(lambda: torch.sparse_csr_tensor(crow, col, values, shape, check_invariants=False))
+
+
+def _transpose_csr(A: Tensor) -> Tensor:
+    """``A^T`` as CSR (via a coalesced COO transpose), O(nnz log nnz) once."""
+    return _quiet(lambda: A.to_sparse_coo().t().coalesce().to_sparse_csr())
+
+
+def _spmm(A: Tensor, z: Tensor) -> Tensor:
+    r"""``A z`` for a CSR ``A`` ``(p, q)`` and ``z`` ``(*lead, q)``: the leading dims become the columns of one
+    sparse-dense product; returns ``(*lead, p)``."""
+    lead = z.shape[:-1]
+    cols = z.reshape(-1, z.shape[-1]).mT.contiguous()  # shape: (q, N), rows of N contiguous values
+    out = _quiet(torch.matmul, A, cols)  # shape: (p, N)
+    # one transposing copy here rather than strided access in every consumer of the result
+    return out.mT.contiguous().reshape(lead + (A.shape[0],))
+
+
+class _GramFactors:
+    r"""Float64 Cholesky of the row-equilibrated Gram matrix :math:`\hat G = D^{-1}AA^\top D^{-1} = LL^\top`
+    (``D``: row norms), for :math:`\log\det(AA^\top) = 2\sum\log d_i + 2\sum\log L_{jj}`, the rank verdict and
+    :math:`(AA^\top)^{-1} = D^{-1}\hat G^{-1}D^{-1}`.
+
+    :math:`L_{jj}` is the distance of normalised row ``j`` from the span of the rows before it (as the
+    :math:`R_{jj}` of a QR), but forming :math:`\hat G` squares :math:`\mathrm{cond}` of the *equilibrated*
+    matrix, so pivots below about :math:`\sqrt{a\,\varepsilon_{64}}` are not resolved; the rank tolerance is
+    therefore :math:`\max(\max(a, r)\,\varepsilon, 10\sqrt{a\,\varepsilon_{64}})` with ``r`` the longest row.
+    """
+
+    def __init__(self, A64: Tensor, At64: Tensor, dtype: torch.dtype) -> None:
+        a = A64.shape[0]
+        G = _quiet(torch.matmul, A64, At64).to_dense()  # shape: (a, a), float64
+        d = G.diagonal().clamp_min(0).sqrt()
+        safe = torch.where(d > 0, d, 1.0)
+        L, info = torch.linalg.cholesky_ex(G / safe.unsqueeze(-1) / safe.unsqueeze(-2))
+        pivots = L.diagonal()
+        ok = int(info) == 0 and bool((d > 0).all())
+        self.row_norms, self.L = safe, L
+        self.min_pivot = float(pivots.min()) if ok else 0.0
+        self.logdet = 2 * (d.log().sum() + pivots.log().sum()) if ok else torch.tensor(-math.inf, dtype=torch.float64)
+        row_nnz = int((A64.crow_indices()[1:] - A64.crow_indices()[:-1]).max()) if A64._nnz() else 0
+        self.tol = max(max(a, row_nnz) * torch.finfo(dtype).eps, 10 * math.sqrt(a * torch.finfo(torch.float64).eps))
+
+    def solve(self, r: Tensor) -> Tensor:
+        r""":math:`(AA^\top)^{-1} r` for ``r`` ``(*, a)`` in float64."""
+        y = torch.cholesky_solve((r / self.row_norms).unsqueeze(-1), self.L).squeeze(-1)
+        return y / self.row_norms
+
+
+class SparseConstraint(EqualityConstraint):
+    r"""Sparse linear equality constraint :math:`A z = k` with one ``A`` shared by every batch element.
+
+    Args:
+        A (Tensor): ``torch.sparse_csr`` or sparse COO tensor of shape ``(a, n)``, ``a < n``, full row rank,
+            float32 or float64. Stored as CSR (with a CSR copy of :math:`A^\top` for :meth:`rmatvec`).
+        k (Tensor): right-hand side, ``(*batch, a)``, same dtype and device as ``A``.
+        validate_args (bool, optional): check finiteness of ``A`` and ``k`` and the rank of ``A`` (a float64
+            Cholesky of the row-equilibrated sparse Gram matrix :math:`AA^\top`, ``a x a``, cached and shared with
+            :meth:`logdet_gram_identity`); defaults to torch.distributions' global setting. Types, shapes, dtypes
+            and devices are always checked.
+
+    Cost:
+        :meth:`matvec`, :meth:`rmatvec`, :meth:`abs_matvec`: O(nnz) per vector. :meth:`gram` under a diagonal
+        covariance: one sparse-dense product with a cached ``(a^2, n)`` matrix of the ``P = sum_j c_j^2`` pairs of
+        nonzeros sharing a column (``c_j``: column counts), O(P) per batch element, memory about 16 P bytes
+        (above :data:`MAX_GRAM_PAIRS` pairs: a sparse-sparse product per batch element instead). The first
+        construction on an ``A`` tensor converts it to CSR and transposes it (O(nnz log nnz)); later ones with
+        the same, unchanged tensor reuse that work and the validation.
+        :meth:`gram` under a full or low-rank covariance, :meth:`sqrt_gram_factor`, :meth:`cross_covariance`,
+        :meth:`orthonormal_decomposition` and :meth:`same_row_space` with a non-sparse constraint densify
+        ``A`` (``a x n``; the conditioner asks for them only in fallbacks or when small).
+
+    Example:
+        >>> A = torch.tensor([[1.0, -1.0, 0.0, 0.0], [0.0, 1.0, -1.0, 1.0]]).to_sparse_csr()
+        >>> c = SparseConstraint(A, torch.tensor([0.0, 2.0]))
+        >>> c.matvec(torch.ones(4))
+        tensor([0., 1.])
+        >>> bool(c.check(c.particular_solution()))
+        True
+    """
+
+    def __init__(self, A: Tensor, k: Tensor, *, validate_args: bool | None = None) -> None:
+        if not isinstance(A, Tensor):
+            raise TypeError(f"A must be a sparse torch.Tensor (CSR or COO), got {type(A).__name__}.")
+        if A.layout not in (torch.sparse_csr, torch.sparse_coo):
+            raise TypeError(f"A must be a torch.sparse_csr or sparse COO tensor, got layout {A.layout}; "
+                            "use hardeq.LinearConstraint for a dense A.")
+        if not A.is_floating_point():
+            raise TypeError(f"A must be a floating-point tensor (float32 or float64), got dtype {A.dtype}.")
+        if A.dim() != 2:
+            raise ValueError(f"A must have shape (a, n) (one A shared by the batch), got A.shape = {tuple(A.shape)}.")
+        check_tensor("k", k, min_dim=1)
+        check_same_dtype_device(A=A, k=k)
+        a, n = A.shape
+        if k.shape[-1] != a:
+            raise ValueError(f"k must have shape (*batch, a) with a = A.shape[0] = {a}, "
+                             f"got k.shape = {tuple(k.shape)}.")
+        if a >= n:
+            raise ValueError(f"A must have fewer rows than columns (a < n) so that A z = k leaves freedom, got "
+                             f"A.shape = {tuple(A.shape)}.")
+        prepared = _prepared(A)
+        if prepared is None:
+            A_csr = _quiet(lambda: A.coalesce().to_sparse_csr()) if A.layout == torch.sparse_coo else A
+            # caches that depend on A only, shared by with_k / expand and by later constructions on the same A
+            # tensor (never A itself: the cache holds A weakly)
+            prepared = [None if A_csr is A else A_csr, _transpose_csr(A_csr), {}, False]
+            _remember(A, prepared)
+        self._A = A if prepared[0] is None else prepared[0]
+        self._At, self._shared = prepared[1], prepared[2]
+        self.k = k
+        self._validate_args = validate_default(validate_args)
+        if self._validate_args:
+            check_finite("k", k)
+            if not prepared[3]:
+                self._validate_A()
+                prepared[3] = True
+
+    def _validate_A(self) -> None:
+        A = self._A
+        check_finite("A", A.values())
+        factors = self._gram_factors()
+        if factors.min_pivot <= factors.tol:
+            raise ValueError(
+                f"A must have full row rank {A.shape[0]} (a = A.shape[0]), but after normalising each row of A "
+                f"(shape {tuple(A.shape)}, nnz {A._nnz()}) to unit length some row lies within "
+                f"{factors.min_pivot:.2e} of the span of the rows before it (expected more than {factors.tol:.2e}); "
+                "remove linearly dependent rows (e.g. one node balance of a closed flow network)."
+            )
+
+    # ------------------------------------------------------------------ shape
+    @property
+    def num_constraints(self) -> int:
+        return self._A.shape[0]
+
+    @property
+    def event_size(self) -> int:
+        return self._A.shape[1]
+
+    @property
+    def batch_shape(self) -> torch.Size:
+        return self.k.shape[:-1]
+
+    @property
+    def storage_numel(self) -> int:
+        """``nnz``: the stored entries of ``A``."""
+        return self._A._nnz()
+
+    @property
+    def sparse_matrix(self) -> Tensor:
+        """``A`` as the CSR tensor ``(a, n)`` stored by this constraint (no copy)."""
+        return self._A
+
+    # ------------------------------------------------------------------ caches on A
+    def _cached(self, name: str, make):
+        if name not in self._shared:
+            self._shared[name] = make()
+        return self._shared[name]
+
+    def _abs(self) -> Tensor:
+        A = self._A
+        return self._cached("abs", lambda: _csr(A.crow_indices(), A.col_indices(), A.values().abs(), A.shape))
+
+    def _float64(self) -> tuple[Tensor, Tensor]:
+        def make():
+            if self._A.dtype == torch.float64:
+                return self._A.detach(), self._At.detach()
+            return _quiet(lambda: (self._A.detach().to(torch.float64), self._At.detach().to(torch.float64)))
+        return self._cached("float64", make)
+
+    def _gram_factors(self) -> _GramFactors:
+        return self._cached("gram", lambda: _GramFactors(*self._float64(), self._A.dtype))
+
+    def _column_counts(self) -> Tensor:
+        return self._cached("column_counts", lambda: torch.bincount(self._A.col_indices(), minlength=self.event_size))
+
+    # ------------------------------------------------------------------ products
+    def matvec(self, z: Tensor) -> Tensor:
+        return _spmm(self._A, z)
+
+    def rmatvec(self, u: Tensor) -> Tensor:
+        return _spmm(self._At, u)
+
+    def matmul(self, X: Tensor) -> Tensor:
+        # (*batch, n, m) -> (n, *batch, m) -> one product -> (*batch, a, m)
+        Xt = X.movedim(-2, 0)
+        out = _quiet(torch.matmul, self._A, Xt.reshape(Xt.shape[0], -1))
+        return out.reshape((self.num_constraints,) + Xt.shape[1:]).movedim(0, -2)
+
+    def abs_matvec(self, z_abs: Tensor) -> Tensor:
+        return _spmm(self._abs(), z_abs)
+
+    def dense_matrix(self) -> Tensor:
+        return self._A.to_dense()
+
+    # ------------------------------------------------------------------ what the conditioner asks for
+    def gram(self, covariance) -> Tensor:
+        r""":math:`A\Sigma A^\top`, ``(*batch, a, a)``. Diagonal :math:`\Sigma = \mathrm{diag}(v)`: the sparse
+        product :math:`(A\,\mathrm{diag}(v))A^\top` per batch element of ``v`` (O(sum_j c_j^2 + a^2) each,
+        differentiable w.r.t. ``v``). Other structures: the dense default (``A`` densified, O(a n) memory)."""
+        if not covariance.is_diagonal:
+            return super().gram(covariance)
+        v = covariance.variance  # shape: (*batch, n)
+        a = self.num_constraints
+        pairs = self._pair_matrix()
+        if pairs is not None:  # vec(G) = M v: one sparse-dense product for every batch element
+            return _spmm(pairs, v).reshape(v.shape[:-1] + (a, a))
+        A = self._A
+        crow, col, values = A.crow_indices(), A.col_indices(), A.values()
+        flat = v.reshape(-1, v.shape[-1])
+        grams = [_quiet(torch.matmul, _csr(crow, col, values * w[col], A.shape), self._At).to_dense() for w in flat]
+        return torch.stack(grams).reshape(v.shape[:-1] + (a, a))
+
+    def _pair_matrix(self) -> Tensor | None:
+        r"""The ``(a^2, n)`` CSR matrix :math:`M` with :math:`M_{(i,j),c} = A_{ic}A_{jc}`, so that
+        :math:`\mathrm{vec}(A\,\mathrm{diag}(v)A^\top) = Mv`. Built once, in O(P log P) for the
+        ``P = sum_c c_c^2`` pairs of nonzeros sharing a column (memory about 16 P bytes); ``None`` when ``P``
+        exceeds :data:`MAX_GRAM_PAIRS` (then :meth:`gram` runs a sparse-sparse product per batch element)."""
+        def make():
+            m = self._column_counts()
+            P = int(m.square().sum())
+            if P > MAX_GRAM_PAIRS:
+                return None
+            At = self._At  # (n, a) CSR: row c of A^T lists the rows of A that column c touches
+            crow, rows, vals = At.crow_indices(), At.col_indices(), At.values()
+            device = rows.device
+            column = torch.repeat_interleave(torch.arange(self.event_size, device=device), m)  # shape: (nnz,)
+            m_e = m[column]  # the count of the column each stored entry lies in
+            first = torch.repeat_interleave(torch.arange(rows.shape[0], device=device), m_e)  # shape: (P,)
+            start = torch.repeat_interleave(torch.cumsum(m_e, 0) - m_e, m_e)
+            second = crow[column[first]] + (torch.arange(P, device=device) - start)
+            a = self.num_constraints
+            index = torch.stack([rows[first] * a + rows[second], column[first]])
+            shape = (a * a, self.event_size)
+            return _quiet(lambda: torch.sparse_coo_tensor(index, vals[first] * vals[second], shape,
+                                                          check_invariants=False).coalesce().to_sparse_csr())
+        return self._cached("pairs", make)
+
+    def diagonal_gram(self, variance: Tensor) -> Tensor | None:
+        r"""When every column of ``A`` has at most one nonzero, :math:`A\,\mathrm{diag}(v)A^\top` is diagonal
+        for every ``v``, with diagonal :math:`(A\circ A)\,v` (O(nnz)); otherwise ``None``."""
+        if bool(self._column_counts().max() > 1):
+            return None
+        A = self._A
+        square = self._cached("square", lambda: _csr(A.crow_indices(), A.col_indices(), A.values().square(), A.shape))
+        return _spmm(square, variance)
+
+    def logdet_gram_identity(self) -> Tensor:
+        r""":math:`\log\det(AA^\top) = 2\sum_i\log d_i + 2\sum_j\log L_{jj}` from the cached float64 Cholesky of
+        the row-equilibrated Gram matrix (see :class:`_GramFactors`), a scalar in ``dtype``."""
+        return self._gram_factors().logdet.to(self.dtype)
+
+    # ------------------------------------------------------------------ geometry of the plane
+    def particular_solution(self) -> Tensor:
+        r""":math:`A^\top(AA^\top)^{-1}k` in float64 (cached Cholesky): O(nnz + a^2), ``(*batch, n)``."""
+        A64, At64 = self._float64()
+        u = self._gram_factors().solve(self.k.to(torch.float64))
+        return _spmm(At64, u).to(self.dtype)
+
+    def project(self, z: Tensor) -> Tensor:
+        r""":math:`z - A^\top(AA^\top)^{-1}(Az - k)`, evaluated in float64 with the cached Cholesky: O(nnz + a^2)
+        per vector. Differentiable w.r.t. ``z`` and ``k``."""
+        A64, At64 = self._float64()
+        z64 = z.to(torch.float64)
+        r = _spmm(A64, z64) - self.k.to(torch.float64)
+        return (z64 - _spmm(At64, self._gram_factors().solve(r))).to(z.dtype)
+
+    def same_row_space(self, other: EqualityConstraint) -> bool:
+        """``True`` at once for a sparse constraint with the identical ``A``; otherwise the dense default."""
+        if isinstance(other, SparseConstraint) and other._A.shape == self._A.shape \
+                and other._A._nnz() == self._A._nnz():
+            B = other._A
+            if B is self._A or (torch.equal(B.crow_indices(), self._A.crow_indices())
+                                and torch.equal(B.col_indices(), self._A.col_indices())
+                                and torch.equal(B.values(), self._A.values())):
+                return True
+        return super().same_row_space(other)
+
+    # ------------------------------------------------------------------ copies
+    def _with(self, A: Tensor, At: Tensor, k: Tensor, shared: dict) -> SparseConstraint:
+        new = object.__new__(SparseConstraint)
+        new._A, new._At, new.k, new._shared, new._validate_args = A, At, k, shared, False
+        return new
+
+    def expand(self, batch_shape: torch.Size) -> SparseConstraint:
+        return self._with(self._A, self._At, self.k.expand(torch.Size(batch_shape) + self.k.shape[-1:]), self._shared)
+
+    def with_k(self, k: Tensor) -> SparseConstraint:
+        check_tensor("k", k, min_dim=1)
+        check_same_dtype_device(A=self._A, k=k)
+        if k.shape[-1] != self.num_constraints:
+            raise ValueError(f"k must have shape (*batch, a) with a = {self.num_constraints}, got {tuple(k.shape)}.")
+        return self._with(self._A, self._At, k, self._shared)
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> SparseConstraint:
+        A, k = _quiet(lambda: self._A.to(device=device, dtype=dtype)), self.k.to(device=device, dtype=dtype)
+        if A is self._A and k is self.k:
+            return self
+        At = _quiet(lambda: self._At.to(device=device, dtype=dtype))
+        return self._with(A, At, k, {})
+
+    def __repr__(self) -> str:
+        return (f"SparseConstraint(a={self.num_constraints}, n={self.event_size}, nnz={self.storage_numel}, "
+                f"batch_shape={tuple(self.batch_shape)})")

@@ -1,0 +1,183 @@
+r""":class:`SumConstraint`: grouped sums, every operation a scatter or a gather (O(n))."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .._utils import check_finite, check_group_index, check_tensor, validate_default
+from ..ops import GroupSum
+from .base import EqualityConstraint
+
+__all__ = ["SumConstraint"]
+
+
+class SumConstraint(EqualityConstraint):
+    r"""Grouped sum constraints: :math:`\sum_{i : g(i) = j} z_i = t_j` for every group ``j``.
+
+    Equivalent to a :class:`LinearConstraint` whose ``A`` is the ``a x n`` group-indicator matrix, but every
+    operation is a scatter-add or a gather (O(n) time and memory): applying ``A`` sums coordinates per group,
+    ``A^T`` broadcasts a group value to its members, :math:`AA^\top = \mathrm{diag}(c)` holds the group sizes
+    ``c`` and :math:`A\,\mathrm{diag}(v)A^\top` is diagonal (per-group sums of ``v``). Hence the minimum-norm
+    solution spreads each total evenly over its group, :math:`z_0 = A^\top(t / c)`, and the projection
+    subtracts each group's mean excess, :math:`z - A^\top((Az - t)/c)`.
+
+    Args:
+        index (LongTensor): group id of each coordinate, shape ``(n,)``, values in ``[0, a)``, every group
+            non-empty (PyG's ``batch`` vector, an image's channel id, ...). ``index = torch.zeros(n)`` is the
+            single sum-to-total constraint.
+        total (Tensor): required sum of each group, shape ``(*batch, a)``.
+        validate_args (bool, optional): check finiteness of ``total``; defaults to torch.distributions'
+            global setting. Shapes, index range and non-empty groups are always checked.
+
+    Example:
+        >>> c = SumConstraint(torch.tensor([0, 0, 1, 1, 1]), torch.tensor([1.0, 2.0]))
+        >>> c.matvec(torch.ones(5))
+        tensor([2., 3.])
+        >>> c.particular_solution()
+        tensor([0.5000, 0.5000, 0.6667, 0.6667, 0.6667])
+    """
+
+    def __init__(self, index: Tensor, total: Tensor, *, validate_args: bool | None = None) -> None:
+        if not isinstance(index, Tensor):
+            raise TypeError(f"index must be a torch.Tensor of dtype torch.long, got {type(index).__name__}.")
+        if index.dtype != torch.long:
+            raise TypeError(f"index must have dtype torch.long, got {index.dtype}.")
+        if index.dim() != 1:
+            raise ValueError(f"index must be 1-D (one group id per coordinate), got shape {tuple(index.shape)}.")
+        if isinstance(total, (int, float)):
+            total = torch.tensor([float(total)], device=index.device)
+        check_tensor("total", total, min_dim=1)
+        if total.device != index.device:
+            raise ValueError(f"total is on device {total.device} but index is on {index.device}.")
+        a, n = total.shape[-1], index.shape[0]
+        counts = check_group_index(index, a)
+        if a >= n:
+            raise ValueError(
+                f"there must be fewer groups than coordinates (a < n), got a = {a} groups for n = {n}."
+            )
+        self.index = index
+        self.k = total
+        self.counts = counts
+        # precise two-level summation (hardeq.ops.GroupSum): a plain index_add drifts ~ n eps
+        self._group_sum = GroupSum(index, a)
+        self._pinned = None
+        self._validate_args = validate_default(validate_args)
+        if self._validate_args:
+            check_finite("total", total)
+
+    @property
+    def num_constraints(self) -> int:
+        return self.k.shape[-1]
+
+    @property
+    def event_size(self) -> int:
+        return self.index.shape[0]
+
+    @property
+    def batch_shape(self) -> torch.Size:
+        return self.k.shape[:-1]
+
+    @property
+    def group_index(self) -> Tensor:
+        """The group id of each coordinate, ``(n,)`` (the ``index`` given to the constructor)."""
+        return self.index
+
+    def matvec(self, z: Tensor) -> Tensor:
+        return self._group_sum(z)
+
+    def rmatvec(self, u: Tensor) -> Tensor:
+        return self._group_sum.broadcast(u)
+
+    def matmul(self, X: Tensor) -> Tensor:
+        return self._group_sum.matmul(X)
+
+    def diagonal_gram(self, variance: Tensor) -> Tensor:
+        r"""Per-group sums of ``variance`` (each coordinate is in one group, so the Gram matrix is diagonal),
+        with the two-level summation of :meth:`matvec`; shape ``(*batch, a)``."""
+        return self.matvec(variance)
+
+    def dense_matrix(self) -> Tensor:
+        return torch.nn.functional.one_hot(self.index, self.num_constraints).mT.to(self.k.dtype)
+
+    def logdet_gram_identity(self) -> Tensor:
+        r""":math:`\log\det(AA^\top) = \sum_j \log c_j` (group sizes), a scalar; O(a)."""
+        return self.counts.to(torch.float64).log().sum().to(self.k.dtype)
+
+    @property
+    def storage_numel(self) -> int:
+        return self.event_size
+
+    def abs_matvec(self, z_abs: Tensor) -> Tensor:
+        return self.matvec(z_abs)
+
+    def gram(self, covariance) -> Tensor:
+        if covariance.is_diagonal:
+            return torch.diag_embed(self.diagonal_gram(covariance.variance))
+        return super().gram(covariance)
+
+    def pinned_values(self) -> tuple[Tensor, Tensor] | None:
+        """Members of groups of one: their value is the group's total."""
+        if self._pinned is None:
+            mask = self.counts[self.index] == 1
+            self._pinned = (mask, bool(mask.any()))
+        mask, any_pinned = self._pinned
+        if not any_pinned:
+            return None
+        return mask, self.k[..., self.index]
+
+    def _sizes(self, dtype: torch.dtype) -> Tensor:
+        return self.counts.to(dtype)
+
+    def particular_solution(self) -> Tensor:
+        r""":math:`A^\top(t / c)`: each total spread evenly over its group, ``(*batch, n)``; O(n)."""
+        return self.rmatvec(self.k / self._sizes(self.k.dtype))
+
+    def project(self, z: Tensor) -> Tensor:
+        r""":math:`z - A^\top((Az - t) / c)`: subtract each group's mean excess; O(n) per vector."""
+        return z - self.rmatvec(self.residual(z) / self._sizes(z.dtype))
+
+    def same_row_space(self, other: EqualityConstraint) -> bool:
+        r"""For another grouped constraint: the same partition of the coordinates (group labels may differ),
+        O(n log n); otherwise the dense test of the base class."""
+        if other is self:
+            return True
+        other_index = other.group_index if isinstance(other, EqualityConstraint) else None
+        if other_index is None:
+            return super().same_row_space(other)
+        a = self.num_constraints
+        if other.num_constraints != a or other_index.shape != self.index.shape:
+            return False
+        if torch.equal(other_index, self.index):
+            return True
+        # same partition <=> exactly a distinct (own label, other label) pairs
+        return int(torch.unique(self.index * a + other_index.to(self.index.device)).numel()) == a
+
+    def expand(self, batch_shape: torch.Size) -> SumConstraint:
+        new = object.__new__(SumConstraint)
+        new.index, new.counts, new._validate_args = self.index, self.counts, False
+        new._group_sum = self._group_sum
+        new._pinned = self._pinned
+        new.k = self.k.expand(torch.Size(batch_shape) + self.k.shape[-1:])
+        return new
+
+    def with_k(self, k: Tensor) -> SumConstraint:
+        check_tensor("k", k, min_dim=1)
+        if k.shape[-1] != self.num_constraints or k.device != self.index.device:
+            raise ValueError(f"k must have shape (*batch, a) with a = {self.num_constraints} on {self.index.device}, "
+                             f"got shape {tuple(k.shape)} on {k.device}.")
+        new = self.expand(self.batch_shape)
+        new.k = k
+        return new
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> SumConstraint:
+        index, k = self.index.to(device=device), self.k.to(device=device, dtype=dtype)
+        if index is self.index and k is self.k:
+            return self
+        if index is self.index:
+            return self.with_k(k)
+        return SumConstraint(index, k, validate_args=False)
+
+    def __repr__(self) -> str:
+        return (f"SumConstraint(groups={self.num_constraints}, n={self.event_size}, "
+                f"batch_shape={tuple(self.batch_shape)})")
