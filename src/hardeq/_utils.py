@@ -84,6 +84,17 @@ def check_same_dtype_device(**tensors: Tensor) -> None:
             )
 
 
+def is_tracing() -> bool:
+    """True under ``torch.compile`` tracing or inside a ``torch.func`` transform (``vmap``, ``grad``, ...): then
+    data-dependent Python branches (``bool(tensor)``, ``.item()``) must be avoided."""
+    return torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is not None
+
+
+def group_sizes(index: Tensor, num_groups: int) -> Tensor:
+    """Members per group, ``(num_groups,)`` long, by a scatter (static shape; no check)."""
+    return torch.zeros(num_groups, dtype=torch.long, device=index.device).index_add_(0, index, torch.ones_like(index))
+
+
 def check_group_index(index: Tensor, num_groups: int) -> Tensor:
     """Check a group-id vector (``(n,)``, values in ``[0, num_groups)``, no empty group); return group sizes."""
     if index.numel() == 0:

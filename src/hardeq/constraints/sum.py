@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._utils import check_finite, check_group_index, check_tensor, validate_default
+from .._utils import check_finite, check_group_index, check_tensor, group_sizes, is_tracing, validate_default
 from ..ops import GroupSum
 from .base import EqualityConstraint
 
@@ -51,7 +51,9 @@ class SumConstraint(EqualityConstraint):
         if total.device != index.device:
             raise ValueError(f"total is on device {total.device} but index is on {index.device}.")
         a, n = total.shape[-1], index.shape[0]
-        counts = check_group_index(index, a)
+        self._validate_args = validate_default(validate_args)
+        # under torch.compile / torch.func with validation off, no data-dependent check (static shapes only)
+        counts = group_sizes(index, a) if not self._validate_args and is_tracing() else check_group_index(index, a)
         if a >= n:
             raise ValueError(
                 f"there must be fewer groups than coordinates (a < n), got a = {a} groups for n = {n}."
@@ -62,7 +64,6 @@ class SumConstraint(EqualityConstraint):
         # precise two-level summation (hardeq.ops.GroupSum): a plain index_add drifts ~ n eps
         self._group_sum = GroupSum(index, a)
         self._pinned = None
-        self._validate_args = validate_default(validate_args)
         if self._validate_args:
             check_finite("total", total)
 
@@ -119,12 +120,12 @@ class SumConstraint(EqualityConstraint):
     def pinned_values(self) -> tuple[Tensor, Tensor] | None:
         """Members of groups of one: their value is the group's total."""
         if self._pinned is None:
-            mask = self.counts[self.index] == 1
+            mask = self.counts.index_select(0, self.index) == 1
             self._pinned = (mask, bool(mask.any()))
         mask, any_pinned = self._pinned
         if not any_pinned:
             return None
-        return mask, self.k[..., self.index]
+        return mask, self.k.index_select(-1, self.index)
 
     def _sizes(self, dtype: torch.dtype) -> Tensor:
         return self.counts.to(dtype)

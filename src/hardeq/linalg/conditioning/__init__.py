@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch import Tensor
 
+from ..._utils import is_tracing
 from ...errors import NotPSDError
 from .cholesky import CholeskyFactor
 from .factor import Factor
@@ -77,11 +78,6 @@ MAX_REFINEMENT_STEPS = 3
 STATIC_REFINEMENT_STEPS = 1
 #: largest pivot-ratio estimate of kappa accepted by the Cholesky factor, by precision of the factor
 KAPPA_MAX = {"working": 1e3, "float64": 1e10}
-
-
-def is_tracing() -> bool:
-    """True under ``torch.compile`` tracing or inside a ``torch.func`` transform (``vmap``, ``grad``, ...)."""
-    return torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is not None
 
 
 class Conditioner:
