@@ -59,7 +59,7 @@ class RowSpaceFactors:
         self._Q: Tensor | None = None
 
     def full_rank(self, dtype: torch.dtype) -> bool:
-        """Is every normalised row at least ``max(a, n) eps(dtype)`` away from the span of the others?"""
+        """Is every normalised row more than ``max(a, n) eps(dtype)`` away from the span of the rows before it?"""
         a, n = self.shape[-2:]
         return self.min_pivot > max(a, n) * torch.finfo(dtype).eps
 

@@ -130,7 +130,7 @@ class LinearConstraint(EqualityConstraint):
             raise ValueError(
                 f"A must have full row rank {a} (a = A.shape[-2]), but some row of A (shape {tuple(self.A.shape)}) "
                 "lies within "
-                f"{factors.min_pivot:.2e} of the span of the other rows after normalising each row to unit length "
+                f"{factors.min_pivot:.2e} of the span of the rows before it after normalising each row to unit length "
                 f"(expected more than max(a, n) eps = {max(a, n) * torch.finfo(self.A.dtype).eps:.2e}); "
                 "remove linearly dependent rows."
             )
