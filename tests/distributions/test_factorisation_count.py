@@ -1,7 +1,9 @@
 """A ConstrainedNormal factorises once: after a warm-up (``mean``, ``sample``, ``log_prob``, ``entropy``), every
 further ``log_prob``, ``entropy``, ``expected_l1``, ``expected_l2``, ``variance``, ``rsample`` with every registered
 estimator (forward and backward) and ``kl_divergence(q, p)`` between two warmed distributions on the same plane
-runs ZERO matrix factorisations.
+runs ZERO matrix factorisations. The one exception is the ``constrained_layer`` estimator's first call on a dense
+constraint: that baseline eliminates ``A`` itself (one LU solve), once per constraint object; its second call runs
+none.
 
 Counted (by a ``TorchFunctionMode``): Cholesky, QR, SVD, eigen-decompositions, LU, rank, dense solves, inverses,
 determinants. Triangular solves and ``cholesky_solve`` reuse a factor and are not counted. Deterministic.
@@ -92,9 +94,14 @@ CASE_IDS = [f"{c}-{s}" for c, s in CASES]
 @pytest.mark.parametrize("constraint_kind, structure", CASES, ids=CASE_IDS)
 def test_no_factorisation_after_warm_up(constraint_kind, structure, operation):
     d = warm_up(build(constraint_kind, structure))
-    with CountFactorisations() as counter:
+    with CountFactorisations() as first:
         OPERATIONS[operation](d)
-    assert counter.calls == [], f"{operation} factorised again after the warm-up: {counter.calls}"
+    # the constraint-layer proxy (a baseline) eliminates A with one LU solve of its own, once per constraint object
+    allowed = ["solve"] if operation == "rsample[constrained_layer]" and constraint_kind == "dense" else []
+    assert first.calls in ([], allowed), f"{operation} factorised again after the warm-up: {first.calls}"
+    with CountFactorisations() as second:
+        OPERATIONS[operation](d)
+    assert second.calls == [], f"{operation} factorised on its second call: {second.calls}"
 
 
 @pytest.mark.parametrize("shared", [True, False], ids=["one-constraint", "equal-copies"])

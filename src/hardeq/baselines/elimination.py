@@ -15,6 +15,7 @@ substitution. The network's outputs at :math:`D` are overwritten and receive no 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -95,8 +96,8 @@ def constraint_layer(y: Tensor, constraint: EqualityConstraint, order: Sequence[
 
     A grouped-sum constraint (one with a ``group_index``, e.g. :class:`~hardeq.SumConstraint`) takes an O(n)
     path: in each group the highest-ranked member becomes the group total minus the other members. Any other
-    constraint is materialised (``dense_rows()``, ``a x n``) and eliminated on every call (O(a^2 n)); build a
-    :class:`ConstraintLayer` once when ``A`` is fixed.
+    constraint is materialised (``dense_rows()``, ``a x n``) and eliminated once per constraint object (O(a^2 n);
+    again on every call when ``A`` requires grad or an ``order`` is given).
 
     Args:
         y (Tensor): ``(*sample, *batch, n)``, e.g. a reparameterised unconstrained Gaussian sample.
@@ -112,10 +113,26 @@ def constraint_layer(y: Tensor, constraint: EqualityConstraint, order: Sequence[
     order_t = check_order(order, n, "constraint_layer")
     if constraint.group_index is not None:
         return _sum_constraint_layer(y, constraint, order_t)
+    return fill_dependent(y, constraint.k, *_elimination(constraint, order_t, n))
+
+
+#: eliminations of constraints whose matrix needs no gradient, per constraint object (and default order): the
+#: constrained_layer estimator calls the layer on every rsample of one distribution
+_ELIMINATIONS: "weakref.WeakKeyDictionary[EqualityConstraint, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _elimination(constraint: EqualityConstraint, order: Tensor | None, n: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(E, R0, dependent)`` of the Gaussian elimination of ``A`` (pivots from its entries); computed once per
+    constraint object when ``order`` is None and ``A`` needs no gradient."""
+    cached = _ELIMINATIONS.get(constraint) if order is None else None
+    if cached is not None:
+        return cached
     A = constraint.dense_rows()  # Gaussian elimination chooses pivots from the entries of A
-    dependent = greedy_pivots(A, _scan_order(order_t, n), shared=False, owner="constraint_layer")
+    dependent = greedy_pivots(A, _scan_order(order, n), shared=False, owner="constraint_layer")
     E, R0 = dependent_operator(A, dependent)
-    return fill_dependent(y, constraint.k, E, R0, dependent)
+    if order is None and not A.requires_grad:
+        _ELIMINATIONS[constraint] = (E, R0, dependent)
+    return E, R0, dependent
 
 
 def _scan_order(order: Tensor | None, n: int) -> Tensor:
