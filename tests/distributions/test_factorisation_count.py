@@ -74,7 +74,7 @@ def warm_up(d: hardeq.ConstrainedNormal) -> hardeq.ConstrainedNormal:
 
 def _rsample_backward(estimator):
     def op(d):
-        d.rsample((3,), estimator).square().sum().backward()
+        d.rsample((3,), estimator).square().sum().backward(retain_graph=True)  # twice through one distribution
     return op
 
 
