@@ -3,12 +3,16 @@ r"""The training loop, in parts with one job each.
 :func:`train` wires them together; :class:`Trainer` holds the state of one run:
 
 * :meth:`Trainer.restore` -- resume from a checkpoint (refusing one of another run);
-* :meth:`Trainer.train_epoch` -- one pass over the training source (forward, per-sample loss, backward,
-  gradient sum over ranks, optimiser step, EMA update, early-stopped members kept frozen);
+* :meth:`Trainer.train_epoch` -- one pass over the training source; :meth:`Trainer.optimizer_step` is the
+  one place where a loss is back-propagated (gradient sum over ranks, clipping, optimiser and per-step
+  schedule, early-stopped members kept frozen, EMA update, :class:`Hooks` ``on_step``);
 * :meth:`Trainer.evaluate_epoch` -- the running training metrics and the validation metrics of every member;
 * :meth:`Trainer.select` -- each member's best-validation parameters and its early-stopping counter;
 * :meth:`Trainer.checkpoint` -- an atomic checkpoint (rank 0 only);
-* :meth:`Trainer.report` -- progress bar, log line and callback.
+* :mod:`.progress` -- progress bar and log line.
+
+Without validation data (``val_data=None``) nothing is evaluated or selected: the result's best state is the
+final one (a generative model trained for a fixed budget, evaluated by the study afterwards).
 
 One loss, the sum over members of their per-sample losses divided by the global minibatch size, is
 back-propagated; since members share no parameters, each member's gradient is the gradient of its own loss,
@@ -18,7 +22,6 @@ and an elementwise optimiser (Adam) updates every member exactly as a separate o
 from __future__ import annotations
 
 import math
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -31,9 +34,10 @@ from .checkpoint import atomic_torch_save, fingerprint, load_checkpoint
 from .data import BatchSource, as_source, eval_batches
 from .distributed import DistContext, allreduce_gradients, allreduce_sum, barrier
 from .members import merge_members
-from .task import OptimizerFactory, SchedulerFactory, Task, TrainConfig, TrainResult
+from .progress import progress_bar, report_epoch
+from .task import Hooks, OptimizerFactory, SchedulerFactory, Task, TrainConfig, TrainResult
 
-__all__ = ["train", "evaluate", "Trainer"]
+__all__ = ["train", "evaluate", "Trainer", "run_fingerprint"]
 
 
 def _eval_generator(seed: int, epoch: int) -> torch.Generator:
@@ -78,14 +82,22 @@ def evaluate(model: nn.Module, task: Task, data: Any, state: Mapping[str, Tensor
             model.load_state_dict(saved)
 
 
+def run_fingerprint(run_id: Any, config: TrainConfig, member_seeds: Sequence[int], num_samples: int | None,
+                    world_size: int = 1) -> str:
+    """The fingerprint :func:`train` writes into its checkpoints (a study can tell a finished run's checkpoint)."""
+    return fingerprint({"run": run_id, "config": config.result_fields(), "seeds": [int(s) for s in member_seeds],
+                        "N": num_samples, "world": world_size})
+
+
 class Trainer:
     """The state of one training run; see the module docstring and :func:`train` for the arguments."""
 
     def __init__(self, model: nn.Module, task: Task, source: BatchSource, val_data: Any, config: TrainConfig,
                  member_seeds: Sequence[int], *, ctx: DistContext, optimizer: OptimizerFactory | None,
-                 scheduler: SchedulerFactory | None, run_id: Any, checkpoint_path: Path | None) -> None:
+                 scheduler: SchedulerFactory | None, run_id: Any, checkpoint_path: Path | None,
+                 hooks: Sequence[Hooks] = (), desc: str = "train") -> None:
         self.model, self.task, self.source, self.val_data, self.config = model, task, source, val_data, config
-        self.ctx = ctx
+        self.ctx, self.hooks, self.desc = ctx, list(hooks), desc
         self.M = M = len(member_seeds)
         self.params = list(model.parameters())
         self.optimizer = (optimizer(self.params) if optimizer is not None else
@@ -93,9 +105,7 @@ class Trainer:
                                            foreach=True))
         self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
         self.checkpoint_path = None if checkpoint_path is None else Path(checkpoint_path)
-        self.run_hash = fingerprint({"run": run_id, "config": config.result_fields(),
-                                     "seeds": [int(s) for s in member_seeds], "N": source.num_samples,
-                                     "world": ctx.world_size})
+        self.run_hash = run_fingerprint(run_id, config, member_seeds, source.num_samples, ctx.world_size)
         self.history: dict[str, Tensor] = {}
         self.best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         self.best_value = torch.full((M,), math.inf, dtype=torch.float64)
@@ -106,6 +116,7 @@ class Trainer:
         self.ema = ({k: v.detach().clone() for k, v in model.state_dict().items()}
                     if config.ema_decay is not None else None)
         self.epoch = 0
+        self.step = 0  # optimiser steps taken
 
     # ---------------------------------------------------------------------------------------- resume
     def restore(self) -> None:
@@ -130,6 +141,9 @@ class Trainer:
         if ck.get("ema") is not None:
             self.ema = {k: v.to(dev) for k, v in ck["ema"].items()}
         self.epoch = int(ck["epoch"])
+        self.step = int(ck.get("step", 0))
+        for hook, state in zip(self.hooks, ck.get("hooks", [])):
+            hook.load_state_dict(state)
 
     def checkpoint(self) -> None:
         """Atomic checkpoint of everything the next epochs depend on (rank 0 only)."""
@@ -142,8 +156,10 @@ class Trainer:
             "fingerprint": self.run_hash, "epoch": self.epoch, "model": cpu(self.model.state_dict()),
             "optimizer": self.optimizer.state_dict(), "generators": self.source.state_dict(),
             "best_state": cpu(self.best_state), "best_value": self.best_value, "best_epoch": self.best_epoch,
-            "history": self.history,
+            "history": self.history, "step": self.step,
         }
+        if self.hooks:
+            state["hooks"] = [hook.state_dict() for hook in self.hooks]
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         if self.config.patience is not None:
@@ -158,33 +174,51 @@ class Trainer:
         return self.stopped_epoch > 0
 
     def train_epoch(self) -> dict[str, Tensor]:
-        """One pass over the training source; returns the running per-sample values averaged over it."""
+        """One pass over the training source; returns the running per-sample values averaged over it (per
+        batch for a batch-level loss)."""
         self.model.train()
         running: dict[str, Tensor] = {}
         count = 0
-        for batch, b_global in self.source.epoch(self.epoch):
+        for i, (batch, b_global) in enumerate(self.source.epoch(self.epoch)):
             out = self.task.forward(self.model, batch)
-            per_sample = self.task.loss(out, batch)
+            per_sample, extra = self.task.loss(out, batch), {}
             if isinstance(per_sample, tuple):
                 per_sample, extra = per_sample
-                for k, v in extra.items():
-                    total = v.detach().sum(1).to(torch.float64)
-                    running[k] = running[k] + total if k in running else total
-            count += b_global
-            loss = per_sample.sum() / b_global
-            self.optimizer.zero_grad(set_to_none=False)
-            loss.backward()
-            if self.ctx.enabled:
-                allreduce_gradients(self.params)
-            self.optimizer.step()
-            self._after_step()
-        if self.scheduler is not None:
+            batch_level = per_sample.dim() == 0
+            for k, v in extra.items():
+                total = (v.detach().reshape(1) if batch_level else v.detach().sum(1)).to(torch.float64)
+                running[k] = running[k] + total if k in running else total
+            count += 1 if batch_level else b_global
+            loss = per_sample / self.ctx.world_size if batch_level else per_sample.sum() / b_global
+            if self.config.raise_nonfinite and not bool(torch.isfinite(loss)):
+                raise FloatingPointError(f"{self.desc}, epoch {self.epoch + 1}: non-finite loss at step {i}.")
+            self.optimizer_step(loss, extra)
+        if self.scheduler is not None and not self.config.schedule_per_step:
             self.scheduler.step()
         if not running:
             return {}
         names = sorted(running)
         sums = allreduce_sum(torch.stack([running[k] for k in names]), self.ctx)  # (R, M)
         return {f"train_{k}": sums[i] / count for i, k in enumerate(names)}
+
+    def optimizer_step(self, loss: Tensor, extra: Mapping[str, Tensor] | None = None) -> None:
+        """Back-propagate ``loss`` and take one optimiser step, with everything that goes with it."""
+        cfg = self.config
+        self.optimizer.zero_grad(set_to_none=cfg.zero_grad_to_none)
+        loss.backward()
+        if self.ctx.enabled:
+            allreduce_gradients(self.params)
+        if cfg.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, cfg.clip_grad_norm)
+        self.optimizer.step()
+        if self.scheduler is not None and cfg.schedule_per_step:
+            self.scheduler.step()
+        self._after_step()
+        self.step += 1
+        if self.hooks:
+            detached = {k: v.detach() for k, v in (extra or {}).items()}
+            for hook in self.hooks:
+                hook.on_step(self, loss.detach(), detached)
 
     @torch.no_grad()
     def _after_step(self) -> None:
@@ -193,9 +227,11 @@ class Trainer:
                                                      self.stopped.to(self.ctx.device)))
         if self.ema is not None:
             decay = float(self.config.ema_decay)
+            if self.config.ema_warmup:
+                decay = min(decay, (1 + self.step) / (10 + self.step))
             for k, v in self.model.state_dict().items():
                 if v.is_floating_point():
-                    self.ema[k].lerp_(v, 1.0 - decay)
+                    self.ema[k].mul_(decay).add_(v.detach(), alpha=1 - decay)
                 else:
                     self.ema[k].copy_(v)
 
@@ -206,10 +242,22 @@ class Trainer:
 
     def evaluate_epoch(self, running: dict[str, Tensor]) -> dict[str, Tensor]:
         """The epoch's metrics ``{"train_*", "val_*": (M,)}``, recorded into :attr:`history`."""
-        self.model.eval()
+        cfg = self.config
+        metrics = dict(running)
+        if self.val_data is not None:
+            self.model.eval()
+            metrics.update(self._validate())
+        for k, v in metrics.items():
+            if k not in self.history:
+                self.history[k] = torch.full((cfg.epochs, self.M), math.nan, dtype=torch.float64)
+            row = v.detach().to("cpu", torch.float64)
+            self.history[k][self.epoch] = torch.where(self.stopped, math.nan, row) if cfg.patience else row
+        return metrics
+
+    def _validate(self) -> dict[str, Tensor]:
         cfg = self.config
         gen = _eval_generator(cfg.eval_seed, self.epoch)
-        metrics = dict(running)
+        metrics = {}
         if cfg.eval_train:
             data = self.source.data if hasattr(self.source, "data") else None
             if data is None:
@@ -220,17 +268,15 @@ class Trainer:
         metrics.update({f"val_{k}": v for k, v in evaluate(
             self.model, self.task, self.val_data, self.eval_state(), batch_size=cfg.eval_batch_size,
             generator=gen).items()})
-        for k, v in metrics.items():
-            if k not in self.history:
-                self.history[k] = torch.full((cfg.epochs, self.M), math.nan, dtype=torch.float64)
-            row = v.detach().to("cpu", torch.float64)
-            self.history[k][self.epoch] = torch.where(self.stopped, math.nan, row) if cfg.patience else row
         return metrics
 
     @torch.no_grad()
     def select(self, metrics: Mapping[str, Tensor]) -> None:
-        """Keep each member's best-validation parameters; stop members out of patience."""
+        """Keep each member's best-validation parameters; stop members out of patience (no-op without
+        validation data)."""
         cfg = self.config
+        if self.val_data is None:
+            return
         key = f"val_{cfg.select_metric}"
         if key not in metrics:
             raise ValueError(f"select_metric {cfg.select_metric!r} is not among the task's metrics "
@@ -255,39 +301,13 @@ class Trainer:
 
     def result(self, epochs_run: int) -> TrainResult:
         final = self.eval_state() or self.model.state_dict()
+        best = final if self.val_data is None else self.best_state
         return TrainResult(
-            best_state={k: v.detach().cpu().clone() for k, v in self.best_state.items()},
+            best_state={k: v.detach().cpu().clone() for k, v in best.items()},
             final_state={k: v.detach().cpu().clone() for k, v in final.items()},
             best_epoch=self.best_epoch.clone(), best_value=self.best_value.clone(),
             history={k: v.clone() for k, v in self.history.items()},
             stopped_epoch=self.stopped_epoch.clone(), epochs_run=epochs_run)
-
-
-class _NoBar:
-    """Stands in for ``tqdm`` when it is not installed (status lines are still printed with ``log_every``)."""
-
-    disable = True
-
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def set_postfix_str(self, text: str) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _bar(**kwargs):
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return _NoBar()
-    return tqdm(**kwargs)
-
-
-def _progress_enabled(progress: bool, ctx: DistContext) -> bool:
-    return bool(progress) and ctx.is_main and sys.stderr.isatty()
 
 
 def train(
@@ -306,6 +326,7 @@ def train(
     progress: bool = True,
     desc: str = "train",
     callback: Callable[[int, dict[str, Any]], None] | None = None,
+    hooks: Hooks | Sequence[Hooks] | None = None,
     ctx: DistContext | None = None,
     position: int = 0,
     log_every: int = 0,
@@ -319,11 +340,12 @@ def train(
         train_data: a mapping of in-memory tensors (per-member shuffled minibatches of
             ``config.batch_size``), a loader factory ``make(epoch, ctx)`` or a :class:`BatchSource`.
         val_data: a mapping of tensors or an iterable of batches (evaluated in batches of
-            ``config.eval_batch_size``).
+            ``config.eval_batch_size``); ``None``: no evaluation nor selection (the best state is the final one).
         config: optimisation settings.
         member_seeds: ``M`` seeds (the in-memory source's per-member sample orders).
         optimizer: ``optimizer(params)`` (default: Adam with the config's lr, betas, eps).
-        scheduler: ``scheduler(optimizer)``, stepped after every epoch (checkpointed with ``state_dict``).
+        scheduler: ``scheduler(optimizer)``, stepped after every epoch (or every step with
+            ``config.schedule_per_step``; checkpointed with ``state_dict``).
         checkpoint_path: where to checkpoint (every ``config.checkpoint_every`` epochs, at the end, and when
             every member stopped early); tensors and plain containers only, loaded with ``weights_only=True``.
         resume: continue from ``checkpoint_path`` if it exists; the result equals an uninterrupted run's.
@@ -333,6 +355,7 @@ def train(
             status line every ``log_every`` epochs (0: never).
         callback: ``callback(epoch, info)`` after every epoch (after checkpointing); may raise
             :class:`Interrupted` to stop.
+        hooks: :class:`Hooks` called after every optimiser step and every epoch; their state is checkpointed.
         ctx: distributed context (default: one process on the model's device).
         position: line of the progress bar (several trainings in parallel processes).
 
@@ -341,17 +364,20 @@ def train(
     """
     ctx = ctx or DistContext(device=next(model.parameters()).device)
     source = as_source(train_data, config.batch_size, member_seeds, ctx)
+    hooks = [] if hooks is None else [hooks] if isinstance(hooks, Hooks) else list(hooks)
     tr = Trainer(model, task, source, val_data, config, member_seeds, ctx=ctx, optimizer=optimizer,
-                 scheduler=scheduler, run_id=run_id, checkpoint_path=checkpoint_path)
+                 scheduler=scheduler, run_id=run_id, checkpoint_path=checkpoint_path, hooks=hooks, desc=desc)
     if resume and checkpoint_path is not None and Path(checkpoint_path).exists():
         tr.restore()
-    bar = _bar(total=config.epochs, initial=tr.epoch, desc=desc, unit="epoch", leave=False,
-               disable=not _progress_enabled(progress, ctx), dynamic_ncols=True, position=position)
+    bar = progress_bar(progress, ctx, total=config.epochs, initial=tr.epoch, desc=desc, unit="epoch", leave=False,
+                       position=position)
     epochs_run, t_start = 0, time.perf_counter()
     try:
         while tr.epoch < config.epochs and not bool(tr.stopped.all()):
             metrics = tr.evaluate_epoch(tr.train_epoch())
             tr.select(metrics)
+            for hook in hooks:
+                hook.on_epoch(tr, metrics)
             tr.epoch += 1
             epochs_run += 1
             done = tr.epoch
@@ -359,22 +385,9 @@ def train(
                     or bool(tr.stopped.all())):
                 tr.checkpoint()
                 barrier(ctx)
-            _report(tr, bar, progress, log_every, desc, t_start)
+            report_epoch(tr, bar, progress, log_every, desc, t_start)
             if callback is not None:
                 callback(done, {"metrics": metrics, "best_value": tr.best_value})
     finally:
         bar.close()
     return tr.result(epochs_run)
-
-
-def _report(tr: Trainer, bar, progress: bool, log_every: int, desc: str, t_start: float) -> None:
-    """Progress bar, or a status line every ``log_every`` epochs when stderr is not a terminal."""
-    cfg, done = tr.config, tr.epoch
-    bar.update(1)
-    if bar.disable is False:
-        bar.set_postfix_str(f"best val {cfg.select_metric} (median) {tr.best_value.median().item():.3g}")
-    if (log_every and progress and tr.ctx.is_main and bar.disable
-            and (done % log_every == 0 or done == cfg.epochs)):
-        print(f"[{desc}] epoch {done}/{cfg.epochs}  best val {cfg.select_metric} (median over members) "
-              f"{tr.best_value.median().item():.4g}  {time.perf_counter() - t_start:.0f} s",
-              file=sys.stderr, flush=True)

@@ -5,7 +5,7 @@ The harness needs two things from a member model: ``forward`` maps a batch to ou
 :func:`merge_members` can take some members' parameters from one ``state_dict`` and the others' from another
 (to keep each member's best-validation parameters, and to freeze members that stopped early). A model may
 define ``merge_members(dst, src, mask)`` itself; otherwise every tensor of its ``state_dict`` is assumed to
-have the member as its leading dimension.
+have the member as its leading dimension. A plain module is a model with a single member.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ def merge_members(model: nn.Module, dst: Mapping[str, Tensor], src: Mapping[str,
     custom = getattr(model, "merge_members", None)
     if custom is not None:
         return custom(dst, src, mask)
+    if mask.numel() == 1:  # a single member: the whole state is that member's (any tensor shapes)
+        return {k: v.detach().clone() for k, v in (src if bool(mask) else dst).items()}
     out = {}
     for k, v in dst.items():
         m = mask.to(v.device).view((-1,) + (1,) * (v.dim() - 1))

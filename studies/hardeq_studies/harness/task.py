@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Task", "TrainConfig", "TrainResult", "Interrupted"]
+__all__ = ["Task", "TrainConfig", "TrainResult", "Interrupted", "Hooks"]
 
 
 class Task(ABC):
@@ -33,6 +33,11 @@ class Task(ABC):
 
         May also return a dict of per-sample values ``(M, b)``; the harness averages each over the epoch's
         samples into ``history["train_<name>"]`` (the running training metric).
+
+        A batch-level objective that is no mean of per-sample terms (a Sharpe ratio over the batch, a mean
+        over pixels) is returned as a 0-dim tensor and minimised as it is (divided by the world size under
+        DDP, whose gradients are summed over ranks); its extra values are 0-dim too and are averaged over the
+        epoch's batches.
         """
 
     @abstractmethod
@@ -68,6 +73,14 @@ class TrainConfig:
         eval_batch_size: evaluate in batches of this many samples (in-memory splits); ``None``: one batch.
         eval_seed: seed of the evaluation random stream (the generator passed to :meth:`Task.metrics` is
             reseeded from ``(eval_seed, epoch)`` before each evaluation, so resumed runs draw the same numbers).
+        ema_warmup: use ``decay_s = min(ema_decay, (1 + s) / (10 + s))`` at optimiser step ``s`` (0-based), the
+            usual warm-up of diffusion models, instead of a constant decay.
+        clip_grad_norm: clip the global gradient norm of all parameters to this value before every step.
+        schedule_per_step: step the scheduler after every optimiser step (a warm-up) instead of every epoch.
+        zero_grad_to_none: free the gradients between steps (``zero_grad(set_to_none=True)``): a parameter
+            that gets no gradient in a step is then left alone by the optimiser, as in a plain torch loop.
+        raise_nonfinite: raise ``FloatingPointError`` (naming the run's ``desc``, the epoch and the step) when
+            a minibatch loss is not finite (one device sync per step).
     """
 
     epochs: int
@@ -82,6 +95,11 @@ class TrainConfig:
     ema_decay: float | None = None
     eval_batch_size: int | None = None
     eval_seed: int = 0
+    ema_warmup: bool = False
+    clip_grad_norm: float | None = None
+    schedule_per_step: bool = False
+    zero_grad_to_none: bool = False
+    raise_nonfinite: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.epochs, int) or self.epochs < 1:
@@ -94,6 +112,8 @@ class TrainConfig:
             raise ValueError(f"ema_decay must be in [0, 1) or None, got {self.ema_decay!r}.")
         if self.eval_batch_size is not None and self.eval_batch_size < 1:
             raise ValueError(f"eval_batch_size must be a positive integer or None, got {self.eval_batch_size!r}.")
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise ValueError(f"clip_grad_norm must be positive or None, got {self.clip_grad_norm!r}.")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -107,7 +127,9 @@ class TrainConfig:
         keep their fingerprints.
         """
         d = {k: v for k, v in self.to_dict().items() if k != "checkpoint_every"}
-        for key, off in (("patience", None), ("ema_decay", None), ("eval_batch_size", None), ("eval_seed", 0)):
+        for key, off in (("patience", None), ("ema_decay", None), ("eval_batch_size", None), ("eval_seed", 0),
+                         ("ema_warmup", False), ("clip_grad_norm", None), ("schedule_per_step", False),
+                         ("zero_grad_to_none", False), ("raise_nonfinite", False)):
             if d[key] == off:
                 del d[key]
         return d
@@ -136,6 +158,27 @@ class TrainResult:
     stopped_epoch: Tensor | None = None
     epochs_run: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Hooks:
+    """Callbacks of :func:`~hardeq_studies.harness.train`; override the ones you need.
+
+    A hook that accumulates something across steps (a per-step loss curve, a wall-clock total) returns it
+    from :meth:`state_dict`; it is saved in the run's checkpoints and handed back to :meth:`load_state_dict`
+    on ``--resume``, so a resumed run's hook ends in the same state as an uninterrupted one.
+    """
+
+    def on_step(self, trainer: Any, loss: Tensor, extra: Mapping[str, Tensor]) -> None:
+        """After optimiser step ``trainer.step - 1`` (0-based), with its loss (detached) and extra values."""
+
+    def on_epoch(self, trainer: Any, metrics: Mapping[str, Tensor]) -> None:
+        """After epoch ``trainer.epoch`` (0-based) was trained, evaluated and selected on; before the checkpoint."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        return None
 
 
 class Interrupted(RuntimeError):
