@@ -6,12 +6,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["RunSetup", "add_run_arguments", "setup_run", "discard_checkpoint", "train_epoch"]
+__all__ = ["RunSetup", "add_run_arguments", "setup_run", "discard_checkpoint"]
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,21 +62,3 @@ def discard_checkpoint(args: argparse.Namespace, checkpoint: Path) -> None:
     except OSError:
         pass
 
-
-def train_epoch(data: torch.Tensor, perm: torch.Tensor, batch_size: int, optimizer: torch.optim.Optimizer,
-                loss_per_item: Callable[[torch.Tensor], torch.Tensor], *, device: torch.device, where: str) -> float:
-    """One epoch of minibatch steps over ``data[perm]``: ``loss_per_item(batch) -> (B,)``, its mean minimised.
-    A non-finite loss raises ``FloatingPointError`` naming ``where`` and the step. Returns the mean per-item loss."""
-    total, count = 0.0, 0
-    for i in range(0, len(perm), batch_size):
-        xb = data[perm[i:i + batch_size]].to(device)
-        loss_per = loss_per_item(xb)
-        loss = loss_per.mean()
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"{where}: non-finite loss at step {i // batch_size}.")
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        total += float(loss_per.detach().sum())
-        count += xb.shape[0]
-    return total / count

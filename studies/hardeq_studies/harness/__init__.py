@@ -10,14 +10,14 @@
 """
 
 from .checkpoint import atomic_torch_save, fingerprint, load_checkpoint, run_blocks
-from .data import BatchSource, LoaderBatches, MemberBatches
+from .data import BatchSource, LoaderBatches, MemberBatches, ShuffledBatches
 from .distributed import DistContext, init_distributed
 from .loop import Trainer, evaluate, run_fingerprint, train
 from .members import BatchedMLP, MemberList, merge_members
-from .task import Hooks, Interrupted, Task, TrainConfig, TrainResult
+from .task import Hooks, Interrupted, Objective, OnEpoch, Task, TrainConfig, TrainResult
 
 __all__ = [
     "BatchSource", "BatchedMLP", "DistContext", "Hooks", "Interrupted", "LoaderBatches", "MemberBatches", "MemberList",
-    "Task", "TrainConfig", "TrainResult", "Trainer", "atomic_torch_save", "evaluate", "fingerprint",
+    "Objective", "OnEpoch", "ShuffledBatches", "Task", "TrainConfig", "TrainResult", "Trainer", "atomic_torch_save", "evaluate", "fingerprint",
     "init_distributed", "load_checkpoint", "merge_members", "run_blocks", "run_fingerprint", "train",
 ]

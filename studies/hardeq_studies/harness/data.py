@@ -1,6 +1,6 @@
 r"""Where the harness's minibatches come from, and how a split is evaluated in batches.
 
-Two training sources:
+Three training sources:
 
 * :class:`MemberBatches` -- in-memory tensors (tabular data, MNIST-sized arrays, time-series windows cut in
   advance). Every member draws its own sample order per epoch from its own ``torch.Generator`` seeded with
@@ -11,6 +11,8 @@ Two training sources:
   factory ``make(epoch, ctx)`` returns the epoch's iterable; all members share each batch. For a
   bit-exact ``--resume`` the factory must derive its shuffling from ``epoch`` (e.g. a generator seeded with
   ``(seed, epoch)``) and, under DDP, yield this rank's shard of every global batch.
+* :class:`ShuffledBatches` -- one model (no member dimension), in-memory tensors shuffled each epoch by one
+  generator, optionally re-drawn each epoch from the same generator (a fresh binarisation of images).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from torch import Tensor
 
 from .distributed import DistContext
 
-__all__ = ["BatchSource", "MemberBatches", "LoaderBatches", "as_source", "eval_batches"]
+__all__ = ["BatchSource", "MemberBatches", "LoaderBatches", "ShuffledBatches", "as_source", "eval_batches"]
 
 
 class BatchSource(ABC):
@@ -118,6 +120,60 @@ class LoaderBatches(BatchSource):
     def epoch(self, epoch: int) -> Iterator[tuple[Any, int]]:
         for batch in self.make(epoch, self.ctx):
             yield batch, int(self.batch_size_of(batch))
+
+
+class ShuffledBatches(BatchSource):
+    """Minibatches of one model's in-memory data, in a fresh random order every epoch.
+
+    Each epoch draws ``perm = torch.randperm(N, generator=generator)`` and then, with ``redraw``, the epoch's
+    data ``redraw(data, generator)`` from the same generator; batch ``j`` is ``data[perm[j*B:(j+1)*B]]`` moved
+    to ``device`` (``(b, ...)``, no member dimension).
+
+    Args:
+        data: name -> tensor with a leading sample dimension ``N`` (any device).
+        batch_size: ``B``.
+        generator: the shuffling stream (its state is checkpointed).
+        redraw: optional ``redraw(data, generator) -> data`` called once per epoch after the permutation.
+        drop_last: skip the last, smaller batch (unless it is the only one: ``N < B`` gives one batch of ``N``).
+        max_steps: stop after this many batches in all (counted over epochs; ``None``: no limit).
+        device: where the batches go (default: where the data is).
+    """
+
+    def __init__(self, data: Mapping[str, Tensor], batch_size: int, generator: torch.Generator, *,
+                 redraw: Callable[[dict[str, Tensor], torch.Generator], dict[str, Tensor]] | None = None,
+                 drop_last: bool = False, max_steps: int | None = None,
+                 device: torch.device | str | None = None) -> None:
+        if not data:
+            raise ValueError("data must hold at least one tensor, got an empty mapping.")
+        if int(batch_size) < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
+        self.data = dict(data)
+        self.num_samples = int(next(iter(self.data.values())).shape[0])
+        self.batch_size, self.generator, self.redraw = int(batch_size), generator, redraw
+        self.drop_last, self.max_steps, self.device = bool(drop_last), max_steps, device
+        self.steps = 0
+
+    def batches_per_epoch(self) -> int:
+        N, B = self.num_samples, self.batch_size
+        return max(1, N // B) if self.drop_last else math.ceil(N / B)
+
+    def epoch(self, epoch: int) -> Iterator[tuple[dict[str, Tensor], int]]:
+        perm = torch.randperm(self.num_samples, generator=self.generator)
+        data = self.redraw(self.data, self.generator) if self.redraw is not None else self.data
+        for j in range(self.batches_per_epoch()):
+            if self.max_steps is not None and self.steps >= self.max_steps:
+                return
+            idx = perm[j * self.batch_size: (j + 1) * self.batch_size]
+            batch = {k: v[idx].to(self.device) if self.device is not None else v[idx] for k, v in data.items()}
+            self.steps += 1
+            yield batch, int(idx.shape[0])
+
+    def state_dict(self) -> list:
+        return [self.generator.get_state(), self.steps]
+
+    def load_state_dict(self, state: list) -> None:
+        self.generator.set_state(state[0])
+        self.steps = int(state[1])
 
 
 def _first_size(batch: Any) -> int:

@@ -176,6 +176,7 @@ class Trainer:
     def train_epoch(self) -> dict[str, Tensor]:
         """One pass over the training source; returns the running per-sample values averaged over it (per
         batch for a batch-level loss)."""
+        self.epoch_started = time.perf_counter()  # for hooks that time epochs
         self.model.train()
         running: dict[str, Tensor] = {}
         count = 0

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Task", "TrainConfig", "TrainResult", "Interrupted", "Hooks"]
+__all__ = ["Task", "Objective", "TrainConfig", "TrainResult", "Interrupted", "Hooks", "OnEpoch"]
 
 
 class Task(ABC):
@@ -49,6 +49,35 @@ class Task(ABC):
         ``generator`` is the evaluation's own random stream (for stochastic metrics such as importance-
         sampled likelihoods); drawing from it never disturbs training's random numbers.
         """
+
+
+class Objective(Task):
+    """The task of one model (no member dimension) given by one function.
+
+    ``loss(model, batch)`` returns per-item losses ``(b,)`` (their mean is minimised; the epoch's mean is
+    ``history["train_loss"]``) or a 0-dim batch-level objective, optionally as ``(loss, extra)`` with extra
+    values of the same shape (``history["train_<name>"]``). ``metrics(model, batch, generator)``, when given,
+    returns the validation metrics ``{name: 0-dim}`` of one evaluation batch.
+    """
+
+    def __init__(self, loss: Callable[[nn.Module, Any], Any],
+                 metrics: Callable[[nn.Module, Any, torch.Generator | None], dict[str, Tensor]] | None = None) -> None:
+        self._loss, self._metrics = loss, metrics
+
+    def forward(self, model: nn.Module, batch: Any) -> Any:
+        return model, batch
+
+    def loss(self, output: Any, batch: Any) -> tuple[Tensor, dict[str, Tensor]]:
+        value = self._loss(*output)
+        value, extra = value if isinstance(value, tuple) else (value, {})
+        if value.dim() == 0:
+            return value, dict(extra)
+        return value.unsqueeze(0), {"loss": value.unsqueeze(0), **{k: v.unsqueeze(0) for k, v in extra.items()}}
+
+    def metrics(self, output: Any, batch: Any, generator: torch.Generator | None = None) -> dict[str, Tensor]:
+        if self._metrics is None:
+            raise ValueError("this Objective has no metrics; pass metrics=... to validate, or val_data=None.")
+        return {k: torch.as_tensor(v).reshape(1) for k, v in self._metrics(*output, generator).items()}
 
 
 @dataclass
@@ -179,6 +208,17 @@ class Hooks:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         return None
+
+
+class OnEpoch(Hooks):
+    """A hook from a function ``fn(trainer, metrics)`` called after every epoch (it keeps no state in the
+    checkpoint: for curves of a run that is not resumed mid-way)."""
+
+    def __init__(self, fn: Callable[[Any, Mapping[str, Tensor]], None]) -> None:
+        self.fn = fn
+
+    def on_epoch(self, trainer: Any, metrics: Mapping[str, Tensor]) -> None:
+        self.fn(trainer, metrics)
 
 
 class Interrupted(RuntimeError):

@@ -24,9 +24,8 @@ from hardeq import ConstrainedNormal, SumConstraint
 from hardeq.baselines import constraint_layer
 from hardeq.nn import importance_log_likelihood
 
-from ..harness.checkpoint import run_blocks
+from ..harness import Objective, OnEpoch, ShuffledBatches, TrainConfig, run_blocks, train
 from ..images import brightness_mnist
-from ..runtime import train_epoch
 
 __all__ = ["CONFIG_PATH", "VARIANTS", "load_config", "settings", "pixel_sum_constraint", "observation",
            "units_of", "run_unit", "evaluate", "run"]
@@ -126,25 +125,27 @@ def run_unit(s: dict[str, Any], model_name: str, variant: str, trial: int, train
     constraint = pixel_sum_constraint(float(s["data"]["total"])).to(device)
     torch.manual_seed(seed)  # same initialisation for every variant of a model and trial
     model = _build_model(model_name, s).to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=float(s["train"]["lr"]))
     data_gen = torch.Generator().manual_seed(10_000 + seed)
     torch.manual_seed(20_000 + seed)  # latent noise during training
-    bs = int(s["train"]["batch_size"])
-    curve, epoch_s = [], []
-    for epoch in range(epochs):
-        t0 = time.perf_counter()
-        perm = torch.randperm(train_x.shape[0], generator=data_gen)
-        def loss_per_item(xb: Tensor) -> Tensor:
-            mean, log_var, kl = model(xb)
-            return _reconstruction_loss(variant, observation(variant, mean, log_var, constraint), xb) + kl
 
-        loss = train_epoch(train_x, perm, bs, opt, loss_per_item, device=device,
-                           where=f"{model_name}/{variant}/trial {trial}, epoch {epoch + 1}")
-        epoch_s.append(time.perf_counter() - t0)
-        curve.append(loss)
+    def loss_per_item(model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
+        mean, log_var, kl = model(batch["x"])
+        return _reconstruction_loss(variant, observation(variant, mean, log_var, constraint), batch["x"]) + kl
+
+    curve, epoch_s = [], []
+
+    def on_epoch(tr: Any, metrics: dict[str, Tensor]) -> None:
+        epoch_s.append(time.perf_counter() - tr.epoch_started)
+        curve.append(float(metrics["train_loss"][0]))
         if progress:
-            print(f"  {model_name:6s} {variant:14s} trial {trial} epoch {epoch + 1}/{epochs}: train loss "
+            print(f"  {model_name:6s} {variant:14s} trial {trial} epoch {tr.epoch + 1}/{epochs}: train loss "
                   f"{curve[-1]:.2f} ({epoch_s[-1]:.1f} s)", flush=True)
+
+    bs = int(s["train"]["batch_size"])
+    train(model, Objective(loss_per_item), ShuffledBatches({"x": train_x}, bs, data_gen, device=device), None,
+          TrainConfig(epochs, bs, zero_grad_to_none=True, raise_nonfinite=True), [seed],
+          optimizer=lambda params: torch.optim.Adam(params, lr=float(s["train"]["lr"])), hooks=OnEpoch(on_epoch),
+          progress=False, desc=f"{model_name}/{variant}/trial {trial}")
     t0 = time.perf_counter()
     metrics = evaluate(model, variant, test_x.to(device), constraint, int(s["importance_samples"]),
                        int(s["eval"]["seed"]), int(s["eval"]["chunk"]), float(s["data"]["violation_tolerance"]))

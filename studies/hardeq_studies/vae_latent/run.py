@@ -21,9 +21,8 @@ from torch import Tensor, nn
 from hardeq import LinearConstraint, SumConstraint
 from hardeq.nn import ConstrainedGaussianLatent, importance_log_likelihood
 
-from ..harness.checkpoint import run_blocks
+from ..harness import Objective, OnEpoch, ShuffledBatches, TrainConfig, run_blocks, train
 from ..images import load_mnist
-from ..runtime import train_epoch
 
 __all__ = ["CONFIG_PATH", "load_config", "settings", "build_constraint", "VAE", "binarised_mnist", "run_unit",
            "evaluate", "run"]
@@ -142,28 +141,32 @@ def run_unit(s: dict[str, Any], constraint_name: str, method: str, trial: int, t
         constraint = build_constraint(constraint_name, s["constraints"][constraint_name], latent)
     torch.manual_seed(seed)  # same initialisation for every method of a trial
     model = VAE(latent, list(s["model"]["hidden"]), constraint).to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=float(s["train"]["lr"]))
     data_gen = torch.Generator().manual_seed(10_000 + seed)  # same batches for every method
     torch.manual_seed(20_000 + seed)  # estimator-internal noise (independent proxies, random gradients)
-    bs = int(s["train"]["batch_size"])
     chunk = int(s["eval"]["chunk"])
-    curve_train, curve_test, epoch_s = [], [], []
-    for epoch in range(epochs):
-        t0 = time.perf_counter()
-        perm = torch.randperm(train_x.shape[0], generator=data_gen)
-        xb_all = torch.bernoulli(train_x, generator=data_gen)
-        def loss_per_item(xb: Tensor) -> Tensor:
-            q = model.posterior(xb)
-            return -model.log_likelihood(xb, _sample(q, method)) + model.latent.kl(q)
 
-        loss = train_epoch(xb_all, perm, bs, opt, loss_per_item, device=device,
-                           where=f"{constraint_name}/{method}/trial {trial}, epoch {epoch + 1}")
-        epoch_s.append(time.perf_counter() - t0)
-        curve_train.append(loss)
+    def loss_per_item(model: VAE, batch: dict[str, Tensor]) -> Tensor:
+        q = model.posterior(batch["x"])
+        return -model.log_likelihood(batch["x"], _sample(q, method)) + model.latent.kl(q)
+
+    def binarise(data: dict[str, Tensor], gen: torch.Generator) -> dict[str, Tensor]:
+        return {"x": torch.bernoulli(data["x"], generator=gen)}  # a fresh binarisation every epoch
+
+    curve_train, curve_test, epoch_s = [], [], []
+
+    def on_epoch(tr: Any, metrics: dict[str, Tensor]) -> None:
+        epoch_s.append(time.perf_counter() - tr.epoch_started)
+        curve_train.append(float(metrics["train_loss"][0]))
         curve_test.append(_test_nelbo(model, test_x.to(device), int(s["eval"]["seed"]) + 1, chunk))
         if progress:
-            print(f"  {constraint_name:5s} {method:32s} trial {trial} epoch {epoch + 1}/{epochs}: train NELBO "
+            print(f"  {constraint_name:5s} {method:32s} trial {trial} epoch {tr.epoch + 1}/{epochs}: train NELBO "
                   f"{curve_train[-1]:.2f}, test NELBO {curve_test[-1]:.2f} ({epoch_s[-1]:.1f} s)", flush=True)
+
+    bs = int(s["train"]["batch_size"])
+    train(model, Objective(loss_per_item), ShuffledBatches({"x": train_x}, bs, data_gen, redraw=binarise, device=device),
+          None, TrainConfig(epochs, bs, zero_grad_to_none=True, raise_nonfinite=True), [seed],
+          optimizer=lambda params: torch.optim.Adam(params, lr=float(s["train"]["lr"])), hooks=OnEpoch(on_epoch),
+          progress=False, desc=f"{constraint_name}/{method}/trial {trial}")
     t0 = time.perf_counter()
     metrics = evaluate(model, test_x.to(device), int(s["importance_samples"]), int(s["eval"]["seed"]), chunk)
     return {"metrics": metrics, "curve_train_nelbo": curve_train, "curve_test_nelbo": curve_test,
