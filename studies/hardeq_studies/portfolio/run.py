@@ -9,7 +9,6 @@ batch order and the noise. Units are computed run-major and checkpointed atomica
 from __future__ import annotations
 
 import copy
-import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -19,11 +18,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..harness import run_blocks
+from ..harness import Hooks, Objective, ShuffledBatches, TrainConfig, run_blocks, train
 from .classical import CLASSICAL, classical_weights
 from .data import PortfolioData, load_data
 from .models import StemGNN
-from .task import METHODS, OURS, WeightHead, batches, loss, portfolio_stats
+from .task import METHODS, OURS, WeightHead, loss, portfolio_stats
 
 __all__ = ["settings", "prepare", "train_unit", "evaluate", "run"]
 
@@ -105,42 +104,46 @@ def train_unit(s: dict[str, Any], data: PortfolioData, tensors: dict[str, dict[s
     seed = int(s["seed_base"]) + run
     model = build_model(s, data, method, seed).to(device)
     head = WeightHead(method, data.num_assets, variance_floor=tr["variance_floor"], mc_samples=tr["mc_samples"])
-    opt = torch.optim.Adam(model.parameters(), lr=tr["lr"], weight_decay=tr["weight_decay"])
-    gen = torch.Generator().manual_seed(seed)
-    train, val = tensors["train"], tensors["val"]
     rf, days = float(s["rf"]), int(s["days"])
-    best_val, best_state, best_epoch, bad = -math.inf, None, 0, 0
-    curve: list[list[float]] = []
-    for epoch in range(1, epochs + 1):
-        model.train()
-        tot = [0.0, 0.0, 0.0]
-        parts = batches(train["inputs"].shape[0], tr["batch_size"], gen)
-        for idx in parts:
-            forecast, raw = model(train["inputs"][idx] - 1)
-            value, info = loss(head, forecast, raw, train["future"][idx], train["returns"][idx],
-                               w_pred=tr["w_pred"], w_sharpe=tr["w_sharpe"], rf=rf, days=days)
-            opt.zero_grad(set_to_none=True)
-            value.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), tr["clip_grad_norm"])
-            opt.step()
-            tot[0] += float(value.detach()) / len(parts)
-            tot[1] += info["mse"] / len(parts)
-            tot[2] += info["sharpe"] / len(parts)
-        _, vstats = evaluate(model, head, val, rf=rf, days=days)
-        v = float(vstats["sharpe"].mean())
-        curve.append([*tot, v])
-        if v > best_val:
-            best_val, best_epoch, bad = v, epoch, 0
-            best_state = {k: t.detach().clone() for k, t in model.state_dict().items()}
-        else:
-            bad += 1
-            if bad >= tr["patience"]:
-                break
-    model.load_state_dict(best_state)
+
+    def objective(model: StemGNN, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        forecast, raw = model(batch["inputs"] - 1)
+        value, info = loss(head, forecast, raw, batch["future"], batch["returns"], w_pred=tr["w_pred"],
+                           w_sharpe=tr["w_sharpe"], rf=rf, days=days)
+        return value, {k: torch.tensor(v, dtype=torch.float64) for k, v in info.items()}
+
+    def val_metrics(model: StemGNN, split: dict[str, Tensor], generator: Any) -> dict[str, Tensor]:
+        return {"neg_sharpe": -evaluate(model, head, split, rf=rf, days=days)[1]["sharpe"].mean()}
+
+    train_split = {k: tensors["train"][k] for k in ("inputs", "future", "returns")}
+    source = ShuffledBatches(train_split, int(tr["batch_size"]), torch.Generator().manual_seed(seed))
+    curve = _Curve(source.batches_per_epoch())
+    config = TrainConfig(epochs, int(tr["batch_size"]), select_metric="neg_sharpe", patience=int(tr["patience"]),
+                         clip_grad_norm=float(tr["clip_grad_norm"]), zero_grad_to_none=True)
+    res = train(model, Objective(objective, val_metrics), source, [tensors["val"]], config, [seed],
+                optimizer=lambda params: torch.optim.Adam(params, lr=tr["lr"], weight_decay=tr["weight_decay"]),
+                hooks=curve, progress=False, desc=f"portfolio {method} run {run}")
+    model.load_state_dict(res.best_state)
     w, stats = evaluate(model, head, tensors["test"], rf=rf, days=days)
     return {"test": {k: stats[k] for k in (*METRICS, "cum_return")}, "weights": w.to(torch.float32),
-            "curve": torch.tensor(curve, dtype=torch.float64), "best_epoch": best_epoch, "val_sharpe": best_val,
+            "curve": torch.tensor(curve.rows, dtype=torch.float64), "best_epoch": int(res.best_epoch[0]),
+            "val_sharpe": -float(res.best_value[0]),
             "seconds": time.perf_counter() - t0}
+
+
+class _Curve(Hooks):
+    """Per epoch: the mean over its batches of the training loss, MSE and Sharpe, and the validation Sharpe."""
+
+    def __init__(self, batches: int) -> None:
+        self.batches, self.rows, self.totals = batches, [], [0.0, 0.0, 0.0]
+
+    def on_step(self, trainer: Any, loss: Tensor, extra: dict[str, Tensor]) -> None:
+        for i, value in enumerate((loss, extra["mse"], extra["sharpe"])):
+            self.totals[i] += float(value) / self.batches
+
+    def on_epoch(self, trainer: Any, metrics: dict[str, Tensor]) -> None:
+        self.rows.append([*self.totals, -float(metrics["val_neg_sharpe"][0])])
+        self.totals = [0.0, 0.0, 0.0]
 
 
 def classical_unit(s: dict[str, Any], tensors: dict[str, dict[str, Tensor]]) -> dict[str, Any]:

@@ -24,7 +24,6 @@ with the annualised mean and covariance of the realised returns, the reference's
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -138,8 +137,3 @@ def loss(head: WeightHead, forecast: Tensor, raw: Tensor, future: Tensor, return
     sr = sharpe(head.training_weights(raw), returns, rf=rf, days=days).mean()
     return w_pred * mse - w_sharpe * sr, {"mse": float(mse.detach()), "sharpe": float(sr.detach())}
 
-
-def batches(n: int, batch_size: int, generator: torch.Generator) -> Sequence[Tensor]:
-    """A random permutation of ``range(n)`` cut into batches of ``batch_size`` (the last may be smaller)."""
-    perm = torch.randperm(n, generator=generator)
-    return list(perm.split(batch_size))
