@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +22,10 @@ import torch
 from torch import Tensor, nn
 
 from ..extras import require
-from ..harness import atomic_torch_save, fingerprint, load_checkpoint
+from ..harness import (BatchSource, Hooks, Objective, ShuffledBatches, TrainConfig, load_checkpoint, run_fingerprint,
+                       train)
 
-__all__ = ["build_unet", "count_parameters", "EMA", "train_denoiser", "SmallCNN", "train_classifier",
+__all__ = ["build_unet", "count_parameters", "DenoiserSteps", "train_denoiser", "SmallCNN", "train_classifier",
            "classifier_outputs"]
 
 
@@ -49,119 +50,117 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-class EMA:
-    """Exponential moving average of a model's floating-point state, with the usual warm-up
-    ``decay_s = min(decay, (1 + s) / (10 + s))``."""
-
-    def __init__(self, model: nn.Module, decay: float) -> None:
-        self.decay = float(decay)
-        self.shadow = {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-    @torch.no_grad()
-    def update(self, model: nn.Module, step: int) -> None:
-        d = min(self.decay, (1 + step) / (10 + step))
-        for k, v in model.state_dict().items():
-            if v.is_floating_point():
-                self.shadow[k].mul_(d).add_(v.detach(), alpha=1 - d)
-            else:
-                self.shadow[k].copy_(v)
-
-
 def _step_generator(seed: int, step: int) -> torch.Generator:
     return torch.Generator().manual_seed((int(seed) * 1_000_003 + int(step)) % (2**63 - 1))
+
+
+class DenoiserSteps(BatchSource):
+    r"""The denoiser's training steps as a harness source; harness epoch ``e`` is steps ``e * every`` to
+    ``(e + 1) * every - 1`` (one checkpoint interval).
+
+    Step ``s`` takes batch ``s mod (N // B)`` of data epoch ``s // (N // B)`` (a permutation seeded from
+    ``(seed + 7919, data epoch)``) and draws ``t``, :math:`\varepsilon` and the dropout seed from ``(seed, s)``:
+    every step is a function of its index, so the source has no state to checkpoint."""
+
+    def __init__(self, images: Tensor, num_timesteps: int, batch_size: int, *, seed: int, steps: int, every: int,
+                 device: torch.device) -> None:
+        self.images, self.T, self.B, self.seed, self.steps = images, int(num_timesteps), int(batch_size), seed, steps
+        self.every, self.device = max(1, int(every)), device
+        self.num_samples = N = int(images.shape[0])
+        if N < self.B:
+            raise ValueError(f"batch_size {self.B} exceeds the {N} training images.")
+        self.per_epoch = N // self.B
+        self._perm_epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
+
+    @property
+    def epochs(self) -> int:
+        """Harness epochs: checkpoint intervals, the last one possibly shorter."""
+        return -(-self.steps // self.every)
+
+    def epoch(self, epoch: int) -> Iterator[tuple[dict[str, Tensor], int]]:
+        B = self.B
+        for s in range(epoch * self.every, min((epoch + 1) * self.every, self.steps)):
+            data_epoch = s // self.per_epoch
+            if data_epoch != self._perm_epoch:
+                self._perm = torch.randperm(self.num_samples, generator=_step_generator(self.seed + 7919, data_epoch))
+                self._perm_epoch = data_epoch
+            gen = _step_generator(self.seed, s)
+            idx = self._perm[(s % self.per_epoch) * B:(s % self.per_epoch + 1) * B]
+            x0 = self.images[idx].to(self.device)
+            t = torch.randint(0, self.T, (B,), generator=gen).to(self.device)
+            eps = torch.randn(x0.shape, generator=gen).to(self.device)
+            torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))  # dropout
+            yield {"x0": x0, "t": t, "eps": eps}, B
+
+
+class _StepLog(Hooks):
+    """Per-step losses and training seconds (checkpointed with the run); a log line every ``log_every`` steps."""
+
+    def __init__(self, steps: int, log_every: int, log: Callable[[str], None]) -> None:
+        self.losses, self.seconds = torch.zeros(steps, dtype=torch.float32), 0.0
+        self.log_every, self.log, self.t_last = log_every, log, time.perf_counter()
+
+    def on_step(self, trainer: Any, loss: Tensor, extra: Any) -> None:
+        s = trainer.step - 1
+        self.losses[s] = float(loss)
+        now = time.perf_counter()
+        self.seconds += now - self.t_last
+        self.t_last = now
+        if self.log_every and (s + 1) % self.log_every == 0:
+            lo = max(0, s + 1 - self.log_every)
+            self.log(f"[diffusion] step {s + 1}/{self.losses.shape[0]}: loss "
+                     f"{float(self.losses[lo:s + 1].mean()):.4f}, {self.seconds / (s + 1):.3f} s/step, "
+                     f"{self.seconds:.0f} s")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"losses": self.losses.clone(), "seconds": self.seconds}
+
+    def load_state_dict(self, state: Any) -> None:
+        self.losses, self.seconds, self.t_last = state["losses"].clone(), float(state["seconds"]), time.perf_counter()
 
 
 def train_denoiser(model: nn.Module, images: Tensor, abar: Tensor, cfg: dict[str, Any], *, steps: int, seed: int,
                    checkpoint_path: Path | None, resume: bool, run_id: Any, device: torch.device,
                    log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Train ``model`` (in place) for ``steps`` steps on ``images`` (``(N, C, H, W)`` in ``[-1, 1]``); return
-    ``{"ema": state_dict, "losses": (steps,) float32, "seconds", "steps", "cached": bool}``.
+    """Train ``model`` (in place) for ``steps`` steps on ``images`` (``(N, C, H, W)`` in ``[-1, 1]``) with the
+    harness; return ``{"ema": state_dict, "losses": (steps,) float32, "seconds", "steps", "cached": bool}``.
 
     ``cfg``: ``batch_size``, ``lr``, ``warmup``, ``ema_decay``, ``grad_clip``, ``weight_decay``,
-    ``checkpoint_every``, ``log_every``. A complete checkpoint of the same run (``run_id``'s fingerprint) is
-    returned as is (``cached``); an incomplete one is continued with ``resume`` (a checkpoint of another run
-    then raises ``ValueError``) and ignored otherwise."""
+    ``checkpoint_every``, ``log_every``. A complete checkpoint of the same run is returned as is (``cached``);
+    an incomplete one is continued with ``resume`` (a checkpoint of another run then raises ``ValueError``)
+    and ignored otherwise."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    run_hash = fingerprint(run_id)
     model.to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=float(cfg["lr"]), weight_decay=float(cfg.get("weight_decay", 0.0)))
-    ema = EMA(model, float(cfg["ema_decay"]))
-    losses = torch.zeros(steps, dtype=torch.float32)
-    start, seconds = 0, 0.0
+    source = DenoiserSteps(images, abar.shape[0], int(cfg["batch_size"]), seed=seed, steps=steps,
+                           every=int(cfg.get("checkpoint_every", 500)), device=device)
+    warmup, lr, clip = int(cfg.get("warmup", 0)), float(cfg["lr"]), float(cfg.get("grad_clip", 0.0))
+    config = TrainConfig(source.epochs, source.B, checkpoint_every=1, ema_decay=float(cfg["ema_decay"]),
+                         ema_warmup=True, clip_grad_norm=clip if clip > 0 else None, schedule_per_step=True,
+                         zero_grad_to_none=True)
+    cached = False
     if checkpoint_path is not None and Path(checkpoint_path).exists():
         ck = load_checkpoint(checkpoint_path)
-        same = ck.get("fingerprint") == run_hash
-        if same and ck.get("complete"):
-            model.load_state_dict(ck["model"])
-            return {"ema": ck["ema"], "losses": ck["losses"], "seconds": float(ck["seconds"]), "steps": steps,
-                    "cached": True}
-        if resume:
-            if not same:
-                raise ValueError(f"checkpoint {checkpoint_path} belongs to a different run (fingerprint "
-                                 f"{ck.get('fingerprint')} != {run_hash}); remove it or run without --resume.")
-            model.load_state_dict(ck["model"])
-            opt.load_state_dict(ck["opt"])
-            ema.shadow = {k: v.to(device) for k, v in ck["ema"].items()}
-            start, seconds = int(ck["step"]), float(ck["seconds"])
-            losses[:start] = ck["losses"][:start]
-            log(f"[diffusion] resuming the denoiser's training at step {start}/{steps}")
-
-    def save(step: int, complete: bool) -> None:
-        if checkpoint_path is None:
-            return
-        atomic_torch_save({"fingerprint": run_hash, "step": step, "complete": complete,
-                           "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-                           "ema": {k: v.detach().cpu() for k, v in ema.shadow.items()},
-                           "opt": opt.state_dict() if not complete else {}, "losses": losses.clone(),
-                           "seconds": seconds}, Path(checkpoint_path))
-
-    N, B = images.shape[0], int(cfg["batch_size"])
-    if N < B:
-        raise ValueError(f"batch_size {B} exceeds the {N} training images.")
-    per_epoch = N // B
+        cached = (ck.get("fingerprint") == run_fingerprint(run_id, config, [seed], source.num_samples)
+                  and int(ck.get("epoch", -1)) == config.epochs)
+        if resume and not cached:
+            log(f"[diffusion] resuming the denoiser's training at step {int(ck.get('step', 0))}/{steps}")
     abar_dev = abar.to(device=device, dtype=torch.float32)
-    T = abar.shape[0]
-    warmup, lr, clip = int(cfg.get("warmup", 0)), float(cfg["lr"]), float(cfg.get("grad_clip", 0.0))
-    every, log_every = int(cfg.get("checkpoint_every", 500)), int(cfg.get("log_every", 0))
-    perm_epoch, perm = -1, None
-    model.train()
-    t_last = time.perf_counter()
-    for s in range(start, steps):
-        epoch = s // per_epoch
-        if epoch != perm_epoch:
-            perm = torch.randperm(N, generator=_step_generator(seed + 7919, epoch))
-            perm_epoch = epoch
-        gen = _step_generator(seed, s)
-        idx = perm[(s % per_epoch) * B:(s % per_epoch + 1) * B]
-        x0 = images[idx].to(device)
-        t = torch.randint(0, T, (B,), generator=gen).to(device)
-        eps = torch.randn(x0.shape, generator=gen).to(device)
-        torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))  # dropout
-        a = abar_dev[t].view(-1, 1, 1, 1)
-        xt = a.sqrt() * x0 + (1 - a).sqrt() * eps
-        for g in opt.param_groups:
-            g["lr"] = lr * min(1.0, (s + 1) / warmup) if warmup > 0 else lr
-        loss = (model(xt, t).sample - eps).square().mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        ema.update(model, s)
-        losses[s] = float(loss.detach())
-        now = time.perf_counter()
-        seconds += now - t_last
-        t_last = now
-        if log_every and (s + 1) % log_every == 0:
-            lo = max(0, s + 1 - log_every)
-            log(f"[diffusion] step {s + 1}/{steps}: loss {float(losses[lo:s + 1].mean()):.4f}, "
-                f"{seconds / (s + 1):.3f} s/step, "
-                f"{seconds:.0f} s")
-        if (s + 1) % every == 0 and s + 1 < steps:
-            save(s + 1, False)
-    save(steps, True)
-    return {"ema": {k: v.detach().cpu() for k, v in ema.shadow.items()}, "losses": losses, "seconds": seconds,
-            "steps": steps, "cached": False}
+
+    def objective(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+        a = abar_dev[batch["t"]].view(-1, 1, 1, 1)
+        xt = a.sqrt() * batch["x0"] + (1 - a).sqrt() * batch["eps"]
+        return (model(xt, batch["t"]).sample - batch["eps"]).square().mean()
+
+    def warm_up(opt: torch.optim.Optimizer) -> Any:  # lr * min(1, (s + 1) / warmup) at step s
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / warmup))
+
+    step_log = _StepLog(steps, int(cfg.get("log_every", 0)), log)
+    res = train(model, Objective(objective), source, None, config, [seed],
+                optimizer=lambda p: torch.optim.Adam(p, lr=lr, weight_decay=float(cfg.get("weight_decay", 0.0))),
+                scheduler=warm_up if warmup > 0 else None, hooks=step_log, checkpoint_path=checkpoint_path,
+                resume=resume or cached, run_id=run_id, progress=False, desc="diffusion denoiser")
+    return {"ema": res.final_state, "losses": step_log.losses, "seconds": step_log.seconds, "steps": steps,
+            "cached": cached}
 
 
 # ------------------------------------------------------------------------------------------ classifier
@@ -200,26 +199,18 @@ def train_classifier(images_u8: Tensor, labels: Tensor, cfg: dict[str, Any], *, 
     t0 = time.perf_counter()
     torch.manual_seed(seed)
     net = SmallCNN(images_u8.shape[1], tuple(cfg.get("widths", (32, 64, 64))), int(cfg.get("features", 128))).to(device)
-    opt = torch.optim.Adam(net.parameters(), lr=float(cfg.get("lr", 1e-3)))
     gen = torch.Generator().manual_seed(seed)
-    B, N = int(cfg.get("batch_size", 128)), images_u8.shape[0]
-    max_steps = cfg.get("max_steps")
-    step = 0
-    net.train()
-    for _ in range(int(cfg.get("epochs", 1))):
-        perm = torch.randperm(N, generator=gen)
-        for i in range(0, N - B + 1 if N >= B else 1, B):
-            idx = perm[i:i + B]
-            logits = net(_classifier_input(images_u8[idx]).to(device))
-            loss = nn.functional.cross_entropy(logits, labels[idx].to(device))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            step += 1
-            if max_steps is not None and step >= int(max_steps):
-                break
-        if max_steps is not None and step >= int(max_steps):
-            break
+    B, max_steps = int(cfg.get("batch_size", 128)), cfg.get("max_steps")
+    source = ShuffledBatches({"x": images_u8, "y": labels}, B, gen, drop_last=True,
+                             max_steps=None if max_steps is None else int(max_steps))
+
+    def objective(net: SmallCNN, batch: dict[str, Tensor]) -> Tensor:
+        logits = net(_classifier_input(batch["x"]).to(device))
+        return nn.functional.cross_entropy(logits, batch["y"].to(device))
+
+    train(net, Objective(objective), source, None, TrainConfig(int(cfg.get("epochs", 1)), B, zero_grad_to_none=True),
+          [seed], optimizer=lambda p: torch.optim.Adam(p, lr=float(cfg.get("lr", 1e-3))), progress=False,
+          desc="diffusion classifier")
     return net.eval(), time.perf_counter() - t0
 
 
