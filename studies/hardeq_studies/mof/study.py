@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 from ..contract import Study, positive_int
+from ..runtime import RunSetup, add_run_arguments
 from .data import CONFIG_PATH, load_config
 
 __all__ = ["MofStudy", "STUDY"]
@@ -17,6 +17,9 @@ __all__ = ["MofStudy", "STUDY"]
 
 class MofStudy(Study):
     """Charge-neutral partial charges on MOF graphs with an MPNN (docs/mof.md)."""
+
+    default_device = None  # CUDA when available
+    default_threads = None  # torch's own unless the preset or --threads says
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--splits", type=positive_int, default=None,
@@ -26,10 +29,7 @@ class MofStudy(Study):
         parser.add_argument("--graphs", type=positive_int, default=None, help="use only the first N graphs")
         parser.add_argument("--jobs", type=positive_int, default=None,
                             help="parallel processes (default: the preset's)")
-        parser.add_argument("--threads", type=positive_int, default=None, help="intra-op threads per process")
-        parser.add_argument("--checkpoint-dir", type=Path, default=None,
-                            help="default: OUT/checkpoints (removed after a completed run unless --keep-checkpoints)")
-        parser.add_argument("--keep-checkpoints", action="store_true")
+        add_run_arguments(parser)
 
     def settings(self, args: argparse.Namespace) -> dict[str, Any]:
         """The preset's settings with the command line's overrides."""
@@ -48,65 +48,64 @@ class MofStudy(Study):
             s["device"] = str(args.device)
         return s
 
-    def run(self, args: argparse.Namespace) -> dict[str, Any]:
+    def execute(self, run: RunSetup) -> dict[str, Any]:
         import torch
 
-        from ..results import atomic_write_text, write_json
-        from .data import load_graphs, pyg
-        from .evaluate import evaluate_all, significance
-        from .run import train_all
-
         from ..extras import require
+        from .data import load_graphs, pyg
+        from .evaluate import evaluate_all
+        from .run import train_all
 
         pyg()  # clear errors naming hardeq-studies[graphs] before any work
         require("tqdm", "graphs", purpose="the training harness's progress reports")
         require("matplotlib", "graphs", purpose="the mof study's figures")
-        s = self.settings(args)
-        out = Path(args.out)
-        ckpt = getattr(args, "checkpoint_dir", None) or out / "checkpoints"
-        device = s.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
-        threads = int(s.get("threads") or torch.get_num_threads())
-        torch.set_num_threads(threads)
-        quiet = bool(getattr(args, "quiet", False))
+        s = run.settings
         t0 = time.perf_counter()
-        units = train_all(self.config, s, checkpoint_dir=ckpt, resume=bool(args.resume), device=device,
-                          jobs=int(s.get("jobs") or 1), threads=threads, progress=not quiet)
+        units = train_all(self.config, s, checkpoint_dir=run.checkpoint_dir, resume=run.resume,
+                          device=str(run.device), jobs=int(s.get("jobs") or 1), threads=torch.get_num_threads(),
+                          progress=not run.quiet)
         train_s = time.perf_counter() - t0
-        ev = evaluate_all(self.config, s, units)
+        return {"ev": evaluate_all(self.config, s, units), "train_s": train_s,
+                "facts": load_graphs(None, s.get("graphs")).facts}
+
+    def document(self, run: RunSetup, result: dict[str, Any], wall: float) -> dict[str, Any]:
+        from .evaluate import significance
+
+        ev = dict(result["ev"])
         per_split = ev.pop("per_split")
         sig = significance(per_split, [tuple(p) for p in self.config["significance"]])
-        facts = load_graphs(None, s.get("graphs")).facts
-        wall = time.perf_counter() - t0
-        used = {**self.config, "preset": args.preset, "settings": s, "device_run": device}
-        doc = write_json(out / "mof.json", "mof", args.preset, used, ev.pop("records"), device=device,
-                         per_split=per_split, significance=sig, data=facts,
-                         timing={"total_s": wall, "train_s": train_s, **ev.pop("unit_seconds")},
-                         command=getattr(args, "command_line", None) or f"hardeq reproduce mof --preset {args.preset}",
-                         **{k: v for k, v in ev.items() if k not in ("curves", "parity")})
-        atomic_write_text(out / "mof.curves.json", json.dumps({"curves": ev["curves"], "parity": ev["parity"]}) + "\n")
-        if not getattr(args, "keep_checkpoints", False):
-            for p in Path(ckpt).glob("mof-*.pt"):
-                p.unlink()
-            if Path(ckpt).is_dir() and not any(Path(ckpt).iterdir()):
-                shutil.rmtree(ckpt, ignore_errors=True)
-        return doc
+        used = {**self.config, "preset": run.preset, "settings": run.settings, "device_run": str(run.device)}
+        return {"config": used, "records": ev.pop("records"), "device": str(run.device), "per_split": per_split,
+                "significance": sig, "data": result["facts"],
+                "timing": {"total_s": wall, "train_s": result["train_s"], **ev.pop("unit_seconds")},
+                "command": run.command, **{k: v for k, v in ev.items() if k not in ("curves", "parity")}}
 
-    def report(self, doc: dict[str, Any], out: Path, *, quiet: bool = False) -> list[Path]:
+    def write_extra(self, run: RunSetup, result: dict[str, Any]) -> None:
         from ..results import atomic_write_text
-        from .report import plot_curves, plot_parity, render_markdown
 
-        out = Path(out)
-        atomic_write_text(out / "mof.md", render_markdown(doc))
-        paths = [out / "mof.md"]
+        ev = result["ev"]
+        atomic_write_text(run.out / "mof.curves.json",
+                          json.dumps({"curves": ev["curves"], "parity": ev["parity"]}) + "\n")
+
+    def markdown(self, doc: dict[str, Any], out: Path) -> str:
+        from .report import render_markdown
+
+        return render_markdown(doc)
+
+    def figures(self, doc: dict[str, Any], out: Path) -> list[Path]:
+        from .report import plot_curves, plot_parity
+
         extra_path = out / "mof.curves.json"
-        if extra_path.exists():
-            extra = json.loads(extra_path.read_text())
-            paths += [plot_curves(extra["curves"], out), plot_parity(extra["parity"], out)]
-        if not quiet:
-            print(render_markdown(doc, brief=True))
-            print(f"wrote {out / 'mof.json'}, {out / 'mof.md'} and plots "
-                  f"({doc.get('timing', {}).get('total_s', float('nan')):.0f} s)")
-        return paths
+        if not extra_path.exists():
+            return []
+        extra = json.loads(extra_path.read_text())
+        return [plot_curves(extra["curves"], out), plot_parity(extra["parity"], out)]
+
+    def console(self, doc: dict[str, Any], out: Path, text: str) -> str:
+        from .report import render_markdown
+
+        return (render_markdown(doc, brief=True) + f"\nwrote {out / 'mof.json'}, {out / 'mof.md'} and plots "
+                f"({doc.get('timing', {}).get('total_s', float('nan')):.0f} s)")
 
 
 STUDY = MofStudy("mof", load_config(CONFIG_PATH))
