@@ -18,6 +18,7 @@ from .task import Hooks, Interrupted, Objective, OnEpoch, Task, TrainConfig, Tra
 
 __all__ = [
     "BatchSource", "BatchedMLP", "DistContext", "Hooks", "Interrupted", "LoaderBatches", "MemberBatches", "MemberList",
-    "Objective", "OnEpoch", "ShuffledBatches", "Task", "TrainConfig", "TrainResult", "Trainer", "atomic_torch_save", "evaluate", "fingerprint",
-    "init_distributed", "load_checkpoint", "merge_members", "run_blocks", "run_fingerprint", "train",
+    "Objective", "OnEpoch", "ShuffledBatches", "Task", "TrainConfig", "TrainResult", "Trainer", "atomic_torch_save",
+    "evaluate", "fingerprint", "init_distributed", "load_checkpoint", "merge_members", "run_blocks", "run_fingerprint",
+    "train",
 ]

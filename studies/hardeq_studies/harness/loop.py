@@ -142,6 +142,10 @@ class Trainer:
             self.ema = {k: v.to(dev) for k, v in ck["ema"].items()}
         self.epoch = int(ck["epoch"])
         self.step = int(ck.get("step", 0))
+        if ck.get("torch_rng") is not None:  # dropout and other draws from torch's global stream
+            torch.set_rng_state(ck["torch_rng"])
+        if ck.get("cuda_rng") is not None and dev.type == "cuda":
+            torch.cuda.set_rng_state(ck["cuda_rng"], dev)
         for hook, state in zip(self.hooks, ck.get("hooks", [])):
             hook.load_state_dict(state)
 
@@ -156,10 +160,12 @@ class Trainer:
             "fingerprint": self.run_hash, "epoch": self.epoch, "model": cpu(self.model.state_dict()),
             "optimizer": self.optimizer.state_dict(), "generators": self.source.state_dict(),
             "best_state": cpu(self.best_state), "best_value": self.best_value, "best_epoch": self.best_epoch,
-            "history": self.history, "step": self.step,
+            "history": self.history, "step": self.step, "torch_rng": torch.get_rng_state(),
         }
         if self.hooks:
             state["hooks"] = [hook.state_dict() for hook in self.hooks]
+        if self.ctx.device.type == "cuda":
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.ctx.device)
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         if self.config.patience is not None:

@@ -198,7 +198,8 @@ class Hooks:
     """
 
     def on_step(self, trainer: Any, loss: Tensor, extra: Mapping[str, Tensor]) -> None:
-        """After optimiser step ``trainer.step - 1`` (0-based), with its loss (detached) and extra values."""
+        """After optimiser step ``trainer.step - 1`` (0-based; after the per-step schedule's step and the EMA
+        update), with its loss (detached) and extra values."""
 
     def on_epoch(self, trainer: Any, metrics: Mapping[str, Tensor]) -> None:
         """After epoch ``trainer.epoch`` (0-based) was trained, evaluated and selected on; before the checkpoint."""

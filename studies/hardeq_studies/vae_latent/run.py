@@ -163,8 +163,9 @@ def run_unit(s: dict[str, Any], constraint_name: str, method: str, trial: int, t
                   f"{curve_train[-1]:.2f}, test NELBO {curve_test[-1]:.2f} ({epoch_s[-1]:.1f} s)", flush=True)
 
     bs = int(s["train"]["batch_size"])
-    train(model, Objective(loss_per_item), ShuffledBatches({"x": train_x}, bs, data_gen, redraw=binarise, device=device),
-          None, TrainConfig(epochs, bs, zero_grad_to_none=True, raise_nonfinite=True), [seed],
+    source = ShuffledBatches({"x": train_x}, bs, data_gen, redraw=binarise, device=device)
+    train(model, Objective(loss_per_item), source, None,
+          TrainConfig(epochs, bs, zero_grad_to_none=True, raise_nonfinite=True), [seed],
           optimizer=lambda params: torch.optim.Adam(params, lr=float(s["train"]["lr"])), hooks=OnEpoch(on_epoch),
           progress=False, desc=f"{constraint_name}/{method}/trial {trial}")
     t0 = time.perf_counter()
