@@ -94,7 +94,7 @@ def main() -> None:
         args.steps_T, args.rounds, args.step_repeats = 100, 1, 10
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    from hardeq.studies.diffusion.model import build_unet, count_parameters
+    from hardeq_studies.diffusion.model import build_unet, count_parameters
 
     model = build_unet(UNET, 1).eval()
     B, T = args.batch, args.steps_T

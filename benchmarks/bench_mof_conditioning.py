@@ -188,8 +188,8 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.distributions.Distribution.set_default_validate_args(False)
-    from hardeq.studies.mof.data import collate, load_graphs
-    from hardeq.studies.mof.models import build_member
+    from hardeq_studies.mof.data import collate, load_graphs
+    from hardeq_studies.mof.models import build_member
 
     data = load_graphs()
     g = torch.Generator().manual_seed(0)

@@ -73,9 +73,9 @@ def plain_loop(data, method: str, seeds, epochs: int, dtype, floor: float) -> No
 
 
 def harness_run(data, config, methods, seeds, epochs: int, dtype) -> None:
-    from hardeq.studies.chemical.models import build_model
-    from hardeq.studies.chemical.run import make_task
-    from hardeq.studies.harness import TrainConfig, train
+    from hardeq_studies.chemical.models import build_model
+    from hardeq_studies.chemical.run import make_task
+    from hardeq_studies.harness import TrainConfig, train
 
     _, task = make_task(data.name, config, methods, len(seeds), dtype, torch.device("cpu"))
     member_seeds = task.member_seeds(seeds)
@@ -86,7 +86,7 @@ def harness_run(data, config, methods, seeds, epochs: int, dtype) -> None:
 
 
 def main() -> None:
-    from hardeq.studies.chemical import data as chemical
+    from hardeq_studies.chemical import data as chemical
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dataset", default="cstr", choices=["cstr", "plant", "distillation"])

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from hardeq.studies.vae_data.models import MODELS
-from hardeq.studies.vae_data.run import observation, pixel_sum_constraint
+from hardeq_studies.vae_data.models import MODELS
+from hardeq_studies.vae_data.run import observation, pixel_sum_constraint
 
 
 def _step(model, opt, x, variant, constraint):

@@ -18,26 +18,11 @@ def test_readme_example_runs():
 
 
 def test_ci_runs_the_readme_test_command():
+    """.ci/run installs and tests exactly as the README's second command says."""
     text = (ROOT / "README.md").read_text()
+    second = re.findall(r"```bash\n(.*?)\n```", text, re.S)[1]
+    install, _, tests = second.partition(" && pip install ")[2].partition(" && ")
     ci = (ROOT / ".ci" / "run").read_text()
-    assert 'pip install torch==2.13.0 -e ".[test,graphs,diffusion]" && python -m pytest' in text
-    assert 'pip install --quiet torch==2.13.0 -e ".[test,graphs,diffusion]"' in ci and "python -m pytest" in ci
-
-
-def test_cli_version_and_help():
-    out = subprocess.run([sys.executable, "-m", "hardeq", "--version"], capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.startswith("hardeq ")
-    out = subprocess.run([sys.executable, "-m", "hardeq", "reproduce", "--help"], capture_output=True, text=True)
-    assert out.returncode == 0 and "STUDY" in out.stdout
-
-
-def test_readme_quick_command_writes_under_results_quick():
-    """The first command installs the chemical extra and runs the default (quick) preset, which writes under
-    results/quick/ (tests/studies/test_cli.py runs it); pyproject defines that extra."""
-    text = (ROOT / "README.md").read_text()
-    first = re.search(r"```bash\n(.*?)\n```", text, re.S).group(1)
-    assert first.endswith("hardeq reproduce chemical") and '-e ".[chemical]"' in first
-    assert "results/quick/chemical.*" in text
-    pyproject = (ROOT / "pyproject.toml").read_text()
-    assert re.search(r"^chemical = \[", pyproject, re.M)
-    assert "DESIGN" + ".md" not in text  # the repository must be self-contained
+    assert f"pip install --quiet {install}" in ci
+    for command in tests.split(" && "):
+        assert command in ci.splitlines(), command

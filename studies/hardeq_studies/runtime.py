@@ -1,0 +1,113 @@
+"""What every study's ``run`` does around its computation: the device (and the process group under
+``torchrun``), threads, trials, epochs and checkpoint folder from the command line and the preset, and the
+removal of the checkpoints after a completed run. :meth:`hardeq_studies.contract.Study.run` calls these."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .harness import DistContext, init_distributed
+
+__all__ = ["RunSetup", "add_run_arguments", "setup_run", "discard_checkpoints", "finish_run"]
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, *, threads: bool = True) -> None:
+    """The flags :func:`setup_run` and :func:`discard_checkpoints` read: ``--threads`` (unless the study has
+    its own), ``--checkpoint-dir``, ``--keep-checkpoints``."""
+    from .contract import positive_int
+
+    if threads:
+        parser.add_argument("--threads", type=positive_int, default=None,
+                            help="intra-op threads (default: the preset's, else 1; 1 is fastest on a shared CPU)")
+    parser.add_argument("--checkpoint-dir", type=Path, default=None,
+                        help="default: OUT/checkpoints (removed after a completed run unless --keep-checkpoints)")
+    parser.add_argument("--keep-checkpoints", action="store_true")
+
+
+@dataclass(frozen=True)
+class RunSetup:
+    """The resolved run of study ``name``.
+
+    Attributes:
+        args: the command line (for the study's own flags).
+        settings: the preset's settings with the study's command-line overrides.
+        device, ctx: the torch device and the distributed context (one process unless ``torchrun``).
+        trials: seed indices ``0..seeds-1`` (``--seeds`` or the preset's ``seeds``; empty if neither).
+        epochs: ``--epochs`` or the preset's ``epochs`` (``None`` if neither).
+        checkpoint_dir: ``--checkpoint-dir`` or ``OUT/checkpoints``; :attr:`checkpoint` is
+            ``checkpoint_dir / NAME-PRESET.pt``.
+    """
+
+    args: argparse.Namespace
+    name: str
+    preset: str
+    settings: dict[str, Any]
+    device: torch.device
+    ctx: DistContext
+    trials: list[int]
+    epochs: int | None
+    out: Path
+    checkpoint_dir: Path
+    resume: bool
+    quiet: bool
+    command: str
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.checkpoint_dir / f"{self.name}-{self.preset}.pt"
+
+
+def setup_run(args: argparse.Namespace, settings: dict[str, Any], name: str, *, distributed: bool = False,
+              default_device: str | None = "cpu", default_threads: int | None = 1) -> RunSetup:
+    """Resolve the run of study ``name`` from ``args`` and the preset's ``settings``.
+
+    ``--device`` (else the settings', else ``default_device``; ``None``: CUDA when available; CUDA asked for
+    but absent: ``ValueError``); with ``distributed`` the process group of ``torchrun`` is joined. Threads:
+    ``--threads``, else the settings', else ``default_threads`` (``None``: torch's own count is kept).
+    """
+    requested = getattr(args, "device", None) or settings.get("device") or default_device
+    if requested is not None and str(requested).startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device: cuda was asked for (the paper preset's default) but CUDA is not available; "
+                         "pass --device cpu to run it on the CPU.")
+    ctx = init_distributed(requested) if distributed else DistContext(device=torch.device(
+        requested or ("cuda" if torch.cuda.is_available() else "cpu")))
+    threads = getattr(args, "threads", None) or settings.get("threads") or default_threads
+    if threads:
+        torch.set_num_threads(int(threads))
+    seeds = getattr(args, "seeds", None) or settings.get("seeds")
+    epochs = getattr(args, "epochs", None) or settings.get("epochs")
+    out = Path(args.out)
+    return RunSetup(
+        args=args, name=name, preset=args.preset, settings=settings, device=ctx.device, ctx=ctx,
+        trials=list(range(int(seeds))) if seeds else [], epochs=None if epochs is None else int(epochs), out=out,
+        checkpoint_dir=Path(getattr(args, "checkpoint_dir", None) or out / "checkpoints"),
+        resume=bool(getattr(args, "resume", False)), quiet=bool(getattr(args, "quiet", False)),
+        command=getattr(args, "command_line", None) or f"hardeq reproduce {name} --preset {args.preset}")
+
+
+def discard_checkpoints(args: argparse.Namespace, folder: Path, pattern: str) -> None:
+    """After a completed run: remove the checkpoints ``folder / pattern`` (and the folder when empty) unless
+    ``--keep-checkpoints``."""
+    if getattr(args, "keep_checkpoints", False):
+        return
+    folder = Path(folder)
+    for path in folder.glob(pattern):
+        path.unlink(missing_ok=True)
+    try:
+        folder.rmdir()
+    except OSError:
+        pass
+
+
+def finish_run(ctx: DistContext) -> None:
+    """Leave the process group of a ``torchrun`` job (all ranks wait for rank 0's results first)."""
+    if ctx.enabled:
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,178 @@
+"""The ``hardeq`` command line as a new user meets it: exit codes, argparse-style errors without tracebacks,
+presets and their stated durations, lazy study discovery, the quick preset's default output folder, the
+results document (git commit and dirty flag), the pip-extra message, the central palette."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hardeq_studies.cli import build_parser, main
+from hardeq_studies import available, info, load_study
+from hardeq_studies.extras import MissingDependency, require
+from hardeq_studies.palette import COLORS, color
+from hardeq_studies.results import git_state
+from hardeq_studies.stats import paired_wilcoxon
+
+
+def _hardeq(*args, cwd=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "hardeq_studies", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=timeout)
+
+
+def test_missing_subcommand_exits_2():
+    for args in ([], ["reproduce"]):
+        proc = _hardeq(*args)
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert "required" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--datasets", "cstr", "nope"], "argument --datasets: invalid choice: 'nope'"),
+    (["--methods", "ours", "OURS"], "argument --methods: invalid choice: 'OURS'"),
+    (["--epochs", "0"], "argument --epochs: must be a positive integer, got 0"),
+    (["--seeds", "-1"], "argument --seeds: must be a positive integer"),
+    (["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
+])
+def test_bad_values_give_one_line_errors(args, needle):
+    proc = _hardeq("reproduce", "chemical", *args)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    error_lines = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(error_lines) == 1 and needle in error_lines[0], proc.stderr
+
+
+OURS = ("chemical", "synthetic")  # the studies of this test module (others test their own)
+
+
+def test_help_states_default_preset_and_measured_durations():
+    for name in OURS:
+        proc = _hardeq("reproduce", name, "--help")
+        assert proc.returncode == 0
+        meta = info(name)
+        default = meta["default_preset"]
+        assert f"Default preset: {default} ({meta['presets'][default]['duration']})" in " ".join(proc.stdout.split())
+        for preset in ("quick", "cpu", "paper"):
+            assert meta["presets"][preset]["duration"]
+            assert preset in proc.stdout
+        assert "--full" in proc.stdout and "--quick" in proc.stdout
+
+
+def test_help_imports_no_study_and_no_matplotlib():
+    code = ("import sys\nfrom hardeq_studies.cli import main\n"
+            "for argv in (['--help'], ['reproduce', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "heavy = [m for m in sys.modules if m.startswith(('matplotlib', 'hardeq_studies.chemical', "
+            "'hardeq_studies.synthetic', 'hardeq_studies.harness', 'scipy'))]\nprint('HEAVY', heavy)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "HEAVY []" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_full_is_the_cpu_preset_and_quick_the_default():
+    args = build_parser(["reproduce", "chemical"]).parse_args(["reproduce", "chemical", "--full"])
+    assert args.preset == "cpu"
+    args = build_parser(["reproduce", "chemical"]).parse_args(["reproduce", "chemical"])
+    assert args.preset is None and args._default_preset == "quick"
+    with pytest.raises(SystemExit):
+        build_parser([]).parse_args(["reproduce", "chemical", "--quick", "--paper"])  # one preset only
+
+
+def test_quick_writes_under_results_quick_and_records_git(tmp_path):
+    """The quick preset's default output is results/quick/, so it never overwrites the committed results."""
+    proc = _hardeq("reproduce", "chemical", "--datasets", "plant", "--methods", "NN", "ours", "--seeds", "1",
+                   "--epochs", "1", "--quiet", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "results" / "quick" / "chemical.json").exists()
+    assert not (tmp_path / "results" / "chemical.json").exists()
+    doc = json.loads((tmp_path / "results" / "quick" / "chemical.json").read_text())
+    assert doc["environment"]["git"] == git_state()["git"] and doc["environment"]["dirty"] == git_state()["dirty"]
+    assert doc["environment"]["git"] != "unknown" and isinstance(doc["environment"]["dirty"], bool)
+    # `hardeq report` redraws the Markdown and figures from the JSON alone
+    (tmp_path / "results" / "quick" / "chemical.md").unlink()
+    assert main(["report", "chemical", "--out", str(tmp_path / "results" / "quick"), "--quiet"]) == 0
+    assert "plant" in (tmp_path / "results" / "quick" / "chemical.md").read_text()
+
+
+def test_runtime_errors_are_one_line_not_tracebacks(tmp_path, capsys):
+    assert main(["reproduce", "chemical", "--paper", "--device", "cuda:0", "--out", str(tmp_path), "--quiet",
+                 "--datasets", "plant", "--methods", "NN", "--seeds", "1", "--epochs", "1"]) in (0, 2)
+    err = capsys.readouterr().err
+    if err:
+        assert err.count("\n") == 1 and "error:" in err and "CUDA" in err
+
+
+def test_missing_dependency_names_the_extra():
+    with pytest.raises(MissingDependency, match=r'pip install "hardeq-studies\[graphs\]"'):
+        require("surely_not_an_installed_module_xyz", "graphs", purpose="graph batches")
+    assert require("json", "none").dumps([]) == "[]"
+
+
+def test_every_study_fulfils_the_contract():
+    assert set(OURS) <= set(available())
+    for name in OURS:
+        study = load_study(name)
+        assert study.name == name and set(study.presets) == {"quick", "cpu", "paper"}
+        assert study.default_preset in study.presets
+        assert callable(study.run) and callable(study.report)
+    with pytest.raises(ValueError, match="unknown study"):
+        load_study("nope")
+
+
+def test_one_colour_per_method():
+    chemical = load_study("chemical").config["methods"]
+    assert len({color(m) for m in chemical}) == len(chemical)  # distinct within the study
+    estimators = ["pathwise", "marginal_expectation", "constrained_marginal", "unconstrained_marginal",
+                  "constrained_layer", "constrained_layer_independent", "constrained_reparam_independent", "random"]
+    assert len({color(m) for m in estimators}) == len(estimators)
+    assert all(color(m) == COLORS[m] for m in chemical + estimators)
+    assert color("some-new-method") == color("some-new-method")  # stable for unknown names
+
+
+def test_every_panel_uses_the_method_colour(tmp_path, monkeypatch):
+    """The learning-curve figure draws each method in its palette colour in every panel, labels off-scale
+    curves and puts integer ticks on the epoch axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.axes import Axes
+
+    from hardeq_studies.chemical.report import plot_curves
+
+    drawn, texts, axes = [], [], []
+    plot, text = Axes.plot, Axes.text
+
+    def spy_plot(self, *args, **kwargs):
+        drawn.append((kwargs.get("label"), kwargs.get("color")))
+        axes.append(self)
+        return plot(self, *args, **kwargs)
+
+    def spy_text(self, x, y, s, *args, **kwargs):
+        texts.append(s)
+        return text(self, x, y, s, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "plot", spy_plot)
+    monkeypatch.setattr(Axes, "text", spy_text)
+    curves = {"cstr": {"NN": {"train": [1.0, 0.5, 0.4], "val": [1.0, 0.6, 0.5]},
+                       "ours": {"train": [0.9, 0.4, 0.3], "val": [0.9, 0.5, 0.4], "val_log_var": [0.0, -1.0, -2.0]},
+                       "PINN": {"train": [1e4, 1e5, 1e6], "val": [1e4, 1e5, 1e6]}}}
+    plot_curves(curves, tmp_path)
+    for label, c in drawn:
+        method = label.split(" ")[0]
+        assert c == color(method), (label, c)
+    assert {label.split(" ")[0] for label, _ in drawn} == {"NN", "ours", "PINN"}
+    assert any("PINN (off scale" in t for t in texts)
+    ticks = axes[0].get_xticks()
+    assert all(float(t).is_integer() for t in ticks)
+
+
+def test_paired_wilcoxon():
+    a, b = [1.0 + i for i in range(10)], [2.0 + 2 * i for i in range(10)]
+    r = paired_wilcoxon(a, b)
+    assert r["n"] == 10 and r["wins"] == 10 and r["p"] == pytest.approx(2 / 1024)  # exact: all ranks one way
+    assert paired_wilcoxon(a, a)["p"] == 1.0
+    with pytest.raises(ValueError, match="paired"):
+        paired_wilcoxon([1.0, 2.0], [1.0])

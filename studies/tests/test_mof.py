@@ -1,0 +1,186 @@
+"""Study ``mof``: data, splits, neutrality of every method, the NLLs against dense per-graph references, the
+training losses, and ``hardeq reproduce mof --preset quick`` end to end (needs ``hardeq-studies[graphs]``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+import torch
+
+from hardeq_studies.cli import main
+from hardeq.nn import per_graph_log_prob
+from hardeq_studies.mof.data import element_means, load_graphs, make_split
+from hardeq_studies.mof.metrics import (METHODS, ensemble_nll_moment, ensemble_nll_paper, gsum, mixture_nll, predict,
+                                        single_nll)
+from hardeq_studies.mof.task import MofTask
+
+SIZES = [4, 9, 2, 13, 6]
+
+
+def _ragged(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    batch = torch.repeat_interleave(torch.arange(len(SIZES)), torch.tensor(SIZES))
+    N, G = len(batch), len(SIZES)
+    d = torch.float64
+    mu = [torch.randn(N, generator=g, dtype=d) for _ in range(2)]
+    var = [torch.rand(N, generator=g, dtype=d) + 0.05 for _ in range(2)]
+    y = torch.randn(N, generator=g, dtype=d)
+    y = y - (gsum(y, batch, G) / torch.tensor(SIZES, dtype=d))[batch]
+    return batch, G, mu, var, y
+
+
+# ------------------------------------------------------------------------------------------------- data
+@pytest.fixture(scope="module")
+def data():
+    return load_graphs()
+
+
+def test_graphs_load_with_neutral_labels(data):
+    f = data.facts
+    assert (f["num_graphs"], f["num_atoms"], f["num_bonds"]) == (2266, 334103, 399032)
+    assert 0 < f["max_abs_charge_sum"] <= 3.2e-5 + 1e-12  # the file's precision (SOURCE.md)
+    g = data.graphs[0]
+    assert g.x.shape == (g.num_nodes, 74) and bool((g.x.sum(1) == 1).all())
+    assert g.edge_index.shape[1] % 2 == 0  # both directions of every bond
+    sums = torch.stack([gr.y.sum() for gr in data.graphs])
+    assert float(sums.abs().max()) < 1e-13  # projected onto the plane
+
+
+def test_splits_follow_the_rule_and_do_not_depend_on_how_many_are_drawn(data):
+    s1 = make_split(data, 1)
+    assert (len(s1["train"]), len(s1["val"]), len(s1["test"])) == (1586, 226, 454)
+    assert len(set(s1["train"]) | set(s1["val"]) | set(s1["test"])) == 2266
+    seen = set(torch.cat([data.graphs[i].atom_type for i in s1["train"]]).tolist())
+    assert set(torch.cat([data.graphs[i].atom_type for i in s1["test"]]).tolist()) <= seen
+    assert make_split(data, 1) == s1 and make_split(data, 0)["test"] != s1["test"]
+    mean, var = element_means([data.graphs[i] for i in s1["train"]], 1e-6)
+    assert mean.shape == var.shape == (74,) and bool((var >= 1e-6).all())
+
+
+# ---------------------------------------------------------------------------------- methods and metrics
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_predicts_neutral_graphs(method):
+    batch, G, mu, var, _ = _ragged()
+    p = predict(method, 5 + 3 * mu[0], var[0], batch, G)  # far from neutral before the correction
+    assert float(gsum(p, batch, G).abs().max()) < 1e-12
+
+
+def test_methods_differ_as_documented():
+    batch, G, mu, var, _ = _ragged()
+    last = torch.tensor(SIZES).cumsum(0) - 1
+    cl = predict("CL", mu[0], var[0], batch, G)
+    keep = torch.ones_like(cl, dtype=torch.bool)
+    keep[last] = False
+    torch.testing.assert_close(cl[keep], mu[0][keep])  # CL: every atom but the last one of each graph is kept
+    kkt = predict("KKT", mu[0], var[0], batch, G)
+    counts = torch.tensor(SIZES, dtype=mu[0].dtype)
+    torch.testing.assert_close(kkt, mu[0] - (gsum(mu[0], batch, G) / counts)[batch])  # uniform correction
+    vw = predict("variance", mu[0], var[0], batch, G)
+    torch.testing.assert_close(vw, mu[0] - var[0] * (gsum(mu[0], batch, G) / gsum(var[0], batch, G))[batch])
+
+
+def _dense_nll(center, cov, y):
+    return -torch.distributions.MultivariateNormal(center[:-1], cov[:-1, :-1]).log_prob(y[:-1])
+
+
+def _condcov(v):
+    return torch.diag(v) - torch.outer(v, v) / v.sum()
+
+
+def test_nlls_match_dense_per_graph_references():
+    """The ICML code's evaluation: MultivariateNormal on the first n - 1 atoms of each graph."""
+    batch, G, mu, var, y = _ragged(1)
+    p1 = predict("variance", mu[0], var[0], batch, G)
+    p2 = predict("KKT", mu[1], var[1], batch, G)
+    one, paper, moment = [], [], []
+    for g in range(G):
+        m = batch == g
+        C1, C2 = _condcov(var[0][m]), _condcov(var[1][m])
+        d = p1[m] - p2[m]
+        one.append(_dense_nll(p1[m], C1, y[m]))
+        paper.append(_dense_nll((p1[m] + p2[m]) / 2, (C1 + C2) / 4, y[m]))
+        moment.append(_dense_nll((p1[m] + p2[m]) / 2, (C1 + C2) / 2 + torch.outer(d, d) / 4, y[m]))
+    n1 = single_nll(p1, var[0], y, batch, G)
+    torch.testing.assert_close(n1, torch.stack(one))
+    torch.testing.assert_close(ensemble_nll_paper(p1, var[0], p2, var[1], y, batch, G), torch.stack(paper))
+    torch.testing.assert_close(ensemble_nll_moment(p1, var[0], p2, var[1], y, batch, G), torch.stack(moment))
+    # convention: the first n - 1 coordinates = density on the plane times sqrt(n)
+    n = torch.tensor(SIZES, dtype=y.dtype)
+    torch.testing.assert_close(n1, -per_graph_log_prob(mu[0], var[0], batch, y) - 0.5 * n.log())
+    n2 = single_nll(p2, var[1], y, batch, G)
+    torch.testing.assert_close(mixture_nll(n1, n2), -torch.log(0.5 * torch.exp(-n1) + 0.5 * torch.exp(-n2)))
+
+
+def test_ensemble_covariances_by_monte_carlo():
+    """(S1 + S2)/4 is the covariance of the average of two *independent* draws; the equal mixture has
+    (S1 + S2)/2 + d d^T/4 -- twice as wide, plus the disagreement of the means."""
+    g = torch.Generator().manual_seed(0)
+    v1, v2 = torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64), torch.tensor([1.5, 0.2, 0.7], dtype=torch.float64)
+    m1, m2 = torch.tensor([0.3, -0.1, -0.2], dtype=torch.float64), torch.tensor([-0.4, 0.5, -0.1], dtype=torch.float64)
+    S1, S2 = _condcov(v1), _condcov(v2)
+    L1, L2 = torch.linalg.cholesky(S1 + 1e-12 * torch.eye(3)), torch.linalg.cholesky(S2 + 1e-12 * torch.eye(3))
+    K = 400_000
+    x1 = m1 + torch.randn(K, 3, generator=g, dtype=torch.float64) @ L1.T
+    x2 = m2 + torch.randn(K, 3, generator=g, dtype=torch.float64) @ L2.T
+    torch.testing.assert_close(torch.cov(((x1 + x2) / 2).T), (S1 + S2) / 4, atol=0.01, rtol=0)
+    pick = torch.rand(K, generator=g) < 0.5
+    mix = torch.where(pick[:, None], x1, x2)
+    d = m1 - m2
+    torch.testing.assert_close(torch.cov(mix.T), (S1 + S2) / 2 + torch.outer(d, d) / 4, atol=0.02, rtol=0)
+
+
+def test_training_losses():
+    """closed-form: the per-atom expected L1; likelihood: the exact per-graph NLL, summed and spread over atoms."""
+    batch, G, mu, var, y = _ragged(2)
+
+    class B:  # the fields of a PyG Batch the task reads
+        pass
+
+    b = B()
+    b.y, b.batch, b.num_graphs = y, batch, G
+    out = torch.stack([torch.stack([mu[i], var[i]], -1) for i in range(2)] * 2)
+    task = MofTask(["closed-form", "likelihood", "KKT", "variance"])
+    loss, extra = task.loss(out, b)
+    assert loss.shape == extra["mad"].shape == (4, len(y))
+    s = var[0].sqrt()
+    dm = predict("closed-form", mu[0], var[0], batch, G) - y
+    cvar = var[0] - var[0] ** 2 / gsum(var[0], batch, G)[batch]
+    el1 = cvar.sqrt() * math.sqrt(2 / math.pi) * torch.exp(-dm**2 / (2 * cvar)) + dm * torch.erf(dm / (2 * cvar).sqrt())
+    assert s.shape == el1.shape
+    torch.testing.assert_close(loss[0], el1)
+    torch.testing.assert_close(loss[1].sum(), -per_graph_log_prob(mu[1], var[1], batch, y).sum())
+    torch.testing.assert_close(loss[2], (predict("KKT", mu[0], var[0], batch, G) - y).abs())
+    metrics = task.metrics(out, b)
+    assert set(metrics) == {"mad", "nll", "log_var"} and metrics["mad"].shape == (4,)
+    with pytest.raises(ValueError, match="unknown methods"):
+        MofTask(["L2"])
+
+
+# ------------------------------------------------------------------------------------------- end to end
+def test_reproduce_quick_end_to_end_and_resume(tmp_path):
+    out, ck = tmp_path / "out", tmp_path / "ck"
+    args = ["reproduce", "mof", "--preset", "quick", "--out", str(out), "--checkpoint-dir", str(ck), "--quiet"]
+    assert main(args + ["--keep-checkpoints"]) == 0
+    doc = json.loads((out / "mof.json").read_text())
+    for name in ("mof.md", "mof_curves.png", "mof_parity.png", "mof.curves.json"):
+        assert (out / name).exists(), name
+    methods = {r["method"] for r in doc["records"]}
+    assert {"Constant", "Element-mean variance", "KKT", "CL", "closed-form", "likelihood",
+            "likelihood ensemble", "variance ensemble"} <= methods
+    assert doc["max_abs_prediction_sum"] < 1e-10  # every prediction of every method is neutral
+    assert all(math.isfinite(r["mean"]) for r in doc["records"] if r["metric"] == "mad")
+    assert "Paired two-sided Wilcoxon" in (out / "mof.md").read_text()
+    # --resume finds every unit finished and reproduces the same numbers without training
+    assert main(args + ["--resume"]) == 0
+    doc2 = json.loads((out / "mof.json").read_text())
+    assert [r["mean"] for r in doc2["records"]] == [r["mean"] for r in doc["records"]]
+    assert not list(ck.glob("mof-*.pt"))  # removed after a completed run without --keep-checkpoints
+
+
+def test_missing_pyg_names_the_extra(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "torch_geometric", None)  # import torch_geometric now raises ImportError
+    assert main(["reproduce", "mof", "--preset", "quick", "--out", str(tmp_path)]) == 2
+    assert 'pip install "hardeq-studies[graphs]"' in capsys.readouterr().err
