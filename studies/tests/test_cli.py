@@ -5,7 +5,6 @@ results document (git commit and dirty flag), the pip-extra message, the central
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -17,10 +16,11 @@ from hardeq_studies.palette import COLORS, color
 from hardeq_studies.results import git_state
 from hardeq_studies.stats import paired_wilcoxon
 
+from .helpers import run_or_fail
+
 
 def _hardeq(*args, cwd=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "hardeq_studies", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=timeout)
+    return run_or_fail([sys.executable, "-m", "hardeq_studies", *args], cwd=cwd, timeout=timeout)
 
 
 def test_missing_subcommand_exits_2():
@@ -67,7 +67,7 @@ def test_help_imports_no_study_and_no_matplotlib():
             "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
             "heavy = [m for m in sys.modules if m.startswith(('matplotlib', 'hardeq_studies.chemical', "
             "'hardeq_studies.synthetic', 'hardeq_studies.harness', 'scipy'))]\nprint('HEAVY', heavy)")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    proc = run_or_fail([sys.executable, "-c", code], timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "HEAVY []" in proc.stdout, proc.stdout[-2000:]
 
@@ -81,6 +81,7 @@ def test_full_is_the_cpu_preset_and_quick_the_default():
         build_parser([]).parse_args(["reproduce", "chemical", "--quick", "--paper"])  # one preset only
 
 
+@pytest.mark.slow
 def test_quick_writes_under_results_quick_and_records_git(tmp_path):
     """The quick preset's default output is results/quick/, so it never overwrites the committed results."""
     proc = _hardeq("reproduce", "chemical", "--datasets", "plant", "--methods", "NN", "ours", "--seeds", "1",
