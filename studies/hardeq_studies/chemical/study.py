@@ -110,8 +110,6 @@ class ChemicalStudy(Study):
         if not quiet:
             cfg = doc["config"]
             print(summarize(doc["records"], cfg["methods_run"], cfg["datasets_run"]))
-            print(f"\nwrote {out / 'chemical.json'}, {out / 'chemical.md'} and plots in "
-                  f"{doc.get('timing', {}).get('total_s', float('nan')):.1f} s")
         return paths
 
 
