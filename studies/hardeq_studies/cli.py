@@ -63,7 +63,10 @@ def _add_common(p: argparse.ArgumentParser, meta: dict) -> None:
     p.add_argument("--epochs", type=_positive, default=None, help="training epochs, at least 1 (default: the preset's)")
     p.add_argument("--out", type=Path, default=None,
                    help="output folder (default: results/quick for --preset quick, else results)")
-    p.add_argument("--resume", action="store_true", help="continue an interrupted run from its checkpoints")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted run from its checkpoints (refused when other code wrote them)")
+    p.add_argument("--allow-dirty", action="store_true",
+                   help="write a cpu/paper result from a working tree with uncommitted changes (the JSON says so)")
     p.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda (default: the preset's)")
     p.add_argument("--quiet", action="store_true", help="no progress bars or tables")
     p.set_defaults(_default_preset=meta.get("default_preset", "quick"))
@@ -184,6 +187,33 @@ def check_requirements(name: str, meta: dict, modules: list[str] | None = None) 
         require(module, extra, purpose=f"the {name} study")
 
 
+def study_checkpoints(name: str, folder: Path) -> list[Path]:
+    """The checkpoint files of study ``name`` in ``folder`` (``NAME*.pt`` and ``NAME*/**/*.pt``; not ``cache/``)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    found = set(folder.glob(f"{name}*.pt"))
+    for sub in folder.glob(f"{name}*"):
+        if sub.is_dir():
+            found.update(sub.rglob("*.pt"))
+    return sorted(found)
+
+
+def check_resume(name: str, folder: Path) -> str | None:
+    """Why ``--resume`` must not continue from the checkpoints of study ``name`` in ``folder`` (one was written
+    by other code), or ``None``."""
+    from .harness.checkpoint import code_mismatch, load_checkpoint
+
+    for path in study_checkpoints(name, folder):
+        try:
+            why = code_mismatch(load_checkpoint(path))
+        except Exception as exc:  # noqa: BLE001 (any unreadable file is a reason not to resume from it)
+            why = f"cannot be read ({type(exc).__name__}: {exc})"
+        if why:
+            return f"--resume: checkpoint {path} {why}; remove {folder} or run without --resume"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     import json
     import time
@@ -221,6 +251,16 @@ def main(argv: list[str] | None = None) -> int:
                         check_writable(args.out, "--out"),
                         check_writable(args.checkpoint_dir, "--checkpoint-dir")
                         if getattr(args, "checkpoint_dir", None) else None):
+            if problem:
+                return _fail(prog, problem)
+        from .results import allow_dirty, dirty_refusal
+
+        allow_dirty(args.allow_dirty)
+        problem = dirty_refusal(args.study, args.preset)
+        if problem:
+            return _fail(prog, problem)
+        if args.resume:
+            problem = check_resume(args.study, getattr(args, "checkpoint_dir", None) or args.out / "checkpoints")
             if problem:
                 return _fail(prog, problem)
         check_requirements(args.study, meta)

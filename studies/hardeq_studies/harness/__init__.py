@@ -7,7 +7,8 @@
   bit-exact ``--resume``, ``torchrun`` data parallelism (:mod:`.distributed`).
 """
 
-from .checkpoint import atomic_torch_save, fingerprint, load_checkpoint, run_blocks
+from .checkpoint import (atomic_torch_save, code_fingerprint, code_mismatch, code_stamp, fingerprint, load_checkpoint,
+                         run_blocks)
 from .data import BatchSource, LoaderBatches, MemberBatches
 from .distributed import DistContext, init_distributed
 from .loop import Trainer, evaluate, train
@@ -16,6 +17,7 @@ from .task import Interrupted, Task, TrainConfig, TrainResult
 
 __all__ = [
     "BatchSource", "BatchedMLP", "DistContext", "Interrupted", "LoaderBatches", "MemberBatches", "MemberList",
-    "Task", "TrainConfig", "TrainResult", "Trainer", "atomic_torch_save", "evaluate", "fingerprint",
+    "Task", "TrainConfig", "TrainResult", "Trainer", "atomic_torch_save", "code_fingerprint", "code_mismatch",
+    "code_stamp", "evaluate", "fingerprint",
     "init_distributed", "load_checkpoint", "merge_members", "run_blocks", "train",
 ]
