@@ -14,8 +14,12 @@ SLOW_TIMEOUT_S = 900
 
 
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.get_closest_marker("slow") is not None and item.get_closest_marker("timeout") is None:
+    slow = [item for item in items if item.get_closest_marker("slow") is not None]
+    if slow and not config.pluginmanager.hasplugin("timeout"):
+        raise pytest.UsageError("the slow study tests need pytest-timeout, so that a run past its time limit fails "
+                                "instead of hanging: pip install -e \"./studies[test]\"")
+    for item in slow:
+        if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
 
 

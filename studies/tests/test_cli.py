@@ -48,6 +48,13 @@ def test_bad_values_give_one_line_errors(args, needle):
 OURS = ("chemical", "synthetic")  # the studies of this test module (others test their own)
 
 
+def test_top_level_help_lists_every_study():
+    proc = _hardeq("--help")
+    assert proc.returncode == 0
+    listed = [line.split()[0] for line in proc.stdout.split("studies:\n", 1)[1].splitlines() if line.startswith("  ")]
+    assert listed == available() and len(listed) == 7
+
+
 def test_help_states_default_preset_and_measured_durations():
     for name in OURS:
         proc = _hardeq("reproduce", name, "--help")
