@@ -3,7 +3,7 @@
 Slow tests (``@pytest.mark.slow``: a study run end to end) are deselected by default (``addopts`` in
 studies/pyproject.toml) and run with ``python -m pytest studies/tests -m slow``. Each gets a time limit of
 :data:`SLOW_TIMEOUT_S` seconds through pytest-timeout (the ``test`` extra); running past it FAILS the test, it
-never skips it. Subprocesses go through :func:`tests.helpers.run_or_fail`, which fails the same way.
+never skips it. Subprocesses go through :func:`study_test_helpers.run_or_fail`, which fails the same way.
 """
 
 import pytest

@@ -21,7 +21,7 @@ from hardeq_studies.chemical.task import OURS, ChemicalTask
 from hardeq_studies.harness import Interrupted
 from hardeq_studies.stats import paired_wilcoxon
 
-from .helpers import run_or_fail
+from study_test_helpers import run_or_fail
 
 DATASETS = ("cstr", "plant", "distillation")
 PAPER_METHODS = ("NN", "PINN", "KKT-hPINN", "ECNN", "CL", "ours")

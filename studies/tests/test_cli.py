@@ -16,7 +16,7 @@ from hardeq_studies.palette import COLORS, color
 from hardeq_studies.results import git_state
 from hardeq_studies.stats import paired_wilcoxon
 
-from .helpers import run_or_fail
+from study_test_helpers import run_or_fail
 
 
 def _hardeq(*args, cwd=None, timeout=300):

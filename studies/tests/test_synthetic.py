@@ -26,7 +26,7 @@ from hardeq_studies.synthetic import data as SD
 from hardeq_studies.synthetic import run as SR
 from hardeq_studies.synthetic import task as ST
 
-from .helpers import run_or_fail
+from study_test_helpers import run_or_fail
 from hardeq.testing import mc_atol
 
 S = types.SimpleNamespace(gradient_metrics=ST.gradient_metrics, ground_truth=ST.ground_truth, estimates=ST.estimates,
