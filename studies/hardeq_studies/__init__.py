@@ -1,4 +1,10 @@
-"""The paper's studies, run by ``hardeq reproduce NAME``; one subpackage per study.
+"""hardeq-studies: the paper's studies, run by ``hardeq reproduce NAME``; one subpackage per study.
+
+This package is separate from the library ``hardeq`` and imports only its public API (tested by
+studies/tests/test_public_api.py). It ships the data sets the studies read (``data/``, ``mof/data``,
+``portfolio/data``), each beside its SOURCE.md and licence file. A study's ``config.json`` names the pip extra
+with its optional dependencies (``"extra"``) and the modules the command imports before any work
+(``"requires"``).
 
 Discovery is lazy: :func:`available` lists the subpackages that hold a ``config.json`` and :func:`info` reads
 it, without importing any study (``hardeq --help`` stays light). :func:`load_study` imports one study and

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .figures import PNG_METADATA
+
 __all__ = ["MNIST_DIR", "load_mnist", "water_fill", "brightness_mnist", "save_grid"]
 
 #: the MNIST files shipped with hardeq (see SOURCE.md there: provenance, licence, checksums)
@@ -178,7 +180,7 @@ def save_grid(images: Tensor, path: str | Path, *, nrow: int = 10, pad: int = 2,
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if c == 1:
-        matplotlib.image.imsave(path, arr[..., 0], cmap="gray", vmin=0.0, vmax=1.0)
+        matplotlib.image.imsave(path, arr[..., 0], cmap="gray", vmin=0.0, vmax=1.0, metadata=PNG_METADATA)
     else:
-        matplotlib.image.imsave(path, arr)
+        matplotlib.image.imsave(path, arr, metadata=PNG_METADATA)
     return path

@@ -3,7 +3,12 @@
 The results document is ``{"study", "preset", "config", "environment", "records", ...}``; a record is
 ``{"dataset", "method", "metric", "mean", "std", "n_seeds", "paper", ...}`` in the metric's natural units
 (``paper``: the source paper's value in the same units, or ``null``). ``environment`` records the versions,
-the device, and the git commit with a flag telling whether the working tree had uncommitted changes.
+the device, the code fingerprint (:func:`~hardeq_studies.harness.code_fingerprint`) and the git commit with a
+flag telling whether the working tree had uncommitted changes outside ``results/``.
+
+A ``cpu`` or ``paper`` result (the presets whose results are committed) is refused from a dirty tree: its commit
+would not say which code computed it. ``hardeq reproduce --allow-dirty`` (:func:`allow_dirty`) writes it anyway
+and records ``"allow_dirty": true`` beside ``"dirty": true``.
 """
 
 from __future__ import annotations
@@ -19,10 +24,22 @@ from typing import Any
 
 import torch
 
-__all__ = ["environment", "git_state", "write_json", "atomic_write_text", "markdown_table", "RECORD_KEYS"]
+__all__ = ["environment", "git_state", "write_json", "atomic_write_text", "markdown_table", "RECORD_KEYS",
+           "COMMITTED_PRESETS", "allow_dirty", "dirty_refusal"]
 
 #: keys every record carries
 RECORD_KEYS = ("dataset", "method", "metric", "mean", "std", "n_seeds", "paper")
+#: presets whose results are committed, so must name the commit that computed them
+COMMITTED_PRESETS = ("cpu", "paper")
+
+_ALLOW_DIRTY = False
+
+
+def allow_dirty(allow: bool = True) -> None:
+    """Let :func:`write_json` write ``cpu`` / ``paper`` results from a dirty tree (``--allow-dirty``); the
+    results document then records ``"allow_dirty": true``."""
+    global _ALLOW_DIRTY
+    _ALLOW_DIRTY = bool(allow)
 
 
 def _git(*args: str) -> str | None:
@@ -36,17 +53,29 @@ def _git(*args: str) -> str | None:
 
 def git_state() -> dict[str, Any]:
     """``{"git": commit or "unknown", "dirty": bool or None}`` of the source tree this package runs from
-    (``dirty``: tracked files differ from the commit; ``None`` outside a git checkout)."""
+    (``dirty``: tracked files outside ``results/`` differ from the commit, so that writing one study's results
+    does not make the next study's dirty; ``None`` outside a git checkout)."""
     head = _git("rev-parse", "HEAD")
     if not head:
         return {"git": "unknown", "dirty": None}
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", ":(top,exclude)results")
     return {"git": head.strip(), "dirty": None if status is None else bool(status.strip())}
 
 
+def dirty_refusal(study: str, preset: str) -> str | None:
+    """Why a ``preset`` result of ``study`` may not be written now (a committed preset from a dirty tree,
+    without :func:`allow_dirty`), or ``None``."""
+    if preset not in COMMITTED_PRESETS or _ALLOW_DIRTY or git_state()["dirty"] is not True:
+        return None
+    return (f"the working tree has uncommitted changes, so the commit recorded in {study}.json would not name the "
+            f"code of this {preset} result; commit them first, or pass --allow-dirty (the JSON then says so)")
+
+
 def environment(device: str | torch.device | None = None) -> dict[str, Any]:
-    """Versions, machine facts and git state recorded with every result."""
+    """Versions, machine facts, the code fingerprint and git state recorded with every result."""
     import hardeq
+
+    from .harness.checkpoint import code_fingerprint
 
     return {
         "hardeq": hardeq.__version__,
@@ -55,6 +84,7 @@ def environment(device: str | torch.device | None = None) -> dict[str, Any]:
         "device": str(device) if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"),
         "threads": torch.get_num_threads(),
         "machine": platform.machine(),
+        "code": code_fingerprint(),
         **git_state(),
     }
 
@@ -77,11 +107,19 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def write_json(path: Path, study: str, preset: str, config: dict, records: list[dict], *,
                device: str | torch.device | None = None, **extra: Any) -> dict:
-    """Write the study's results document (every record completed with the :data:`RECORD_KEYS`) and return it."""
+    """Write the study's results document (every record completed with the :data:`RECORD_KEYS`) and return it.
+
+    A ``cpu`` / ``paper`` result from a dirty tree raises ``ValueError`` unless :func:`allow_dirty` was called."""
+    refusal = dirty_refusal(study, preset)
+    if refusal:
+        raise ValueError(f"{path}: not written: {refusal}.")
     for r in records:
         for key in RECORD_KEYS:
             r.setdefault(key, None)
-    doc = {"study": study, "preset": preset, "config": config, "environment": environment(device),
+    env = environment(device)
+    if env["dirty"] and _ALLOW_DIRTY:
+        env["allow_dirty"] = True
+    doc = {"study": study, "preset": preset, "config": config, "environment": env,
            "records": records, **extra}
     atomic_write_text(Path(path), json.dumps(doc, indent=1, default=float) + "\n")
     return doc

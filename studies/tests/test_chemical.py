@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -21,6 +20,8 @@ from hardeq_studies.chemical.run import make_task, run_dataset, training_units
 from hardeq_studies.chemical.task import OURS, ChemicalTask
 from hardeq_studies.harness import Interrupted
 from hardeq_studies.stats import paired_wilcoxon
+
+from study_test_helpers import run_or_fail
 
 DATASETS = ("cstr", "plant", "distillation")
 PAPER_METHODS = ("NN", "PINN", "KKT-hPINN", "ECNN", "CL", "ours")
@@ -142,6 +143,7 @@ def quick_run(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_quick_structure(quick_run):
     doc = json.loads((quick_run / "chemical.json").read_text())
     assert doc["study"] == "chemical" and doc["preset"] == "quick"
@@ -169,6 +171,7 @@ def test_quick_structure(quick_run):
     assert not (quick_run / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_paired_tests_are_computed_from_the_per_seed_values(quick_run):
     doc = json.loads((quick_run / "chemical.json").read_text())
     rows = {(r["dataset"], r["method"]): r for r in doc["significance"]}
@@ -182,6 +185,7 @@ def test_paired_tests_are_computed_from_the_per_seed_values(quick_run):
     assert f"{r['wins']}/{r['n']}, p = {r['p']:.2g}" in md
 
 
+@pytest.mark.slow
 def test_quick_violations(quick_run):
     """Hard-constrained methods satisfy the balances to float32 round-off; NN and PINN do not (bound:
     1e3 float32 eps times the scaled coefficients' size, ~100)."""
@@ -224,6 +228,7 @@ def test_resume_equals_uninterrupted(tmp_path):
                     progress=False)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
                     reason="torch.distributed with gloo is not available")
 def test_ddp_two_processes_match_single_process(tmp_path):
@@ -235,10 +240,7 @@ def test_ddp_two_processes_match_single_process(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "hardeq_studies",
            *args, "--out", str(tmp_path / "ddp")]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
-    except subprocess.TimeoutExpired:
-        pytest.skip("torchrun did not finish in time (overloaded machine?)")
+    proc = run_or_fail(cmd, timeout=600, env=env, cwd=tmp_path)
     if proc.returncode != 0 and "rendezvous" in proc.stderr.lower():
         pytest.skip(f"torchrun could not start its process group here: {proc.stderr[-500:]}")
     assert proc.returncode == 0, proc.stderr[-3000:]

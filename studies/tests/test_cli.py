@@ -5,7 +5,6 @@ results document (git commit and dirty flag), the pip-extra message, the central
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -17,10 +16,11 @@ from hardeq_studies.palette import COLORS, color
 from hardeq_studies.results import git_state
 from hardeq_studies.stats import paired_wilcoxon
 
+from study_test_helpers import run_or_fail
+
 
 def _hardeq(*args, cwd=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "hardeq_studies", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=timeout)
+    return run_or_fail([sys.executable, "-m", "hardeq_studies", *args], cwd=cwd, timeout=timeout)
 
 
 def test_missing_subcommand_exits_2():
@@ -48,6 +48,13 @@ def test_bad_values_give_one_line_errors(args, needle):
 OURS = ("chemical", "synthetic")  # the studies of this test module (others test their own)
 
 
+def test_top_level_help_lists_every_study():
+    proc = _hardeq("--help")
+    assert proc.returncode == 0
+    listed = [line.split()[0] for line in proc.stdout.split("studies:\n", 1)[1].splitlines() if line.startswith("  ")]
+    assert listed == available() and len(listed) == 7
+
+
 def test_help_states_default_preset_and_measured_durations():
     for name in OURS:
         proc = _hardeq("reproduce", name, "--help")
@@ -67,7 +74,7 @@ def test_help_imports_no_study_and_no_matplotlib():
             "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
             "heavy = [m for m in sys.modules if m.startswith(('matplotlib', 'hardeq_studies.chemical', "
             "'hardeq_studies.synthetic', 'hardeq_studies.harness', 'scipy'))]\nprint('HEAVY', heavy)")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    proc = run_or_fail([sys.executable, "-c", code], timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "HEAVY []" in proc.stdout, proc.stdout[-2000:]
 
@@ -81,6 +88,7 @@ def test_full_is_the_cpu_preset_and_quick_the_default():
         build_parser([]).parse_args(["reproduce", "chemical", "--quick", "--paper"])  # one preset only
 
 
+@pytest.mark.slow
 def test_quick_writes_under_results_quick_and_records_git(tmp_path):
     """The quick preset's default output is results/quick/, so it never overwrites the committed results."""
     proc = _hardeq("reproduce", "chemical", "--datasets", "plant", "--methods", "NN", "ours", "--seeds", "1",
@@ -176,3 +184,67 @@ def test_paired_wilcoxon():
     assert paired_wilcoxon(a, a)["p"] == 1.0
     with pytest.raises(ValueError, match="paired"):
         paired_wilcoxon([1.0, 2.0], [1.0])
+
+
+def _exit_status(argv):
+    """``main(argv)``'s exit status, whether it returns it or argparse raises ``SystemExit``."""
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["reproduce", "chemical", "--device", "gpu"], "argument --device: 'gpu' is not a torch device"),
+    (["reproduce", "chemical", "--out", "/proc/hardeq-cannot-write-here"], "argument --out: cannot write to"),
+    (["reproduce", "chemical", "--config", "/nonexistent.json"], "argument --config: cannot read '/nonexistent.json'"),
+    (["reproduce", "mof", "--graphs", "3"], "argument --graphs: must be at least"),
+    (["report", "chemical", "--out", "/nonexistent-folder"], "chemical.json does not exist"),
+])
+def test_bad_arguments_give_one_line_and_exit_2_before_any_work(argv, needle, capsys, monkeypatch):
+    from hardeq_studies import load_study
+
+    for name in ("chemical", "mof"):
+        monkeypatch.setattr(type(load_study(name)), "run", lambda self, args: pytest.fail("run() was called"))
+    assert _exit_status(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1 and needle in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_cuda_asked_for_but_absent_is_one_line(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    for argv in (["reproduce", "chemical", "--paper"], ["reproduce", "vae-latent", "--device", "cuda:0"]):
+        assert _exit_status(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "CUDA is not available" in err and "--device cpu" in err, err
+
+
+@pytest.mark.parametrize("study", ["portfolio", "vae-data", "vae-latent", "chemical"])
+def test_missing_matplotlib_is_reported_before_training(study, capsys, monkeypatch, tmp_path):
+    from hardeq_studies import load_study
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    monkeypatch.setattr(type(load_study(study)), "run", lambda self, args: pytest.fail("training started"))
+    assert main(["reproduce", study, "--out", str(tmp_path), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'matplotlib' is needed" in err and 'pip install "hardeq-studies[' in err, err
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_report_says_what_it_wrote_and_claims_no_run(tmp_path, capsys):
+    """``hardeq report`` rewrites the Markdown from the JSON; it neither writes nor claims to write the JSON."""
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[2] / "results" / "chemical.json"
+    (tmp_path / "chemical.json").write_bytes(src.read_bytes())
+    assert main(["report", "chemical", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("wrote ") and "chemical.md" in last and "(no training)" in last, last
+    assert "chemical.json," not in out and " s\n" not in out
+    assert (tmp_path / "chemical.json").read_bytes() == src.read_bytes()

@@ -279,6 +279,7 @@ def _by(doc, metric):
     return {(r["table"], r["method"]): r for r in doc["records"] if r["metric"] == metric}
 
 
+@pytest.mark.slow
 def test_quick_preset_end_to_end(quick_run):
     from hardeq_studies.cli import main
 
@@ -313,6 +314,7 @@ def test_quick_preset_end_to_end(quick_run):
     assert (out / "diffusion.md").read_text() == md
 
 
+@pytest.mark.slow
 def test_quick_rerun_uses_the_cached_denoiser_and_resumes_sampling(quick_run, monkeypatch):
     from hardeq_studies.cli import main
     from hardeq_studies.diffusion import run as run_module
@@ -345,6 +347,7 @@ def _wrap_cached(fn):
     return wrapped
 
 
+@pytest.mark.slow
 def test_cifar10_quick_smoke(tmp_path):
     pytest.importorskip("diffusers")
     pytest.importorskip("matplotlib")
@@ -391,6 +394,7 @@ def test_inception_network_checks():
     assert to_noise > 2 * halves > 0  # noise is far from real digits; two real sets are closer
 
 
+@pytest.mark.slow
 def test_quick_with_the_inception_fid(quick_run, tmp_path):
     """The FID path of the study: reference statistics (cached), sanity checks, FID records with paired bootstrap
     intervals for Tables 3 and 4, on a few images (the denoiser and classifier come from the quick run's cache)."""

@@ -160,6 +160,9 @@ def test_training_losses():
 
 
 # ------------------------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.slow
 def test_reproduce_quick_end_to_end_and_resume(tmp_path):
     out, ck = tmp_path / "out", tmp_path / "ck"
     args = ["reproduce", "mof", "--preset", "quick", "--out", str(out), "--checkpoint-dir", str(ck), "--quiet"]

@@ -210,6 +210,9 @@ def test_classical_allocations():
 
 
 # ------------------------------------------------------------------------------------------- the CLI
+
+
+@pytest.mark.slow
 def test_quick_preset_end_to_end_through_the_cli(tmp_path):
     from hardeq_studies.cli import main
 
@@ -234,6 +237,7 @@ def test_quick_preset_end_to_end_through_the_cli(tmp_path):
     assert (tmp_path / "portfolio.md").read_text() == md
 
 
+@pytest.mark.slow
 def test_resume_recomputes_only_missing_units_bit_exactly(tmp_path):
     from hardeq_studies.cli import main
     from hardeq_studies.harness import atomic_torch_save, load_checkpoint

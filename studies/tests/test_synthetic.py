@@ -12,7 +12,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import types
 
@@ -26,6 +25,8 @@ from hardeq_studies.harness import Interrupted
 from hardeq_studies.synthetic import data as SD
 from hardeq_studies.synthetic import run as SR
 from hardeq_studies.synthetic import task as ST
+
+from study_test_helpers import run_or_fail
 from hardeq.testing import mc_atol
 
 S = types.SimpleNamespace(gradient_metrics=ST.gradient_metrics, ground_truth=ST.ground_truth, estimates=ST.estimates,
@@ -50,6 +51,7 @@ def test_registered():
     assert study.name == "synthetic" and study.summary and set(study.presets) == {"quick", "cpu", "paper"}
 
 
+@pytest.mark.slow
 def test_quick_writes_outputs(quick):
     out, doc = quick
     assert doc["study"] == "synthetic" and doc["preset"] == "quick"
@@ -68,6 +70,7 @@ def test_quick_writes_outputs(quick):
     assert not (out / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_quick_records_complete(quick):
     _, doc = quick
     cfg = doc["config"]
@@ -93,6 +96,9 @@ def test_quick_records_complete(quick):
             assert r["n_finite"] == r["n_sets"] and math.isfinite(r["mean"]) and r["std"] >= 0
             lo, hi = 0.0, 2.0  # 1 - cos lies in [0, 2]; so its variance is <= N/(N-1)
             assert all(lo - 1e-12 <= v <= hi + 1e-12 for v in r["values"]), r
+
+
+@pytest.mark.slow
 def test_quick_identities(quick):
     """Facts that hold exactly, whatever the ranking: the gradient w.r.t. the means of the pathwise sample,
     of the conditional mean (marginal_expectation) and of an independent pathwise proxy are all the constant
@@ -111,6 +117,7 @@ def test_quick_identities(quick):
                     idx[key + ("constrained_layer", metric)]["values"], rel=1e-8, abs=1e-12)
 
 
+@pytest.mark.slow
 def test_quick_random_reference(quick):
     """``random``: average error = mean_i(1 - cos(h_i, h_gt)) concentrates at 1 as N grows. For the ``loc``
     and ``log_rate`` targets h_i ~ N(0, I_d) is isotropic, cos has mean 0 and variance 1/d, so the per-set
@@ -157,6 +164,7 @@ def test_resume_is_bit_exact(tmp_path):
         SR.run(S.load_config("quick", n_sets=3, n_estimates=20), checkpoint_path=tmp_path / "ck.pt", resume=True)
 
 
+@pytest.mark.slow
 def test_run_with_namespace_and_overrides(tmp_path):
     study = load_study("synthetic")
     args = argparse.Namespace(preset="quick", seeds=2, epochs=None, out=tmp_path, resume=False, estimates=50,
@@ -171,6 +179,7 @@ def test_run_with_namespace_and_overrides(tmp_path):
         study.run(argparse.Namespace(**{**vars(args), "epochs": 3}))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
                     reason="torch.distributed with gloo is not available")
 def test_ddp_two_processes_match_single_process(tmp_path):
@@ -179,11 +188,7 @@ def test_ddp_two_processes_match_single_process(tmp_path):
     args = ["reproduce", "synthetic", "--quick", "--seeds", "2", "--estimates", "50", "--quiet"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "hardeq_studies",
            *args, "--out", str(tmp_path / "ddp")]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-    except subprocess.TimeoutExpired:
-        pytest.skip("torchrun did not finish in time (overloaded machine?)")
+    proc = run_or_fail(cmd, timeout=600, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode != 0 and "rendezvous" in proc.stderr.lower():
         pytest.skip(f"torchrun could not start its process group here: {proc.stderr[-500:]}")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -48,6 +48,7 @@ def test_evaluation_reconstructions_satisfy_the_constraint():
     assert again["unconstrained"]["ll"] == out["unconstrained"]["ll"]
 
 
+@pytest.mark.slow
 def test_quick_preset_end_to_end_through_the_cli(tmp_path):
     assert main(["reproduce", "vae-data", "--preset", "quick", "--out", str(tmp_path), "--quiet",
                  "--models", "vae", "ladder"]) == 0

@@ -39,6 +39,7 @@ def test_evaluation_is_common_noise_and_importance_sampling_tightens():
     assert a["max_latent_residual"] < 1e-4
 
 
+@pytest.mark.slow
 def test_quick_preset_end_to_end_through_the_cli(tmp_path):
     assert main(["reproduce", "vae-latent", "--preset", "quick", "--out", str(tmp_path), "--quiet"]) == 0
     doc = json.loads((tmp_path / "vae-latent.json").read_text())
@@ -54,6 +55,7 @@ def test_quick_preset_end_to_end_through_the_cli(tmp_path):
     assert main(["report", "vae-latent", "--out", str(tmp_path), "--quiet"]) == 0
 
 
+@pytest.mark.slow
 def test_resume_reuses_finished_units(tmp_path):
     args = ["reproduce", "vae-latent", "--preset", "quick", "--out", str(tmp_path), "--quiet",
             "--methods", "pathwise", "unconstrained", "--constraints", "sum", "--keep-checkpoints"]

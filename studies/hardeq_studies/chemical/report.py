@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from ..figures import save_png
 from ..palette import color, integer_epochs, linestyle, mark_off_scale
 from ..results import markdown_table
 from ..stats import paired_wilcoxon
@@ -166,7 +167,7 @@ def plot_curves(curves: Mapping[str, Any], out: Path, prefix: str = "chemical",
             ax.legend(fontsize=7)
         fig.tight_layout()
         path = Path(out) / f"{prefix}.{name}.png"
-        fig.savefig(path, dpi=110)
+        save_png(fig, path, dpi=110)
         plt.close(fig)
         paths.append(path)
     return paths

@@ -95,9 +95,7 @@ class ChemicalStudy(Study):
         from .report import summarize
 
         cfg = doc["config"]
-        return (summarize(doc["records"], cfg["methods_run"], cfg["datasets_run"]) +
-                f"\n\nwrote {out / 'chemical.json'}, {out / 'chemical.md'} and plots in "
-                f"{doc.get('timing', {}).get('total_s', float('nan')):.1f} s")
+        return summarize(doc["records"], cfg["methods_run"], cfg["datasets_run"])
 
 
 STUDY = ChemicalStudy("chemical", load_config(CONFIG_PATH))

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..figures import save_png
 from ..extras import require
 from ..palette import color
 from ..results import markdown_table
@@ -295,7 +296,7 @@ def plot_schedules(doc: Mapping[str, Any], out: Path) -> Path | None:
                              fontsize=8)
     fig.tight_layout()
     path = Path(out) / "diffusion-schedules.png"
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
     plt.close(fig)
     return path
 
@@ -313,7 +314,7 @@ def plot_training(doc: Mapping[str, Any], out: Path) -> Path | None:
     ax.set_title("denoiser training loss")
     fig.tight_layout()
     path = Path(out) / "diffusion-training.png"
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
     plt.close(fig)
     return path
 
@@ -350,7 +351,7 @@ def save_grids(grids: Mapping[str, Tensor], tables: Mapping[str, Any], out: Path
         fig.suptitle(f"Table {tk}: same noise in every column", fontsize=8)
         fig.tight_layout()
         path = Path(out) / GRID_FILES[tk]
-        fig.savefig(path, dpi=110)
+        save_png(fig, path, dpi=110)
         plt.close(fig)
         paths.append(path)
     panels = [("real (test)", grids["real"])]
@@ -368,7 +369,7 @@ def save_grids(grids: Mapping[str, Tensor], tables: Mapping[str, Any], out: Path
     tmp.unlink(missing_ok=True)
     fig.tight_layout()
     path = Path(out) / GRID_FILES["grid"]
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
     plt.close(fig)
     paths.append(path)
     return paths

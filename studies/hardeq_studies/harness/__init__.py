@@ -9,7 +9,8 @@
   (:mod:`.distributed`). Every study trains through it; ``val_data=None`` trains a fixed budget.
 """
 
-from .checkpoint import atomic_torch_save, fingerprint, load_checkpoint, run_blocks
+from .checkpoint import (atomic_torch_save, code_fingerprint, code_mismatch, code_stamp, fingerprint, load_checkpoint,
+                         run_blocks)
 from .data import BatchSource, LoaderBatches, MemberBatches, ShuffledBatches
 from .distributed import DistContext, init_distributed
 from .loop import Trainer, evaluate, run_fingerprint, train
@@ -19,6 +20,6 @@ from .task import Hooks, Interrupted, Objective, OnEpoch, Task, TrainConfig, Tra
 __all__ = [
     "BatchSource", "BatchedMLP", "DistContext", "Hooks", "Interrupted", "LoaderBatches", "MemberBatches", "MemberList",
     "Objective", "OnEpoch", "ShuffledBatches", "Task", "TrainConfig", "TrainResult", "Trainer", "atomic_torch_save",
-    "evaluate", "fingerprint", "init_distributed", "load_checkpoint", "merge_members", "run_blocks", "run_fingerprint",
-    "train",
+    "code_fingerprint", "code_mismatch", "code_stamp", "evaluate", "fingerprint", "init_distributed",
+    "load_checkpoint", "merge_members", "run_blocks", "run_fingerprint", "train",
 ]

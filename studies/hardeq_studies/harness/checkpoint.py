@@ -1,23 +1,89 @@
-"""Atomic checkpoints (a temporary file in the same folder, then ``os.replace``), and resumable blocks."""
+"""Atomic checkpoints (a temporary file in the same folder, then ``os.replace``), and resumable blocks.
+
+Provenance: every checkpoint records the code that wrote it. :func:`code_fingerprint` hashes the sources
+(``*.py``) and configs (``*.json``) of the packages ``hardeq`` and ``hardeq_studies``; :func:`fingerprint`, the
+hash a checkpoint is matched by, covers that code hash as well as the run's settings, and
+:func:`atomic_torch_save` stamps every checkpoint dict with :func:`code_stamp` (the code hash, the git commit
+and whether the tree was dirty). :func:`code_mismatch` explains a checkpoint written by other code, so
+``--resume`` refuses it with a reason instead of silently mixing two versions of the code.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import tempfile
 from collections.abc import Callable, Mapping
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["atomic_torch_save", "load_checkpoint", "fingerprint", "run_blocks"]
+__all__ = ["atomic_torch_save", "load_checkpoint", "fingerprint", "run_blocks", "code_fingerprint", "code_stamp",
+           "code_mismatch", "CODE_KEY", "CODE_PACKAGES"]
+
+#: the packages whose sources make up the code a checkpoint or result was computed with
+CODE_PACKAGES = ("hardeq", "hardeq_studies")
+#: the key under which :func:`atomic_torch_save` stores :func:`code_stamp` in a checkpoint dict
+CODE_KEY = "code_provenance"
+
+
+@lru_cache(maxsize=None)
+def code_fingerprint(packages: tuple[str, ...] = CODE_PACKAGES) -> str:
+    """SHA-256 (16 hex digits) of the ``*.py`` and ``*.json`` files of ``packages``, by relative path and bytes.
+
+    Computed once per process (the sources of a running process do not change under it)."""
+    h = hashlib.sha256()
+    for package in packages:
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(f"code_fingerprint: {package!r} is not an importable package.")
+        root = Path(next(iter(spec.submodule_search_locations)))
+        files = sorted(p for p in root.rglob("*") if p.suffix in (".py", ".json") and p.is_file()
+                       and "__pycache__" not in p.parts)
+        for p in files:
+            h.update(f"{package}/{p.relative_to(root).as_posix()}\0".encode())
+            h.update(p.read_bytes())
+            h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+@lru_cache(maxsize=None)
+def code_stamp() -> dict[str, Any]:
+    """``{"code": code_fingerprint(), "git": commit or "unknown", "dirty": bool or None}`` of this process."""
+    from ..results import git_state
+
+    return {"code": code_fingerprint(), **git_state()}
+
+
+def code_mismatch(checkpoint: Mapping[str, Any]) -> str | None:
+    """Why ``checkpoint`` (a loaded checkpoint dict) was not written by this code, or ``None`` when it was."""
+    theirs = checkpoint.get(CODE_KEY) if isinstance(checkpoint, Mapping) else None
+    mine = code_stamp()
+    if not isinstance(theirs, Mapping) or "code" not in theirs:
+        return (f"records no code fingerprint (written before checkpoints recorded their code); this code is "
+                f"{mine['code']} (commit {mine['git'][:12]})")
+    if theirs["code"] == mine["code"]:
+        return None
+
+    def describe(stamp: Mapping[str, Any]) -> str:
+        dirty = " with uncommitted changes" if stamp.get("dirty") else ""
+        return f"code {stamp.get('code')} (commit {str(stamp.get('git', 'unknown'))[:12]}{dirty})"
+
+    return (f"was written by other code: {describe(theirs)}, but this is {describe(mine)}; the sources of "
+            f"{' or '.join(CODE_PACKAGES)} changed since, so resuming would mix two versions of the code")
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
-    """``torch.save`` to a temporary file next to ``path``, fsync, then ``os.replace`` (never a torn file)."""
+    """``torch.save`` to a temporary file next to ``path``, fsync, then ``os.replace`` (never a torn file).
+
+    A dict is saved with its provenance added under :data:`CODE_KEY` (:func:`code_stamp`)."""
     path = Path(path)
+    if isinstance(obj, dict) and CODE_KEY not in obj:
+        obj = {**obj, CODE_KEY: code_stamp()}
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".ckpt.tmp")
     try:
@@ -38,8 +104,10 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 
 
 def fingerprint(obj: Any) -> str:
-    """A short hash of a JSON-able description of a run (a checkpoint of another run is refused)."""
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    """A short hash of a JSON-able description of a run and of the code (:func:`code_fingerprint`) that runs it;
+    a checkpoint of another run, or of the same settings run by other code, is refused or recomputed."""
+    run = {"run": obj, "code": code_fingerprint()}
+    return hashlib.sha256(json.dumps(run, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def run_blocks(blocks: Mapping[str, Callable[[], Any]], *, checkpoint_path: Path | None = None, resume: bool = False,
@@ -60,6 +128,9 @@ def run_blocks(blocks: Mapping[str, Callable[[], Any]], *, checkpoint_path: Path
     done: dict[str, Any] = {}
     if resume and checkpoint_path is not None and Path(checkpoint_path).exists():
         ck = load_checkpoint(checkpoint_path)
+        why = code_mismatch(ck)
+        if why:
+            raise ValueError(f"checkpoint {checkpoint_path} {why}; remove it or run without --resume.")
         if ck.get("fingerprint") != run_hash:
             raise ValueError(f"checkpoint {checkpoint_path} belongs to a different run (fingerprint "
                              f"{ck.get('fingerprint')} != {run_hash}); remove it or run without --resume.")

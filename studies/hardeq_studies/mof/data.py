@@ -129,7 +129,8 @@ def make_split(data: MofData, split_index: int, fractions: tuple[float, float] =
                 break
             rejected += 1
             if rejected >= max_tries:
-                raise RuntimeError(f"no valid split after {max_tries} shuffles.")
+                raise ValueError(f"no split of these {n} graphs puts every test element in the training set "
+                                 f"({max_tries} shuffles tried); use more graphs (--graphs).")
     return {"train": order[:cut_train], "val": order[cut_train:cut_val], "test": order[cut_val:],
             "redraws": rejected}
 

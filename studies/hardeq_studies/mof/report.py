@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..figures import save_png
 from ..extras import require
 from ..palette import color as palette_color
 from ..palette import integer_epochs
@@ -150,7 +151,7 @@ def plot_curves(curves: Mapping[str, Mapping[str, list]], out: Path) -> Path:
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     path = Path(out) / "mof_curves.png"
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)
     return path
 
@@ -172,6 +173,6 @@ def plot_parity(parity: Mapping[str, Any], out: Path) -> Path:
     fig.suptitle(f"split {parity['split']}: {len(x)} random test atoms", fontsize=9)
     fig.tight_layout()
     path = Path(out) / "mof_parity.png"
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)
     return path

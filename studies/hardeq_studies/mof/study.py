@@ -26,10 +26,25 @@ class MofStudy(Study):
                             help="number of random splits (default: the preset's; --seeds is a synonym)")
         parser.add_argument("--groups", nargs="+", default=None, choices=list(self.config["groups"]),
                             help="train only these method groups (default: all)")
-        parser.add_argument("--graphs", type=positive_int, default=None, help="use only the first N graphs")
+        parser.add_argument("--graphs", type=self._graphs, default=None,
+                            help=f"use only the first N graphs, at least {self.min_graphs()} (default: the preset's)")
         parser.add_argument("--jobs", type=positive_int, default=None,
                             help="parallel processes (default: the preset's)")
         add_run_arguments(parser)
+
+    def min_graphs(self) -> int:
+        """The fewest graphs whose split (config ``split.fractions``) leaves train, validation and test non-empty."""
+        f_train, f_val = self.config["split"]["fractions"]
+        return next(n for n in range(3, 10_000) if 0 < int(n * f_train) < int(n * (f_train + f_val)) < n
+                    and all(0 < int(m * f_train) < int(m * (f_train + f_val)) < m for m in range(n, n + 50)))
+
+    def _graphs(self, text: str) -> int:
+        """argparse type of ``--graphs``: a count that leaves every part of the split non-empty."""
+        n = positive_int(text)
+        if n < self.min_graphs():
+            raise argparse.ArgumentTypeError(f"must be at least {self.min_graphs()} (train/validation/test "
+                                             f"fractions {self.config['split']['fractions']}), got {n}")
+        return n
 
     def settings(self, args: argparse.Namespace) -> dict[str, Any]:
         """The preset's settings with the command line's overrides."""
@@ -104,8 +119,7 @@ class MofStudy(Study):
     def console(self, doc: dict[str, Any], out: Path, text: str) -> str:
         from .report import render_markdown
 
-        return (render_markdown(doc, brief=True) + f"\nwrote {out / 'mof.json'}, {out / 'mof.md'} and plots "
-                f"({doc.get('timing', {}).get('total_s', float('nan')):.0f} s)")
+        return render_markdown(doc, brief=True)
 
 
 STUDY = MofStudy("mof", load_config(CONFIG_PATH))

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..figures import save_png
 from ..palette import color, linestyle
 from ..results import markdown_table
 from ..stats import paired_wilcoxon
@@ -208,7 +209,7 @@ def plot_cumulative(doc: dict[str, Any], out: Path) -> Path:
     fig.autofmt_xdate()
     fig.tight_layout()
     path = Path(out) / "portfolio_cumulative.png"
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
     plt.close(fig)
     return path
 
@@ -236,6 +237,6 @@ def plot_weights(doc: dict[str, Any], out: Path) -> Path:
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     path = Path(out) / "portfolio_weights.png"
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
     plt.close(fig)
     return path

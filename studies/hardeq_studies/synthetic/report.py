@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ..figures import save_png
 from ..palette import color
 from ..results import markdown_table
 from .data import FAMILY_NAMES, order_key
@@ -153,7 +154,7 @@ def plot(doc: dict, out: Path) -> list[Path]:
         fig._suptitle.set_y(1 - 0.25 / height)
         path = Path(out) / f"synthetic_{family}_{loss}.png"
         path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
+        save_png(fig, path, dpi=110)
         plt.close(fig)
         paths.append(path)
     return paths

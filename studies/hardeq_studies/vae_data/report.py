@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from ..figures import save_png
 from ..palette import color
 from ..results import markdown_table
 from ..stats import paired_ttest
@@ -179,6 +180,6 @@ def plot_curves(doc: dict[str, Any], out: Path) -> Path:
         ax.legend(fontsize=7)
     fig.tight_layout()
     path = Path(out) / "vae-data_curves.png"
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
     plt.close(fig)
     return path

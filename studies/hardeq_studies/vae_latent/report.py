@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from ..figures import save_png
 from ..palette import color
 from ..results import markdown_table
 from ..stats import paired_ttest, paired_wilcoxon
@@ -159,7 +160,7 @@ def plot_metrics(doc: dict[str, Any], out: Path) -> Path:
             ax.set_title(f"{c}: {label}", fontsize=9)
     fig.tight_layout()
     path = Path(out) / "vae-latent.png"
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
     plt.close(fig)
     return path
 
@@ -196,6 +197,6 @@ def plot_curves(doc: dict[str, Any], out: Path) -> Path:
         ax.legend(fontsize=7)
     fig.tight_layout()
     path = Path(out) / "vae-latent_curves.png"
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
     plt.close(fig)
     return path
