@@ -57,6 +57,8 @@ def check_tensor(name: str, value: object, *, min_dim: int = 0, floating: bool =
 
 def check_finite(name: str, value: Tensor) -> None:
     """Raise ``ValueError`` if ``value`` holds NaN or infinity."""
+    if not value.is_floating_point() or bool((value * 0 == 0).all()):  # x * 0 is NaN exactly for NaN and inf
+        return
     if not bool(torch.isfinite(value).all()):
         bad = (~torch.isfinite(value)).sum().item()
         raise ValueError(
@@ -96,16 +98,18 @@ def group_sizes(index: Tensor, num_groups: int) -> Tensor:
 
 
 def check_group_index(index: Tensor, num_groups: int) -> Tensor:
-    """Check a group-id vector (``(n,)``, values in ``[0, num_groups)``, no empty group); return group sizes."""
+    """Check a group-id vector (``(n,)``, values in ``[0, num_groups)``, no empty group); return group sizes.
+    Two host synchronisations: the range, and the smallest group."""
     if index.numel() == 0:
         raise ValueError("index must not be empty.")
-    lo, hi = int(index.min()), int(index.max())
+    lo, hi = torch.aminmax(index)
+    lo, hi = torch.stack([lo, hi]).tolist()
     if lo < 0 or hi >= num_groups:
         raise ValueError(
             f"index values must lie in [0, a) with a = total.shape[-1] = {num_groups}, got range [{lo}, {hi}]."
         )
     counts = torch.bincount(index, minlength=num_groups)
-    if bool((counts == 0).any()):
+    if int(counts.min()) == 0:
         empty = torch.nonzero(counts == 0)[:5, 0].tolist()
         raise ValueError(
             f"every group must have at least one coordinate, but groups {empty} (of a = {num_groups}) are empty."

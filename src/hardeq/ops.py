@@ -42,7 +42,8 @@ class GroupSum:
         self.index = index
         self.num_groups = num_groups
         self.num_chunks = -(-n // chunk)
-        self.slot = (torch.arange(n, device=index.device) // chunk) * num_groups + index
+        chunk_of = torch.arange(self.num_chunks, device=index.device).repeat_interleave(chunk)[:n]
+        self.slot = index if self.num_chunks == 1 else chunk_of * num_groups + index
         #: size of each group when the groups are equal consecutive blocks (one sum; the channels of an image;
         #: equal graphs), else None. Then a sum is a reshape + ``torch.sum`` (pairwise, vectorised) and the
         #: gather an ``expand``: no scatter, which accumulates serially (10-50x slower for few groups).

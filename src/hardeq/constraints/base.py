@@ -226,6 +226,11 @@ class EqualityConstraint(ABC):
         ``(*sample, *batch, n) -> (*sample, *batch, a)``."""
         ...
 
+    def matvec_and_scale(self, z: Tensor) -> tuple[Tensor, Tensor]:
+        r""":math:`Az` and :math:`|A||z|` (the residual check needs both), each ``(*sample, *batch, a)``; a structure
+        may compute them in one pass."""
+        return self.matvec(z), self.abs_matvec(z.abs())
+
     # ------------------------------------------------------------------ what the conditioner asks for
     @property
     def storage_numel(self) -> int:

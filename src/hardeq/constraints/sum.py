@@ -121,7 +121,7 @@ class SumConstraint(EqualityConstraint):
         """Members of groups of one: their value is the group's total."""
         if self._pinned is None:
             mask = self.counts.index_select(0, self.index) == 1
-            self._pinned = (mask, bool(mask.any()))
+            self._pinned = (mask, bool(self.counts.min() == 1))
         mask, any_pinned = self._pinned
         if not any_pinned:
             return None

@@ -254,7 +254,7 @@ class Conditioner:
 
 
 def _check_scale(c: Tensor) -> None:
-    if not bool(torch.isfinite(c).all()) or not bool((c > 0).all()):
+    if not bool((torch.isfinite(c) & (c > 0)).all()):
         raise NotPSDError(
             f"the covariance's scales must be finite and not all zero; got a largest entry in "
             f"[{c.min().item():.3e}, {c.max().item():.3e}]."
