@@ -10,12 +10,12 @@ per-step pattern ``LinearConstraint(A, k_step)`` therefore validates ``A`` once,
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch import Tensor
 
 from .._utils import batch_mv, check_finite, check_same_dtype_device, check_tensor, validate_default
+from ..ops import gram_from_pairs, row_pairs
+from ._cache import PerTensorCache
 from .base import (
     EqualityConstraint,
     RowSpaceFactors,
@@ -26,31 +26,17 @@ from .base import (
 
 __all__ = ["LinearConstraint"]
 
-# id(A) -> (weak reference to A, A._version, factors, validated). An entry dies with its tensor.
-_FACTORS: dict[int, tuple[weakref.ref, int, RowSpaceFactors, bool]] = {}
+#: per A tensor: (factors, validated); and the row-product matrix of its Gram under a per-sample diagonal covariance
+_FACTORS = PerTensorCache()
+_PAIRS = PerTensorCache()
 
 
 def _lookup(A: Tensor) -> tuple[RowSpaceFactors, bool] | None:
-    entry = _FACTORS.get(id(A))
-    try:
-        if entry is not None and entry[0]() is A and entry[1] == A._version:
-            return entry[2], entry[3]
-    except RuntimeError:  # inference tensors have no version counter
-        pass
-    return None
+    return _FACTORS.get(A)
 
 
 def _remember(A: Tensor, factors: RowSpaceFactors, validated: bool) -> None:
-    key = id(A)
-
-    def _forget(ref: weakref.ref, key: int = key, cache: dict = _FACTORS) -> None:  # cache: alive at exit
-        if key in cache and cache[key][0] is ref:
-            del cache[key]
-
-    try:
-        _FACTORS[key] = (weakref.ref(A, _forget), A._version, factors, validated)
-    except (TypeError, RuntimeError):  # no weak reference or no version counter (inference / functional tensors)
-        pass
+    _FACTORS.put(A, (factors, validated))
 
 
 class LinearConstraint(EqualityConstraint):
@@ -189,6 +175,21 @@ class LinearConstraint(EqualityConstraint):
             logdet = 2 * (d.log().sum(-1) + R.diagonal(dim1=-2, dim2=-1).abs().log().sum(-1))
             return logdet.to(self.A.dtype)
         return factors.logdet.to(self.A.dtype).expand(self.A.shape[:-2])
+
+    def gram(self, covariance) -> Tensor:
+        r""":math:`A\Sigma A^\top`. A shared 2-D ``A`` under a per-sample diagonal covariance: one GEMM of the
+        variances with the row-product matrix of ``A`` (``n x a(a+1)/2``, computed once per ``A`` tensor) when that
+        matrix is small; otherwise the covariance's own product."""
+        if covariance.is_diagonal and self.A.dim() == 2 and len(covariance.batch_shape) > 0 \
+                and not self.A.requires_grad:
+            pairs = _PAIRS.get(self.A)
+            if pairs is None:
+                pairs = row_pairs(self.A)
+                if pairs is not None:
+                    _PAIRS.put(self.A, pairs)
+            if pairs is not None:
+                return gram_from_pairs(pairs, covariance.variance, self.num_constraints)
+        return super().gram(covariance)
 
     @property
     def storage_numel(self) -> int:

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import math
 import warnings
-import weakref
 
 import torch
 from torch import Tensor
 
 from .._utils import check_finite, check_same_dtype_device, check_tensor, validate_default
+from ._cache import PerTensorCache
 from .base import EqualityConstraint
 
 __all__ = ["SparseConstraint"]
@@ -25,32 +25,17 @@ __all__ = ["SparseConstraint"]
 #: largest number of column pairs sum_j c_j^2 for which the diagonal-covariance Gram uses the cached pair matrix
 MAX_GRAM_PAIRS = 64_000_000
 
-# id(A given by the user) -> (weak reference, A._version, [A_csr, At_csr, shared caches, validated]); an entry
-# dies with its tensor, so the per-step pattern SparseConstraint(A, k_step) converts and validates A once
-_PREPARED: dict[int, tuple] = {}
+#: per A given by the user: [A_csr, At_csr, shared caches, validated], so the per-step pattern
+#: SparseConstraint(A, k_step) converts and validates A once
+_PREPARED = PerTensorCache()
 
 
 def _prepared(A: Tensor) -> list | None:
-    entry = _PREPARED.get(id(A))
-    try:
-        if entry is not None and entry[0]() is A and entry[1] == A._version:
-            return entry[2]
-    except RuntimeError:  # no version counter (inference tensors)
-        pass
-    return None
+    return _PREPARED.get(A)
 
 
 def _remember(A: Tensor, value: list) -> None:
-    key = id(A)
-
-    def _forget(ref: weakref.ref, key: int = key, cache: dict = _PREPARED) -> None:  # cache: alive at exit
-        if key in cache and cache[key][0] is ref:
-            del cache[key]
-
-    try:
-        _PREPARED[key] = (weakref.ref(A, _forget), A._version, value)
-    except (TypeError, RuntimeError):
-        pass
+    _PREPARED.put(A, value)
 
 
 def _quiet(fn, *args):

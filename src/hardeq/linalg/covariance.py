@@ -32,6 +32,7 @@ from torch import Tensor
 from torch.distributions import constraints
 
 from .._utils import batch_mv, check_same_dtype_device, check_tensor
+from ..ops import gram_from_pairs, row_pairs
 from .triangular import tri_solve_vec
 
 __all__ = [
@@ -486,8 +487,6 @@ class LowRankCovariance(Covariance):
         return LowRankCovariance(self.cov_factor / c.unsqueeze(-1), self.scale / c)
 
 
-#: largest n * a(a+1)/2 for the product-matrix Gram of a per-sample diagonal covariance
-_PRODUCT_ELEMS = 1 << 25
 #: elements of a transient (chunk x a x n) tensor
 _CHUNK_ELEMS = 1 << 24
 
@@ -509,14 +508,9 @@ def _diag_sandwich(A: Tensor, scale: Tensor, variance: Callable[[], Tensor]) -> 
         return _gram_of(A * scale.unsqueeze(-2))
     bshape = scale.shape[:-1]
     sf = scale.reshape(-1, n)
-    iu = torch.triu_indices(a, a, device=A.device)
-    if n * iu.shape[1] <= _PRODUCT_ELEMS:
-        P = A[iu[0]] * A[iu[1]]  # (a(a+1)/2, n)
-        flat = variance().reshape(-1, n) @ P.mT  # (B, a(a+1)/2)
-        S = flat.new_zeros(sf.shape[0], a, a)
-        S[:, iu[0], iu[1]] = flat
-        S[:, iu[1], iu[0]] = flat
-        return S.reshape(bshape + (a, a))
+    pairs = row_pairs(A)
+    if pairs is not None:
+        return gram_from_pairs(pairs, variance(), a)
     step = max(1, _CHUNK_ELEMS // (a * n))
     parts = [_gram_of(A * sf[b:b + step].unsqueeze(-2)) for b in range(0, sf.shape[0], step)]
     return torch.cat(parts, 0).reshape(bshape + (a, a))
