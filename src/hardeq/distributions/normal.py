@@ -266,10 +266,8 @@ class ConstrainedNormal(Distribution):
     # ------------------------------------------------------------------ densities
     def _log_normaliser(self) -> Tensor:
         r""":math:`-\tfrac12[(n - a)\log 2\pi + \log\det\Sigma - \log\det S + \log\det AA^\top]`, ``batch_shape``."""
-        cond = self.conditioner
         n, a = self.event_shape[0], self.constraint.num_constraints
-        return -0.5 * ((n - a) * LOG_2PI + cond.cov.logdet() - cond.logdet()
-                       + self.constraint.logdet_gram_identity())
+        return -0.5 * ((n - a) * LOG_2PI + self.conditioner.plane_logdet())
 
     def log_prob(self, value: Tensor) -> Tensor:
         r"""Log-density on the subspace :math:`\{Az = k\}` (w.r.t. its ``(n - a)``-dimensional Lebesgue

@@ -233,6 +233,11 @@ class Conditioner:
         r""":math:`\log\det S`, shape ``(*batch)``."""
         return self.factor.logdet()
 
+    def plane_logdet(self) -> Tensor:
+        r""":math:`\log\det\Sigma - \log\det S + \log\det(AA^\top)`, shape ``(*batch)`` (the density's log-volume
+        term on the plane)."""
+        return self.factor.plane_logdet()
+
     def variance(self) -> Tensor:
         r"""Conditional marginal variances, ``(*batch, n)``."""
         return self.factor.variance()

@@ -86,6 +86,16 @@ class Factor(ABC):
     def logdet(self) -> Tensor:
         r""":math:`\log\det S`, shape ``(*batch)``."""
 
+    def plane_logdet(self) -> Tensor:
+        r""":math:`\log\det\Sigma - \log\det S + \log\det(AA^\top) = -\log\det(N^\top\Sigma^{-1}N)` (``N`` an
+        orthonormal basis of :math:`\mathrm{null}(A)`): the log-volume term of the density on the plane, shape
+        ``(*batch)``. Default: the three log-determinants, summed in float64 (they nearly cancel when ``a`` is close
+        to ``n``)."""
+        wide = torch.float64
+        out = (self.cov.to(dtype=wide).logdet() - self.logdet().to(wide)
+               + self.constraint.logdet_gram_identity().to(wide))
+        return out.to(self.dtype)
+
     # ------------------------------------------------------------------ conditional second moments
     @abstractmethod
     def gain_factor(self) -> Tensor:

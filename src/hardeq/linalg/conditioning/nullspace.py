@@ -41,10 +41,11 @@ class NullspaceFactor(Factor):
 
     name = "nullspace"
 
-    def __init__(self, base: Factor, QA: Tensor, R: Tensor, V: Tensor, U: Tensor, zp: Tensor) -> None:
+    def __init__(self, base: Factor, QA: Tensor, R: Tensor, V: Tensor, U: Tensor, zp: Tensor, LM: Tensor) -> None:
         super().__init__(base.cov, base.constraint, base.c)
         self.base = base
         self.QA, self.R, self.V, self.U, self.zp = QA, R, V, U, zp
+        self.LM = LM  # Cholesky factor of M' = N^T Sigma'^-1 N, (*batch, p, p), float64
 
     @classmethod
     def build(cls, base: Factor) -> "NullspaceFactor | None":
@@ -74,7 +75,7 @@ class NullspaceFactor(Factor):
         V = torch.linalg.solve_triangular(LM, Ne.mT, upper=False).mT
         U = torch.linalg.solve_triangular(LM, Y.mT, upper=False).mT
         zp = batch_mv(QA, tri_solve_vec(R.mT, con.k.to(gd), upper=False))
-        return cls(base, QA, R, V, U, zp)
+        return cls(base, QA, R, V, U, zp, LM)
 
     def _project(self, x: Tensor) -> Tensor:
         r""":math:`VU^\top x`: the :math:`\Sigma^{-1}`-orthogonal projection of ``x`` onto :math:`\mathrm{null}(A)`."""
@@ -110,6 +111,13 @@ class NullspaceFactor(Factor):
 
     def gain_factor(self) -> Tensor:
         return self.base.gain_factor()
+
+    def plane_logdet(self) -> Tensor:
+        r""":math:`-\log\det(N^\top\Sigma^{-1}N) = -\log\det M' + 2p\log c` from the float64 factor of
+        :math:`M'`: no cancellation between :math:`\log\det\Sigma` and :math:`\log\det S` (n = 60, a = 59)."""
+        p = self.LM.shape[-1]
+        logdet_M = 2 * self.LM.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+        return (-logdet_M + 2 * p * self.c.squeeze(-1).to(torch.float64).log()).to(self.dtype)
 
     def variance(self) -> Tensor:
         return (self.V.square().sum(-1) * self.c.to(self.V.dtype).square()).to(self.dtype)
