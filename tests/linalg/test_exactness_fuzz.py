@@ -4,10 +4,10 @@ Criterion (``hardeq.testing.exactness``): for the mean, ``sample()`` and ``rsamp
 ``hardeq.ConstrainedNormal`` and for every constraint row ``i``, ``|(Az - k)_i| <= tol (|A||z|)_i``, evaluated in
 float64, ``tol = 1e-5`` (float32) / ``1e-12`` (float64); never relative to the largest row.
 
-* Random problems (public API only): n in 2..40, dense ``LinearConstraint`` (rows up to 1e3 apart in size) and
-  grouped ``SumConstraint`` (groups of one included), diagonal / full / low-rank covariance, scales log-uniform
+* Random problems (public API only): n in 2..40, dense ``LinearConstraint`` (rows up to 1e3 apart in size),
+  grouped ``SumConstraint`` (groups of one included) and ``SparseConstraint`` (CSR, 1-3 rows per column), diagonal / full / low-rank covariance, scales log-uniform
   over up to eight decades, loc up to 1e3 scales off the plane, right-hand sides of random magnitude, batched
-  and not; 200 cases per (dtype, structure, constraint) group, 2400 in all (about 5 s on one core).
+  and not; 200 cases per (dtype, structure, constraint) group, 3600 in all.
 * Ragged graph batches like PyG's: 128 graphs of 1-59 nodes (singletons included), per-graph standard
   deviations spanning 1e2, 1e4 or 1e8, totals zero or not, via ``SumConstraint(batch, totals)``: per-row
   exactness for every graph and sample; a single-node graph returns its total exactly (``==``); a graph's mean
@@ -26,10 +26,11 @@ import torch
 import hardeq
 from hardeq.testing import assert_exact_per_row, exactness_tolerance, row_residual_ratio
 
+pytestmark = pytest.mark.filterwarnings("ignore:.*[Ss]parse CSR.*:UserWarning")  # torch's beta notice
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 CASES_PER_GROUP = 200
 STRUCTURES = ["diag", "full", "lowrank"]
-KINDS = ["dense", "grouped"]
+KINDS = ["dense", "grouped", "sparse"]
 
 
 @pytest.fixture(autouse=True)
@@ -77,6 +78,13 @@ def make_case(g: torch.Generator, dtype: torch.dtype, structure: str, kind: str)
         rows = 10 ** (u(-1, 1) + u(0, 3) * torch.rand(a, 1, generator=g, dtype=torch.float64))
         con = hardeq.LinearConstraint((randn(a, n) * rows).to(dtype), k * rows.squeeze(-1).to(dtype),
                                       validate_args=False)
+    elif kind == "sparse":  # each column in 1-3 rows with signed weights; every row non-empty (a flow network)
+        A = torch.zeros(a, n, dtype=torch.float64)
+        for j in range(n):
+            rows = torch.randperm(a, generator=g)[:int(torch.randint(1, min(3, a) + 1, (), generator=g))]
+            A[rows, j] = randn(len(rows))
+        A[torch.arange(a), torch.randperm(n, generator=g)[:a]] = 1.0 + randn(a).abs()  # full row rank, no empty row
+        con = hardeq.SparseConstraint(A.to(dtype).to_sparse_csr(), k, validate_args=False)
     else:  # every group non-empty; small groups (and groups of one) are common
         index = torch.cat([torch.arange(a), torch.randint(0, a, (n - a,), generator=g)])
         con = hardeq.SumConstraint(index[torch.randperm(n, generator=g)], k)
