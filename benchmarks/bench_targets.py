@@ -330,7 +330,8 @@ def main() -> None:
     print("\n## D. Ragged batch of 128 graphs, rsample + backward (target: <= 3x unconstrained draw + backward)\n")
     print("| graphs | n | unconstr. ms | hardeq ms | ÷ unconstr. | rel. residual | repeats |")
     print("|---|---|---|---|---|---|---|")
-    print(f"| {D['graphs']} | {D['n']:,} | {ms(D['base'])} | {ms(D['hardeq'])} | {D['ratio']:.2f}x | {D['resid']:.1e} | "
+    print(f"| {D['graphs']} | {D['n']:,} | {ms(D['base'])} | {ms(D['hardeq'])} | {D['ratio']:.2f}x | "
+          f"{D['resid']:.1e} | "
           f"{D['repeats']} |")
     if args.json:
         with open(args.json, "w") as f:

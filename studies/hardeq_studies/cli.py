@@ -51,7 +51,8 @@ def _add_common(p: argparse.ArgumentParser, meta: dict) -> None:
     group.add_argument("--paper", dest="preset", action="store_const", const="paper",
                        help="same as --preset paper (meant for --device cuda)")
     p.add_argument("--seeds", type=positive_int, default=None, help="number of seeds (default: the preset's)")
-    p.add_argument("--epochs", type=positive_int, default=None, help="training epochs, at least 1 (default: the preset's)")
+    p.add_argument("--epochs", type=positive_int, default=None,
+                   help="training epochs, at least 1 (default: the preset's)")
     p.add_argument("--out", type=Path, default=None,
                    help="output folder (default: results/quick for --preset quick, else results)")
     p.add_argument("--resume", action="store_true",

@@ -5,9 +5,10 @@ Criterion (``hardeq.testing.exactness``): for the mean, ``sample()`` and ``rsamp
 float64, ``tol = 1e-5`` (float32) / ``1e-12`` (float64); never relative to the largest row.
 
 * Random problems (public API only): n in 2..40, dense ``LinearConstraint`` (rows up to 1e3 apart in size),
-  grouped ``SumConstraint`` (groups of one included) and ``SparseConstraint`` (CSR, 1-3 rows per column), diagonal / full / low-rank covariance, scales log-uniform
-  over up to eight decades, loc up to 1e3 scales off the plane, right-hand sides of random magnitude, batched
-  and not; 200 cases per (dtype, structure, constraint) group, 3600 in all.
+  grouped ``SumConstraint`` (groups of one included) and ``SparseConstraint`` (CSR, 1-3 rows per column),
+  diagonal / full / low-rank covariance, scales log-uniform over up to eight decades, loc up to 1e3 scales off
+  the plane, right-hand sides of random magnitude, batched and not; 200 cases per (dtype, structure, constraint)
+  group, 3600 in all (about 7 s on one core).
 * Ragged graph batches like PyG's: 128 graphs of 1-59 nodes (singletons included), per-graph standard
   deviations spanning 1e2, 1e4 or 1e8, totals zero or not, via ``SumConstraint(batch, totals)``: per-row
   exactness for every graph and sample; a single-node graph returns its total exactly (``==``); a graph's mean

@@ -9,7 +9,8 @@ of 1e-20 or 1e20 neither under- nor overflow; :math:`S' = A\Sigma'A^\top = S / c
 A factor answers, for one covariance/constraint pair:
 
 * :meth:`Factor.gain` -- :math:`Kr`; :meth:`Factor.step` -- the Matheron map :math:`z + K(k - Az)`;
-* :meth:`Factor.whiten` -- :math:`L^{-1}r` with :math:`LL^\top = S` (so :math:`\lVert L^{-1}r\rVert^2 = r^\top S^{-1}r`);
+* :meth:`Factor.whiten` -- :math:`L^{-1}r` with :math:`LL^\top = S`
+  (so :math:`\lVert L^{-1}r\rVert^2 = r^\top S^{-1}r`);
 * :meth:`Factor.logdet` -- :math:`\log\det S`;
 * :meth:`Factor.variance` -- the conditional marginal variances :math:`\mathrm{diag}(\Sigma - K A\Sigma)`;
 * :meth:`Factor.gain_factor` -- :math:`G` with :math:`GG^\top = \Sigma A^\top S^{-1}A\Sigma`, and from it

@@ -28,7 +28,6 @@ from .factor import Factor
 
 if TYPE_CHECKING:
     from ...constraints import EqualityConstraint
-    from ..covariance import Covariance
 
 __all__ = ["NullspaceFactor"]
 
