@@ -195,6 +195,12 @@ class EqualityConstraint(ABC):
         r""":math:`\log\det(A A^\top)`, shape: the batch shape of ``A``; computed once per object."""
         ...
 
+    @property
+    def has_diagonal_gram(self) -> bool:
+        r"""Is :math:`A\,\mathrm{diag}(v)\,A^\top` diagonal for every ``v`` (then :meth:`diagonal_gram` returns its
+        diagonal)? Lets a conditioner skip preparing the O(n) path for a dense ``A``. Default: ``False``."""
+        return False
+
     def diagonal_gram(self, variance: Tensor) -> Tensor | None:
         r"""The diagonal of :math:`A\,\mathrm{diag}(v)\,A^\top` (shape ``(*batch, a)``) when that matrix is
         diagonal for every ``v``, else ``None``.

@@ -283,10 +283,15 @@ class SparseConstraint(EqualityConstraint):
                                                           check_invariants=False).coalesce().to_sparse_csr())
         return self._cached("pairs", make)
 
+    @property
+    def has_diagonal_gram(self) -> bool:
+        """Every column of ``A`` has at most one nonzero (checked once per ``A``)."""
+        return not bool(self._column_counts().max() > 1)
+
     def diagonal_gram(self, variance: Tensor) -> Tensor | None:
         r"""When every column of ``A`` has at most one nonzero, :math:`A\,\mathrm{diag}(v)A^\top` is diagonal
         for every ``v``, with diagonal :math:`(A\circ A)\,v` (O(nnz)); otherwise ``None``."""
-        if bool(self._column_counts().max() > 1):
+        if not self.has_diagonal_gram:
             return None
         A = self._A
         square = self._cached("square", lambda: _csr(A.crow_indices(), A.col_indices(), A.values().square(), A.shape))

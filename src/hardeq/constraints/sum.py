@@ -93,6 +93,10 @@ class SumConstraint(EqualityConstraint):
     def matmul(self, X: Tensor) -> Tensor:
         return self._group_sum.matmul(X)
 
+    @property
+    def has_diagonal_gram(self) -> bool:
+        return True
+
     def diagonal_gram(self, variance: Tensor) -> Tensor:
         r"""Per-group sums of ``variance`` (each coordinate is in one group, so the Gram matrix is diagonal),
         with the two-level summation of :meth:`matvec`; shape ``(*batch, a)``."""

@@ -51,7 +51,7 @@ class GroupedFactor(Factor):
     def build(cls, cov: "Covariance", constraint: "EqualityConstraint", c: Tensor, *,
               checked: bool = True) -> "GroupedFactor | None":
         """The factor, or ``None`` when the covariance is not diagonal or the Gram matrix is not diagonal."""
-        if not cov.is_diagonal:
+        if not cov.is_diagonal or not constraint.has_diagonal_gram:
             return None
         v = cov.scaled(c).variance
         s = constraint.diagonal_gram(v)
