@@ -47,7 +47,8 @@ def check_tensor(name: str, value: object, *, min_dim: int = 0, floating: bool =
     if not isinstance(value, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}.")
     if floating and not value.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor (float32 or float64), got dtype {value.dtype}.")
+        raise TypeError(f"{name} must be a floating-point tensor (float16, bfloat16, float32 or float64), got dtype "
+                        f"{value.dtype}.")
     if value.dim() < min_dim:
         raise ValueError(
             f"{name} must have at least {min_dim} dimension(s), got shape {tuple(value.shape)}."
