@@ -139,7 +139,9 @@ class ConstrainedNormal(Distribution):
             )
         n = loc.shape[-1]
         covariance = _build_covariance(n, scale, covariance, scale_tril, cov_factor)
-        check_same_dtype_device(loc=loc, covariance=covariance.tensors()[0], constraint=constraint.k)
+        given = {"scale": scale, "scale_tril": scale_tril, "cov_factor": cov_factor}
+        given = {name: t for name, t in given.items() if t is not None} or {"covariance": covariance.tensors()[0]}
+        check_same_dtype_device(loc=loc, **given, constraint=constraint.k)
         if constraint.event_size != n:
             raise ValueError(
                 f"constraint acts on vectors of size {constraint.event_size}, but loc has size n = {n} "
@@ -413,7 +415,14 @@ class ConstrainedNormal(Distribution):
 
     # ------------------------------------------------------------------ plumbing
     def expand(self, batch_shape: torch.Size | tuple, _instance=None) -> "ConstrainedNormal":
-        batch_shape = torch.Size(batch_shape)
+        batch_shape = _sample_shape(batch_shape, "batch_shape")
+        try:
+            ok = torch.broadcast_shapes(batch_shape, self.batch_shape) == batch_shape
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"batch_shape must be a shape that {tuple(self.batch_shape)} (this batch_shape) expands "
+                             f"to, got {tuple(batch_shape)}.")
         n = self.event_shape[0]
         new = self._get_checked_instance(ConstrainedNormal, _instance)
         new.constraint = self.constraint.expand(batch_shape)
@@ -431,14 +440,14 @@ class ConstrainedNormal(Distribution):
                 f"covariance={self.covariance!r}, constraint={self.constraint!r})")
 
 
-def _sample_shape(sample_shape: object) -> torch.Size:
+def _sample_shape(sample_shape: object, name: str = "sample_shape") -> torch.Size:
     """``sample_shape`` as a ``torch.Size`` of non-negative ints, or ``TypeError`` / ``ValueError`` naming it."""
     try:
         shape = torch.Size(sample_shape)
     except (TypeError, ValueError):
-        raise TypeError(f"sample_shape must be a tuple (or torch.Size) of ints, got {sample_shape!r}.") from None
+        raise TypeError(f"{name} must be a tuple (or torch.Size) of ints, got {sample_shape!r}.") from None
     if any(s < 0 for s in shape):
-        raise ValueError(f"sample_shape must have non-negative sizes, got {tuple(shape)}.")
+        raise ValueError(f"{name} must have non-negative sizes, got {tuple(shape)}.")
     return shape
 
 
