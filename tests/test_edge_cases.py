@@ -258,8 +258,9 @@ def test_half_precision_every_method(dtype):
     for name, con, A in cases:
         A = con.dense_matrix() if A is None else A
         d = ConstrainedNormal(loc, scale, constraint=con)
-        reference = ConstrainedNormal(loc.detach().float(), scale.detach().float(),  # z is rounded to half:
-                                      constraint=con.to(dtype=torch.float32), validate_args=False)  # off float32's plane
+        # z is rounded to half precision, so it is off the plane for float32's support check
+        reference = ConstrainedNormal(loc.detach().float(), scale.detach().float(),
+                                      constraint=con.to(dtype=torch.float32), validate_args=False)
         z = d.rsample((7,))
         out = {"mean": d.mean, "variance": d.variance, "sample": d.sample((7,)), "rsample": z,
                "log_prob": d.log_prob(z), "entropy": d.entropy(),
@@ -393,7 +394,8 @@ def test_import_does_not_load_scipy_or_optional_dependencies():
     out = _run("""
         import sys
         import hardeq
-        loaded = [m for m in ("scipy", "diffusers", "torch_geometric", "hardeq.nn", "hardeq.diffusion") if m in sys.modules]
+        names = ("scipy", "diffusers", "torch_geometric", "hardeq.nn", "hardeq.diffusion")
+        loaded = [m for m in names if m in sys.modules]
         print(loaded)
     """)
     assert out.returncode == 0, out.stderr
