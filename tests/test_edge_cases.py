@@ -21,6 +21,7 @@ import hardeq
 from hardeq import (ConstrainedNormal, ConstrainedPoisson, DiagonalCovariance, LinearConstraint, NotPSDError,
                     SparseConstraint, SumConstraint)
 from hardeq.estimators import available_estimators, get_estimator, register_estimator
+from hardeq.linalg.conditioning import Conditioner
 from hardeq.testing import assert_exact_per_row
 
 N = 4
@@ -152,6 +153,14 @@ WRONG_INPUTS = [
     ("SparseConstraint rank-deficient (validated)",
      lambda: SparseConstraint(torch.tensor([[1.0, 1, 0, 0], [2, 2, 0, 0]]).to_sparse_csr(), K, validate_args=True),
      ValueError, r"^A must have full row rank 2"),
+    # -- the conditioner (below the distributions): float32 / float64 only
+    ("Conditioner in half precision",
+     lambda: Conditioner(DiagonalCovariance(torch.ones(N, dtype=torch.float16)),
+                         LinearConstraint(A.half(), K.half())), TypeError,
+     r"the covariance \(torch\.float16\) and the constraint \(torch\.float16\) must share dtype float32 or float64"),
+    ("Conditioner with mixed dtypes",
+     lambda: Conditioner(DiagonalCovariance(torch.ones(N, dtype=torch.float64)), LinearConstraint(A, K)), TypeError,
+     r"the covariance \(torch\.float64\) and the constraint \(torch\.float32\) must share"),
     # -- estimators
     ("unknown estimator", lambda: _normal().rsample(estimator="nope"), ValueError,
      r"^unknown estimator 'nope': estimator must be one of .*'pathwise'.* for the 'normal' family"),
