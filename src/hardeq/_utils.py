@@ -42,12 +42,17 @@ def validate_default(validate_args: bool | None) -> bool:
     return bool(validate_args)
 
 
+#: the floating dtypes hardeq accepts (float16 / bfloat16 are computed in float32 by the distributions)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def check_tensor(name: str, value: object, *, min_dim: int = 0, floating: bool = True) -> Tensor:
     """Raise ``TypeError``/``ValueError`` naming ``name`` unless ``value`` is a suitable tensor."""
     if not isinstance(value, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}.")
-    if floating and not value.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor (float32 or float64), got dtype {value.dtype}.")
+    if floating and value.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a floating-point tensor (float16, bfloat16, float32 or float64), got dtype "
+                        f"{value.dtype}.")
     if value.dim() < min_dim:
         raise ValueError(
             f"{name} must have at least {min_dim} dimension(s), got shape {tuple(value.shape)}."

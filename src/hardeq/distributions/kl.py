@@ -31,7 +31,7 @@ def kl_constrained_normal(q: ConstrainedNormal, p: ConstrainedNormal) -> Tensor:
     if q.event_shape != p.event_shape:
         raise ValueError(f"event shapes differ: {tuple(q.event_shape)} vs {tuple(p.event_shape)}.")
     batch_shape = torch.broadcast_shapes(q.batch_shape, p.batch_shape)
-    mean_q = q.mean
+    mean_q = q._mean  # in the compute dtype (float32 for half-precision inputs)
     if not p.constraint.same_row_space(q.constraint):
         return torch.full(batch_shape, float("inf"), dtype=mean_q.dtype, device=mean_q.device)
     same_plane = p.constraint.check(mean_q)  # does q's subspace coincide with p's?
@@ -41,7 +41,7 @@ def kl_constrained_normal(q: ConstrainedNormal, p: ConstrainedNormal) -> Tensor:
     # tr(S_q^-1 A Sigma_q Sigma_p^-1 Sigma_q A^T) = tr(G^T Sigma_p^-1 G), G G^T = Sigma_q A^T S_q^-1 A Sigma_q
     correction = cq.trace_correction(cp.cov)
     trace = trace_inv_mul(cp.cov, cq.cov) - correction
-    d = mean_q - p.mean
+    d = mean_q - p._mean
     kl = 0.5 * (
         trace + cp.cov.inv_quad(d) - (n - a)
         + cp.cov.logdet() - cp.logdet() - cq.cov.logdet() + cq.logdet()
@@ -49,4 +49,4 @@ def kl_constrained_normal(q: ConstrainedNormal, p: ConstrainedNormal) -> Tensor:
     if p.constraint is not q.constraint:  # the same plane may be written with differently scaled rows
         kl = kl + 0.5 * (p.constraint.logdet_gram_identity() - q.constraint.logdet_gram_identity())
     kl = kl.expand(batch_shape)
-    return torch.where(same_plane, kl, torch.full_like(kl, float("inf")))
+    return q._out(torch.where(same_plane, kl, torch.full_like(kl, float("inf"))))

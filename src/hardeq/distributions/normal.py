@@ -2,6 +2,9 @@ r"""The Gaussian conditioned on a hard linear equality constraint."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 from torch import Tensor
 from torch.distributions import Distribution, constraints
@@ -17,6 +20,27 @@ from .losses import gaussian_expected_abs, gaussian_expected_square
 
 __all__ = ["ConstrainedNormal", "affine_subspace"]
 
+#: dtypes accepted and computed in float32 (results are returned in the input dtype)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+#: per-row tolerance of the support check for a half-precision value, in units of its eps (a point of the plane
+#: rounded to half precision misses a row by at most eps / 2 times (|A||z|)_i)
+HALF_SUPPORT_RTOL_EPS = 8.0
+
+
+def _full_precision(method):
+    """Run ``method`` with autocast disabled on the parameters' device: under ``torch.autocast`` a float32
+    matmul would otherwise run in bfloat16 / float16 and lose the per-row accuracy of the conditioner."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        device_type = self._unbroadcasted_loc.device.type
+        guard = (torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type)
+                 else contextlib.nullcontext())
+        with guard:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
 
 class _AffineSubspace(constraints.Constraint):
     """The support ``{z : A z = k}``, checked to a dtype-aware round-off tolerance."""
@@ -29,7 +53,10 @@ class _AffineSubspace(constraints.Constraint):
         super().__init__()
 
     def check(self, value: Tensor) -> Tensor:
-        return self.constraint.check(value)
+        if value.dtype in HALF_DTYPES:  # checked in the constraint's precision, to the half-precision rounding
+            rtol = HALF_SUPPORT_RTOL_EPS * torch.finfo(value.dtype).eps
+            return self.constraint.check(value.to(self.constraint.dtype), rtol=rtol)
+        return self.constraint.check(value.to(self.constraint.dtype))
 
     def __repr__(self) -> str:
         return f"AffineSubspace({self.constraint!r})"
@@ -112,7 +139,9 @@ class ConstrainedNormal(Distribution):
             )
         n = loc.shape[-1]
         covariance = _build_covariance(n, scale, covariance, scale_tril, cov_factor)
-        check_same_dtype_device(loc=loc, covariance=covariance.tensors()[0], constraint=constraint.k)
+        given = {"scale": scale, "scale_tril": scale_tril, "cov_factor": cov_factor}
+        given = {name: t for name, t in given.items() if t is not None} or {"covariance": covariance.tensors()[0]}
+        check_same_dtype_device(loc=loc, **given, constraint=constraint.k)
         if constraint.event_size != n:
             raise ValueError(
                 f"constraint acts on vectors of size {constraint.event_size}, but loc has size n = {n} "
@@ -125,19 +154,26 @@ class ConstrainedNormal(Distribution):
                 f"batch shapes do not broadcast: loc {tuple(loc.shape[:-1])}, covariance "
                 f"{tuple(covariance.batch_shape)}, constraint {tuple(constraint.batch_shape)}."
             ) from None
-        self.constraint = constraint
-        self.covariance = covariance
-        self._unbroadcasted_loc = loc
-        self.loc = loc.expand(batch_shape + (n,))
-        super().__init__(batch_shape, torch.Size([n]), validate_args=False)
         if validate_args is None:
             validate_args = Distribution._validate_args
-        self._validate_args = bool(validate_args)
-        if self._validate_args:
+        if validate_args:
             check_finite("loc", loc)
             covariance.check_values()
             if getattr(constraint, "_validate_args", False) is False:
                 check_finite("constraint right-hand side k", constraint.k)
+        #: the dtype every result is returned in (the inputs'); half precision is computed in float32
+        self.result_dtype = loc.dtype
+        self.loc = loc.expand(batch_shape + (n,))
+        if loc.dtype in HALF_DTYPES:
+            loc = loc.to(torch.float32)
+            covariance = covariance.to(dtype=torch.float32)
+            constraint = constraint.to(dtype=torch.float32)
+        self.constraint = constraint
+        self.covariance = covariance
+        self._unbroadcasted_loc = loc
+        self._logdet_checked = False
+        super().__init__(batch_shape, torch.Size([n]), validate_args=False)
+        self._validate_args = bool(validate_args)
 
     # ------------------------------------------------------------------ parameters
     @property
@@ -148,19 +184,19 @@ class ConstrainedNormal(Distribution):
     def scale(self) -> Tensor | None:
         """Standard deviations of the diagonal (part of the) covariance, ``(*batch, n)``; ``None`` for a full one."""
         s = getattr(self.covariance, "scale", None)
-        return None if s is None else s.expand(self.batch_shape + self.event_shape)
+        return None if s is None else self._out(s.expand(self.batch_shape + self.event_shape))
 
     @property
     def scale_tril(self) -> Tensor | None:
         """``L`` of a full covariance, ``(*batch, n, n)``; ``None`` otherwise."""
         L = getattr(self.covariance, "scale_tril", None)
-        return None if L is None else L.expand(self.batch_shape + self.event_shape + self.event_shape)
+        return None if L is None else self._out(L.expand(self.batch_shape + self.event_shape + self.event_shape))
 
     @property
     def cov_factor(self) -> Tensor | None:
         """``W`` of a low-rank covariance, ``(*batch, n, r)``; ``None`` otherwise."""
         W = getattr(self.covariance, "cov_factor", None)
-        return None if W is None else W.expand(self.batch_shape + W.shape[-2:])
+        return None if W is None else self._out(W.expand(self.batch_shape + W.shape[-2:]))
 
     @property
     def noise_size(self) -> int:
@@ -172,7 +208,12 @@ class ConstrainedNormal(Distribution):
         return _AffineSubspace(self.constraint)
 
     # ------------------------------------------------------------------ the one factorisation
+    def _out(self, x: Tensor) -> Tensor:
+        """``x`` in :attr:`result_dtype` (a no-op except for half-precision inputs)."""
+        return x if x.dtype == self.result_dtype else x.to(self.result_dtype)
+
     @lazy_property
+    @_full_precision
     def conditioner(self) -> Conditioner:
         r"""The factorisation of :math:`A\Sigma A^\top` for this covariance and constraint, built on first
         use and shared by every method and estimator. Built with autograd enabled when a parameter requires
@@ -186,12 +227,14 @@ class ConstrainedNormal(Distribution):
         return cond
 
     @lazy_property
+    @_full_precision
     def _mean(self) -> Tensor:
         needs_grad = self._unbroadcasted_loc.requires_grad or self.conditioner.requires_grad
         with torch.set_grad_enabled(needs_grad or torch.is_grad_enabled()):
             return self.conditioner.condition(self._unbroadcasted_loc)
 
     @lazy_property
+    @_full_precision
     def _loc_residual(self) -> Tensor:
         r""":math:`r = k - A\mu`, ``(*batch, a)``, accumulated in float64 (it cancels when ``loc`` is near the
         plane, and its error is divided by the scale in the density)."""
@@ -202,40 +245,50 @@ class ConstrainedNormal(Distribution):
     @property
     def mean(self) -> Tensor:  # type: ignore[override]
         r"""Conditional mean :math:`\bar\mu = \mu + K(k - A\mu)`, ``(*batch, n)``."""
-        return self._mean.expand(self.batch_shape + self.event_shape)
+        return self._out(self._mean).expand(self.batch_shape + self.event_shape)
 
     @property
     def mode(self) -> Tensor:
         return self.mean
 
     @lazy_property
+    @_full_precision
+    def _variance(self) -> Tensor:
+        return self.conditioner.variance()
+
+    @property
     def variance(self) -> Tensor:  # type: ignore[override]
         r"""Conditional marginal variances :math:`\bar\sigma^2_i`, ``(*batch, n)``; 0 where the constraint
         pins a coordinate."""
-        return self.conditioner.variance().expand(self.batch_shape + self.event_shape)
+        return self._out(self._variance).expand(self.batch_shape + self.event_shape)
 
     @property
     def stddev(self) -> Tensor:
         return self.variance.sqrt()
 
     @lazy_property
+    @_full_precision
     def covariance_matrix(self) -> Tensor:
         r"""Dense conditional covariance :math:`\Sigma - KA\Sigma` (rank ``n - a``), ``(*batch, n, n)``.
         Formed only when asked for."""
-        return self.conditioner.covariance_matrix().expand(self.batch_shape + self.event_shape * 2)
+        return self._out(self.conditioner.covariance_matrix()).expand(self.batch_shape + self.event_shape * 2)
 
     # ------------------------------------------------------------------ sampling
     def _noise(self, sample_shape: torch.Size | tuple, noise: Tensor | None) -> Tensor:
-        shape = torch.Size(sample_shape) + self.batch_shape + (self.noise_size,)
+        shape = _sample_shape(sample_shape) + self.batch_shape + (self.noise_size,)
+        loc = self._unbroadcasted_loc
         if noise is None:
-            return torch.randn(shape, dtype=self.loc.dtype, device=self.loc.device)
-        if not isinstance(noise, Tensor):
-            raise TypeError(f"noise must be a torch.Tensor, got {type(noise).__name__}.")
+            return torch.randn(shape, dtype=loc.dtype, device=loc.device)
+        check_tensor("noise", noise)
         if noise.shape != shape:
             raise ValueError(f"noise must have shape sample_shape + batch_shape + (noise_size,) = {tuple(shape)}, "
                              f"got {tuple(noise.shape)}.")
-        return noise
+        if noise.device != loc.device:
+            raise ValueError(f"noise is on device {noise.device} but loc is on {loc.device}; pass noise on "
+                             f"{loc.device}.")
+        return noise.to(loc.dtype)
 
+    @_full_precision
     def rsample(
         self, sample_shape: torch.Size | tuple = (), estimator: str = "pathwise", *,
         noise: Tensor | None = None, **estimator_kwargs,
@@ -254,21 +307,56 @@ class ConstrainedNormal(Distribution):
         est = get_estimator(estimator, "normal")
         eps = self._noise(sample_shape, noise)
         z = est(self.conditioner, self._unbroadcasted_loc, eps, **estimator_kwargs)
-        return z.expand(eps.shape[:-1] + self.event_shape)
+        return self._out(z).expand(eps.shape[:-1] + self.event_shape)
 
+    @_full_precision
     def sample(self, sample_shape: torch.Size | tuple = ()) -> Tensor:
         """Exact sample without gradient; uses the cached factorisation."""
+        sample_shape = _sample_shape(sample_shape)
         cond = self.conditioner
-        shape = torch.Size(sample_shape) + self.batch_shape + self.event_shape
+        shape = sample_shape + self.batch_shape + self.event_shape
         with torch.no_grad():  # fused: randn, loc + F eps and the Matheron step on one buffer
-            return cond.sample(self._unbroadcasted_loc, sample_shape).expand(shape)
+            return self._out(cond.sample(self._unbroadcasted_loc, sample_shape)).expand(shape)
 
     # ------------------------------------------------------------------ densities
     def _log_normaliser(self) -> Tensor:
         r""":math:`-\tfrac12[(n - a)\log 2\pi + \log\det\Sigma - \log\det S + \log\det AA^\top]`, ``batch_shape``."""
         n, a = self.event_shape[0], self.constraint.num_constraints
-        return -0.5 * ((n - a) * LOG_2PI + self.conditioner.plane_logdet())
+        plane_logdet = self.conditioner.plane_logdet()
+        if not self._logdet_checked and not self.conditioner.static:  # one host sync per distribution
+            if not bool(torch.isfinite(plane_logdet).all()):
+                raise ValueError(
+                    "scale (the covariance) must be nonsingular for log_prob and entropy, but log det Sigma - "
+                    f"log det S + log det(A A^T) is {plane_logdet.detach().flatten()[:4].tolist()} (a zero scale?); "
+                    "such a law has no density on the (n - a)-dimensional plane. With validate_args=True a "
+                    "non-positive scale is rejected at construction."
+                )
+            self._logdet_checked = True
+        return -0.5 * ((n - a) * LOG_2PI + plane_logdet)
 
+    def _as_event(self, name: str, value: object) -> Tensor:
+        """``value`` checked as a floating tensor ``(..., n)`` that broadcasts with ``batch_shape + (n,)``, on the
+        parameters' device, in the compute dtype; raises ``TypeError``/``ValueError`` naming ``name``."""
+        check_tensor(name, value, min_dim=1)
+        if not value.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {value.dtype}; cast it first "
+                            f"(e.g. {name}.to({self.result_dtype})).")
+        expected = self.batch_shape + self.event_shape
+        try:
+            torch.broadcast_shapes(value.shape, expected)
+            ok = value.shape[-1] == self.event_shape[0]
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"{name} must have shape (..., n) broadcastable with batch_shape + (n,) = "
+                             f"{tuple(expected)}, got {tuple(value.shape)}.")
+        loc = self._unbroadcasted_loc
+        if value.device != loc.device:
+            raise ValueError(f"{name} is on device {value.device} but loc is on {loc.device}; pass {name} on "
+                             f"{loc.device}.")
+        return value.to(loc.dtype)
+
+    @_full_precision
     def log_prob(self, value: Tensor) -> Tensor:
         r"""Log-density on the subspace :math:`\{Az = k\}` (w.r.t. its ``(n - a)``-dimensional Lebesgue
         measure), shape ``sample_shape + batch_shape``.
@@ -283,40 +371,66 @@ class ConstrainedNormal(Distribution):
         which has no cancellation (the difference of two large numbers loses everything in float32 when
         ``loc`` is far from the plane relative to the scale). With ``validate_args``, points off the subspace
         raise ``ValueError``; without, the formula above is evaluated as is.
+
+        ``value`` must be a floating-point tensor ``(..., n)`` broadcastable with ``batch_shape + (n,)``
+        (``TypeError`` / ``ValueError`` naming ``value`` otherwise); it is cast to the distribution's dtype
+        (float32 for half-precision inputs) and the result is returned in :attr:`result_dtype`.
         """
+        original = value
+        value = self._as_event("value", value)
         if self._validate_args:
-            self._validate_sample(value)
+            self._validate_sample(original)
         # z - mu_bar = (z - mu) - K r without forming mu_bar: mu_bar is only representable to ulp(|mu_bar|),
         # which can be a large fraction of a small scale; r = k - A mu is accumulated in float64.
         d = (value - self._unbroadcasted_loc) - self.conditioner.gain_matvec(self._loc_residual)
         out = self._log_normaliser() - 0.5 * self.conditioner.cov.inv_quad(d)
-        return out.expand(torch.broadcast_shapes(value.shape[:-1], self.batch_shape))
+        return self._out(out).expand(torch.broadcast_shapes(value.shape[:-1], self.batch_shape))
 
+    @_full_precision
     def entropy(self) -> Tensor:
         r""":math:`\tfrac{n-a}{2}(1 + \log 2\pi) + \tfrac12[\log\det\Sigma - \log\det S + \log\det AA^\top]`."""
         n, a = self.event_shape[0], self.constraint.num_constraints
-        return (0.5 * (n - a) - self._log_normaliser()).expand(self.batch_shape)
+        return self._out(0.5 * (n - a) - self._log_normaliser()).expand(self.batch_shape)
 
     # ------------------------------------------------------------------ expected losses
+    @_full_precision
     def expected_l2(self, target: Tensor) -> Tensor:
         r""":math:`\mathbb E(z_i - y_i)^2 = (\bar\mu_i - y_i)^2 + \bar\sigma_i^2` per coordinate,
-        shape ``broadcast(target, batch_shape + (n,))``. Differentiable in every parameter."""
-        return gaussian_expected_square(self.mean - target, self.variance)
+        shape ``broadcast(target, batch_shape + (n,))``. Differentiable in every parameter.
 
+        ``target``: a floating-point tensor ``(..., n)`` broadcastable with ``batch_shape + (n,)`` (``TypeError`` /
+        ``ValueError`` naming ``target`` otherwise)."""
+        target = self._as_event("target", target)
+        shape = torch.broadcast_shapes(target.shape, self.batch_shape + self.event_shape)
+        return self._out(gaussian_expected_square(self._mean - target, self._variance)).expand(shape)
+
+    @_full_precision
     def expected_l1(self, target: Tensor) -> Tensor:
         r""":math:`\mathbb E|z_i - y_i|` (folded-normal mean, :mod:`hardeq.distributions.losses`) per
-        coordinate; equals :math:`|\bar\mu_i - y_i|` where :math:`\bar\sigma_i = 0`. Differentiable."""
-        return gaussian_expected_abs(self.mean - target, self.variance)
+        coordinate; equals :math:`|\bar\mu_i - y_i|` where :math:`\bar\sigma_i = 0`. Differentiable. ``target`` as
+        in :meth:`expected_l2`."""
+        target = self._as_event("target", target)
+        shape = torch.broadcast_shapes(target.shape, self.batch_shape + self.event_shape)
+        return self._out(gaussian_expected_abs(self._mean - target, self._variance)).expand(shape)
 
     # ------------------------------------------------------------------ plumbing
     def expand(self, batch_shape: torch.Size | tuple, _instance=None) -> "ConstrainedNormal":
-        batch_shape = torch.Size(batch_shape)
+        batch_shape = _sample_shape(batch_shape, "batch_shape")
+        try:
+            ok = torch.broadcast_shapes(batch_shape, self.batch_shape) == batch_shape
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"batch_shape must be a shape that {tuple(self.batch_shape)} (this batch_shape) expands "
+                             f"to, got {tuple(batch_shape)}.")
         n = self.event_shape[0]
         new = self._get_checked_instance(ConstrainedNormal, _instance)
         new.constraint = self.constraint.expand(batch_shape)
         new.covariance = self.covariance
         new._unbroadcasted_loc = self._unbroadcasted_loc.expand(batch_shape + (n,))
-        new.loc = new._unbroadcasted_loc
+        new.loc = self.loc.expand(batch_shape + (n,))
+        new.result_dtype = self.result_dtype
+        new._logdet_checked = False
         super(ConstrainedNormal, new).__init__(batch_shape, self.event_shape, validate_args=False)
         new._validate_args = self._validate_args
         return new
@@ -324,6 +438,17 @@ class ConstrainedNormal(Distribution):
     def __repr__(self) -> str:
         return (f"ConstrainedNormal(n={self.event_shape[0]}, batch_shape={tuple(self.batch_shape)}, "
                 f"covariance={self.covariance!r}, constraint={self.constraint!r})")
+
+
+def _sample_shape(sample_shape: object, name: str = "sample_shape") -> torch.Size:
+    """``sample_shape`` as a ``torch.Size`` of non-negative ints, or ``TypeError`` / ``ValueError`` naming it."""
+    try:
+        shape = torch.Size(sample_shape)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a tuple (or torch.Size) of ints, got {sample_shape!r}.") from None
+    if any(s < 0 for s in shape):
+        raise ValueError(f"{name} must have non-negative sizes, got {tuple(shape)}.")
+    return shape
 
 
 def _build_covariance(n: int, scale: Tensor | None, covariance: Covariance | None, scale_tril: Tensor | None,

@@ -29,15 +29,22 @@ class Estimator:
 ESTIMATORS: dict[str, dict[str, Estimator]] = {"normal": {}, "poisson": {}}
 
 
+def _family(family: object) -> dict[str, Estimator]:
+    """The registry of ``family``, or ``ValueError`` listing the known families."""
+    if not isinstance(family, str) or family not in ESTIMATORS:
+        known = ", ".join(repr(f) for f in sorted(ESTIMATORS))
+        raise ValueError(f"family must be one of {known}; got {family!r}.")
+    return ESTIMATORS[family]
+
+
 def register_estimator(name: str, *, family: str = "normal", exact: bool = False) -> Callable:
     """Decorator registering ``fn`` under ``name`` in ``family`` (``"normal"`` or ``"poisson"``)."""
-    if family not in ESTIMATORS:
-        raise ValueError(f"family must be one of {sorted(ESTIMATORS)}, got {family!r}.")
+    registry = _family(family)
 
     def decorator(fn: Callable) -> Callable:
-        if name in ESTIMATORS[family]:
+        if name in registry:
             raise ValueError(f"estimator {name!r} is already registered for family {family!r}.")
-        ESTIMATORS[family][name] = Estimator(name, family, fn, exact)
+        registry[name] = Estimator(name, family, fn, exact)
         return fn
 
     return decorator
@@ -45,17 +52,18 @@ def register_estimator(name: str, *, family: str = "normal", exact: bool = False
 
 def get_estimator(name: str, family: str = "normal") -> Estimator:
     """Look up an estimator by id; unknown ids raise ``ValueError`` listing the known ones."""
+    registry = _family(family)
     if not isinstance(name, str):
         raise TypeError(f"estimator must be a string id, got {type(name).__name__}.")
     try:
-        return ESTIMATORS[family][name]
+        return registry[name]
     except KeyError:
         raise ValueError(
-            f"unknown estimator {name!r} for the {family} family; expected one of "
-            f"{sorted(ESTIMATORS[family])}."
+            f"unknown estimator {name!r}: estimator must be one of {', '.join(repr(e) for e in sorted(registry))} "
+            f"for the {family!r} family."
         ) from None
 
 
 def available_estimators(family: str = "normal") -> list[str]:
     """Sorted ids of the estimators registered for ``family``."""
-    return sorted(ESTIMATORS[family])
+    return sorted(_family(family))

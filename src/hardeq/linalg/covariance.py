@@ -264,15 +264,15 @@ class DiagonalCovariance(Covariance):
         return 1 / self.variance
 
     def logdet(self) -> Tensor:
-        return 2 * self.scale.log().sum(-1)
+        return 2 * self.scale.abs().log().sum(-1)  # Sigma = diag(scale^2): only |scale| enters
 
     @property
     def is_diagonal(self) -> bool:
         return True
 
     def max_abs_sqrt(self) -> Tensor:
-        with torch.no_grad():  # scale > 0: the largest entry, one pass, no n-sized temporary
-            return self.scale.amax(-1, keepdim=True)
+        with torch.no_grad():  # one pass; |scale| (only scale^2 enters Sigma, validate_args=False lets a sign in)
+            return self.scale.abs().amax(-1, keepdim=True)
 
     def scaled(self, c: Tensor) -> "DiagonalCovariance":
         return DiagonalCovariance(self.scale / c)
@@ -359,7 +359,7 @@ class FullCovariance(Covariance):
         return torch.linalg.solve_triangular(self.scale_tril, eye, upper=False).square().sum(-2)
 
     def logdet(self) -> Tensor:
-        return 2 * self.scale_tril.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+        return 2 * self.scale_tril.diagonal(dim1=-2, dim2=-1).abs().log().sum(-1)  # LL^T: only |L_ii| enters
 
     def max_abs_sqrt(self) -> Tensor:
         with torch.no_grad():

@@ -21,6 +21,9 @@ class ConstrainedGaussianHead(nn.Module):
     ``dist.expected_l2(y)`` / ``dist.expected_l1(y)`` (closed forms) or ``-dist.log_prob(y)``; predict with
     ``dist.mean``, which satisfies the constraint exactly.
 
+    Mixed precision: under ``torch.autocast`` the distribution takes the widest dtype of the layer's output and
+    ``constraint_value``; a bfloat16 / float16 distribution is computed in float32 and returned in its dtype.
+
     Exactly one of ``constraint_matrix`` (dense ``A``, ``(a, out_features)``, stored as a buffer) and ``index``
     (group ids for sum constraints, ``(out_features,)``) is given.
 
@@ -89,7 +92,10 @@ class ConstrainedGaussianHead(nn.Module):
                              f"{tuple(constraint_value.shape)}.")
         loc, raw_scale = self.linear(features).chunk(2, dim=-1)
         scale = F.softplus(raw_scale) + self.min_scale
-        return ConstrainedNormal(loc, scale, constraint=self.constraint(constraint_value))
+        # under torch.autocast the layer returns bfloat16 / float16: promote to the widest of the three, so a
+        # float32 right-hand side gives a float32 distribution (half-precision ones compute in float32 anyway)
+        dtype = torch.promote_types(torch.promote_types(loc.dtype, scale.dtype), constraint_value.dtype)
+        return ConstrainedNormal(loc.to(dtype), scale.to(dtype), constraint=self.constraint(constraint_value.to(dtype)))
 
     def extra_repr(self) -> str:
         kind = "dense" if self.constraint_matrix is not None else "sum"

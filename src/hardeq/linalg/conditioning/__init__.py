@@ -94,6 +94,8 @@ class Conditioner:
         factor (Factor): the current factorisation; :attr:`method` is its name.
 
     Raises:
+        TypeError: if the covariance and the constraint are not both float32 or both float64 (half precision is
+            computed in float32 by :class:`~hardeq.ConstrainedNormal`).
         NotPSDError: if :math:`S` is numerically singular (rows of ``A`` dependent under :math:`\Sigma`), or the
             scales are not finite and positive.
     """
@@ -104,6 +106,13 @@ class Conditioner:
             raise ValueError(
                 f"covariance has event size {covariance.event_size} but the constraint acts on vectors of size "
                 f"{constraint.event_size}."
+            )
+        if constraint.dtype not in (torch.float32, torch.float64) or covariance.dtype != constraint.dtype:
+            raise TypeError(
+                f"the covariance ({covariance.dtype}) and the constraint ({constraint.dtype}) must share dtype float32 "
+                "or float64; the conditioner does not factorise in half precision. ConstrainedNormal computes "
+                "float16/bfloat16 inputs in float32 for you; here, pass covariance.to(dtype=torch.float32) and "
+                "constraint.to(dtype=torch.float32)."
             )
         self.cov = covariance
         self.constraint = constraint
