@@ -141,23 +141,74 @@ def test_expected_losses_match_enumeration(case):
         np.testing.assert_allclose(d.expected_l2(yt).numpy(), l2, rtol=1e-10, atol=1e-12)
 
 
-def test_log_prob_off_constraint():
+def test_log_prob_off_support():
+    # as ConstrainedNormal.log_prob off the plane: validation on raises, validation off gives -inf (never NaN)
     d, *_ = make("grouped")
+    d_nv = ConstrainedPoisson(d.rate, d.total, index=d.index, validate_args=False)
     good = torch.tensor([2.0, 1.0, 1.0, 1.0, 1.0, 3.0])
     assert torch.isfinite(d.log_prob(good))
     assert bool(d.support.check(good))
     wrong_sum = torch.tensor([2.0, 1.0, 2.0, 1.0, 1.0, 3.0])
-    assert d.log_prob(wrong_sum).item() == -math.inf
+    expected = r"value.*support.*sums are \[4\.0, 2\.0, 4\.0\].*total is \[3\.0, 2\.0, 4\.0\]"
+    with pytest.raises(ValueError, match=expected):
+        d.log_prob(wrong_sum)
+    assert d_nv.log_prob(wrong_sum).item() == -math.inf
     assert not bool(d.support.check(wrong_sum))
     # with validation, non-integer / negative counts are rejected; without, their pmf is 0
     for bad in ([2.5, 1.0, 0.5, 1.0, 1.0, 3.0], [4.0, 1.0, -1.0, 1.0, 1.0, 3.0]):
         with pytest.raises(ValueError, match="non-negative integer"):
             d.log_prob(torch.tensor(bad))
-        d_nv = ConstrainedPoisson(d.rate, d.total, index=d.index, validate_args=False)
         assert d_nv.log_prob(torch.tensor(bad)).item() == -math.inf
-    # integer dtype values and batched values are accepted
-    lp = d.log_prob(torch.stack([good, wrong_sum]).long())
+    # integer dtype values and batched values are accepted; a batch with one bad event names it
+    batch = torch.stack([good, wrong_sum]).long()
+    with pytest.raises(ValueError, match=r"at event \(1,\).*1 of 2 events"):
+        d.log_prob(batch)
+    lp = d_nv.log_prob(batch)
     assert lp.shape == (2,) and torch.isfinite(lp[0]) and lp[1] == -math.inf
+    # single group, huge total: the sum is checked exactly in float64
+    big = ConstrainedPoisson(torch.ones(3, dtype=torch.float64), torch.tensor(1e12, dtype=torch.float64))
+    z = torch.tensor([4e11, 3e11, 3e11 + 1], dtype=torch.float64)
+    expected = r"value.*sum equals total.*\[1000000000001\.0\].*total is \[1000000000000\.0\]"
+    with pytest.raises(ValueError, match=expected):
+        big.log_prob(z)
+    assert torch.isfinite(big.log_prob(z - torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64)))
+
+
+def test_invalid_totals_and_rates_never_sample_silently():
+    # a total of 3.5 cannot be met by integer counts: validation on raises at construction, off at sampling
+    with pytest.raises(ValueError, match="total"):
+        ConstrainedPoisson(torch.ones(3), torch.tensor(3.5))
+    d = ConstrainedPoisson(torch.ones(3), torch.tensor(3.5), validate_args=False)
+    with pytest.raises(ValueError, match=r"cannot sample: total.*non-negative integers.*3\.5"):
+        d.sample()
+    with pytest.raises(ValueError, match="cannot sample: total"):
+        d.rsample((2,))
+    assert d.log_prob(torch.tensor([1.0, 1.0, 2.0])).item() == -math.inf  # documented: -inf, never NaN
+    for total in (-1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="cannot sample: total"):
+            ConstrainedPoisson(torch.ones(3), torch.tensor(total), validate_args=False).sample()
+    with pytest.raises(ValueError, match=r"cannot sample: total.*2\*\*53"):
+        ConstrainedPoisson(torch.ones(3, dtype=torch.float64), torch.tensor(2.0**54, dtype=torch.float64),
+                           validate_args=False).sample()
+    # a non-positive or non-finite rate: validation on raises at construction, off at sampling (no NaN counts)
+    for rate in ([1.0, -2.0, 1.0], [1.0, 0.0, 1.0], [1.0, math.nan, 1.0], [1.0, math.inf, 1.0]):
+        with pytest.raises(ValueError, match="rate"):
+            ConstrainedPoisson(torch.tensor(rate), torch.tensor(3.0))
+        with pytest.raises(ValueError, match="cannot sample: rate must be positive and finite"):
+            ConstrainedPoisson(torch.tensor(rate), torch.tensor(3.0), validate_args=False).sample()
+
+
+def test_float32_totals_above_2_pow_24_raise():
+    # float32 holds integers exactly up to 2**24; larger totals are refused (whatever validate_args says)
+    ConstrainedPoisson(torch.ones(3), torch.tensor(2**24))
+    for validate in (True, False):
+        with pytest.raises(ValueError, match=r"total.*2\*\*24.*torch\.float32.*got 1\.67772e\+07.*float64"):
+            ConstrainedPoisson(torch.ones(3), torch.tensor(2**24 + 1), validate_args=validate)
+    with pytest.raises(ValueError, match=r"total.*torch\.float32"):
+        ConstrainedPoisson(torch.ones(4), torch.tensor([3.0, 1e9]), index=torch.tensor([0, 0, 1, 1]))
+    # the fix named in the message works
+    z = ConstrainedPoisson(torch.ones(3, dtype=torch.float64), torch.tensor(2**24 + 1, dtype=torch.float64)).sample()
+    assert z.sum().item() == 2**24 + 1
 
 
 def test_log_prob_gradcheck():
