@@ -364,6 +364,102 @@ def test_chisquare_grouped_batched_different_totals():
         assert _chisquare_pvalue(samples[:, b].numpy(), outcomes, pmf) > FAILURE_RATE / 4
 
 
+def test_chisquare_enumerated_n3_k6_and_uneven_groups():
+    # small totals, all outcomes enumerated: n = 3, k = 6 (28 outcomes), and a group of 5 (a splitting tree with
+    # an unpaired node at every level) next to a group of 2, batched
+    torch.manual_seed(0)  # statistical test, see the note at the top
+    rate = [0.8, 1.0, 1.3]
+    d = ConstrainedPoisson(torch.tensor(rate, dtype=torch.float64), torch.tensor(6))
+    samples = d.sample((40_000,))
+    outcomes = enumerate_outcomes([6], [0, 0, 0], 3)
+    pvalue = _chisquare_pvalue(samples.numpy(), outcomes, oracle_pmf(outcomes, rate, [6], [0, 0, 0]))
+    assert pvalue > FAILURE_RATE / 4  # seed 0: p = 0.80 (the grouped batch: 0.31, 0.53)
+    index = [0, 1, 0, 0, 1, 0, 0]
+    rate = torch.tensor([[0.5, 1.0, 1.0, 1.5, 1.0, 2.0, 1.0], [1.0, 1.0, 0.7, 1.3, 1.0, 1.0, 2.0]], dtype=torch.float64)
+    total = torch.tensor([[3, 2], [3, 2]])
+    samples = ConstrainedPoisson(rate, total, index=torch.tensor(index)).sample((40_000,))
+    for b in range(2):
+        outcomes = enumerate_outcomes([3, 2], index, 7)
+        pmf = oracle_pmf(outcomes, rate[b].numpy(), [3, 2], index)
+        assert _chisquare_pvalue(samples[:, b].numpy(), outcomes, pmf) > FAILURE_RATE / 4
+
+
+@pytest.mark.parametrize("total", [1e6, 1e9, 1e12])
+def test_binomial_marginals_at_large_totals(total):
+    # large totals: every marginal z_i ~ Bin(k, p_i), and a sum across the splitting tree's halves
+    # z_0 + z_3 ~ Bin(k, p_0 + p_3); standardised sample means and variances over 2,000 samples
+    torch.manual_seed(0)  # statistical test, see the note at the top
+    num = 2000
+    rate = torch.tensor([1e-6, 0.3, 1.0, 2.5, 0.05], dtype=torch.float64)
+    d = ConstrainedPoisson(rate, torch.tensor(total, dtype=torch.float64))
+    z = d.sample((num,))
+    assert torch.equal(z.sum(-1), torch.full((num,), total, dtype=torch.float64))
+    p = rate / rate.sum()
+    stats = torch.cat([z, z[:, :1] + z[:, 3:4]], -1)
+    probs = torch.cat([p, p[:1] + p[3:4]])
+    mean, var = total * probs, total * probs * (1 - probs)
+    # Bonferroni over 2 x 6 checks; the variance of a sample variance is ~ 2 var^2 / (num - 1) (+ the excess
+    # kurtosis term, below 1 / (k p (1 - p)) relative, negligible except for p_0 at k = 1e6, where it is ~1)
+    z_crit = scipy.stats.norm.isf(FAILURE_RATE / (2 * 12))
+    z_mean = (stats.mean(0) - mean) / (var / num).sqrt()
+    kurt = (1 - 6 * probs * (1 - probs)) / var
+    z_var = (stats.var(0) - var) / (var * ((2 / (num - 1)) + kurt / num).sqrt())
+    assert bool((z_mean.abs() < z_crit).all()), z_mean
+    assert bool((z_var.abs() < z_crit).all()), z_var
+
+
+def test_binomial_sample_chunks(monkeypatch):
+    # counts above BINOMIAL_CHUNK are drawn as sums of chunks: shrink the chunk to 3 and compare with scipy
+    import hardeq.ops as ops
+
+    torch.manual_seed(0)  # statistical test, see the note at the top
+    monkeypatch.setattr(ops, "BINOMIAL_CHUNK", 3)
+    count = torch.full((20_000,), 10.0, dtype=torch.float64)
+    z = ops.binomial_sample(count, torch.tensor(0.35, dtype=torch.float64))
+    assert z.dtype == torch.float64 and bool((z == z.round()).all()) and bool(((z >= 0) & (z <= 10)).all())
+    observed = np.bincount(z.long().numpy(), minlength=11)
+    expected = scipy.stats.binom.pmf(np.arange(11), 10, 0.35) * len(z)
+    keep = expected >= 5  # pool the tails
+    observed = np.append(observed[keep], observed[~keep].sum())
+    expected = np.append(expected[keep], expected[~keep].sum())
+    assert scipy.stats.chisquare(observed, expected).pvalue > FAILURE_RATE
+    # edges: probability 0 and 1, count 0, and a count beyond the real chunk (2**40) with p = 1
+    monkeypatch.undo()
+    big = torch.tensor([0.0, 5.0, 5.0, 2.0**50 + 3, 2.0**53], dtype=torch.float64)
+    out = ops.binomial_sample(big, torch.tensor([0.5, 0.0, 1.0, 1.0, 0.0], dtype=torch.float64))
+    assert out.tolist() == [0.0, 0.0, 5.0, 2.0**50 + 3, 0.0]
+
+
+def test_binomial_sample_moments_beyond_the_chunk():
+    # k = 2**45 + 1 (33 chunks of 2**40): mean and variance of Bin(k, p) at a small and a moderate p
+    torch.manual_seed(0)  # statistical test, see the note at the top
+    from hardeq.ops import binomial_sample
+
+    num, k = 4000, 2.0**45 + 1
+    p = torch.tensor([1e-6, 0.3], dtype=torch.float64)
+    z = binomial_sample(torch.tensor(k, dtype=torch.float64), p.expand(num, 2))
+    assert bool((z == z.round()).all()) and bool((z <= k).all())
+    mean, var = k * p, k * p * (1 - p)
+    z_crit = scipy.stats.norm.isf(FAILURE_RATE / (2 * 4))
+    assert bool((((z.mean(0) - mean) / (var / num).sqrt()).abs() < z_crit).all())
+    assert bool((((z.var(0) - var) / (var * (2 / (num - 1)) ** 0.5)).abs() < z_crit).all())
+
+
+def test_samples_sum_exactly_at_huge_totals():
+    # O(n) whatever the total: 1e12 and 2**53 (float64's last exact integer), grouped and batched
+    torch.manual_seed(0)
+    index = torch.tensor([0, 1, 0, 2, 1, 2, 2, 0, 0])
+    total = torch.tensor([[1e12, 2.0**53, 0.0], [7.0, 1e15 + 1, 2.0**52 + 1]], dtype=torch.float64)
+    rate = torch.rand(2, 9, dtype=torch.float64) * 10 + 1e-3
+    rate[0, 0] = 1e-12  # a tiny probability
+    d = ConstrainedPoisson(rate, total, index=index)
+    z = d.sample((50,))
+    assert bool((z >= 0).all()) and bool((z == z.round()).all())
+    sums = torch.zeros(50, 2, 3, dtype=torch.float64).index_add(-1, index, z)
+    assert torch.equal(sums, total.expand(50, 2, 3))
+    assert bool(d.support.check(z).all()) and bool(torch.isfinite(d.log_prob(z)).all())
+
+
 def test_sample_mean_matches_large_totals():
     torch.manual_seed(0)  # statistical test, see the note at the top
     rate = torch.rand(3, 7, dtype=torch.float64) + 0.05
