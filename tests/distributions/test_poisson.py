@@ -211,6 +211,29 @@ def test_float32_totals_above_2_pow_24_raise():
     assert z.sum().item() == 2**24 + 1
 
 
+@pytest.mark.parametrize("total", [1e6, 1e12, 2.0**52])
+def test_log_prob_accurate_at_large_totals(total):
+    # the pmf over every outcome with non-negligible mass sums to 1 (the lgamma form is off by ~1e-2 at 1e12),
+    # and neighbouring outcomes differ by the exact ratio log(z_j p_i / ((z_i + 1) p_j))
+    k = torch.tensor(total, dtype=torch.float64)
+    rate = torch.tensor([1e4 / total, 1.0], dtype=torch.float64)  # mean of z_0: about 1e4
+    d = ConstrainedPoisson(rate, k)
+    x = torch.arange(0, 30_000, dtype=torch.float64)
+    z = torch.stack([x, k - x], -1)
+    lp = d.log_prob(z)
+    assert lp.exp().sum().item() == pytest.approx(1.0, abs=1e-10)
+    p = rate / rate.sum()
+    step = torch.log(z[:-1, 1] * p[0] / ((z[:-1, 0] + 1) * p[1]))
+    torch.testing.assert_close(lp[1:] - lp[:-1], step, rtol=0, atol=1e-9)
+    # float32 rates and counts (up to 2**24): the same float64 evaluation, rounded
+    k32 = float(2**24)
+    r = torch.tensor([1.0, 2.0, 5.0])
+    z32 = torch.tensor([[2097152.0, 4194304.0, 10485760.0], [2097000.0, 4194000.0, 10486216.0]])
+    lp32 = ConstrainedPoisson(r, torch.tensor(k32)).log_prob(z32)
+    lp64 = ConstrainedPoisson(r.double(), torch.tensor(k32, dtype=torch.float64)).log_prob(z32.double())
+    torch.testing.assert_close(lp32.double(), lp64, rtol=1e-6, atol=1e-6)
+
+
 def test_log_prob_gradcheck():
     torch.manual_seed(0)
     rate = (torch.rand(2, 5, dtype=torch.float64) + 0.2).requires_grad_()
@@ -279,6 +302,25 @@ def test_binomial_cdf_value_and_gradient():
         torch.tensor([-1.0, 3.0, 5.0, 0.0, 2.0]), torch.tensor(3.0), torch.tensor([0.5, 0.5, 0.5, 0.0, 1.0])
     )
     assert edge.tolist() == [0.0, 1.0, 1.0, 1.0, 0.0]
+
+
+def test_binomial_cdf_and_expected_l1_at_large_totals():
+    # the cdf sums only a window of ~48 sqrt(k p (1 - p)) pmf terms, so large totals with moderate variance work;
+    # against scipy's incomplete-beta cdf (scipy's own logpmf is off by ~1e-3 at k = 1e12, ours is not)
+    k = torch.tensor([1e6, 1e9, 1e12, 1e12, 2.0**53], dtype=torch.float64)
+    p = torch.tensor([0.3, 1e-3, 1e-6, 1e-9, 1e-12], dtype=torch.float64)
+    x = torch.round(k * p + torch.tensor([100.0, -3000.0, 500.0, 2.0, -30.0], dtype=torch.float64))
+    expected = scipy.stats.binom.cdf(x.numpy(), k.numpy(), p.numpy())
+    np.testing.assert_allclose(binomial_cdf(x, k, p).numpy(), expected, rtol=1e-10, atol=1e-13)
+    # E|Z - y| at the mean is sqrt(2 var / pi) (1 + O(1/var)) for a near-normal binomial
+    d = ConstrainedPoisson(torch.tensor([1.0, 1e6 - 1.0], dtype=torch.float64), torch.tensor(1e12, dtype=torch.float64))
+    l1 = d.expected_l1(d.mean.detach())
+    np.testing.assert_allclose(l1.detach().numpy(), (2 * d.variance / math.pi).sqrt().numpy(), rtol=1e-5)
+    # where the window is too wide for the bound, a ValueError names the method, the total and the bound
+    wide = ConstrainedPoisson(torch.ones(100, dtype=torch.float64), torch.tensor(1e12, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"expected_l1.*pmf terms.*CDF_MAX_TERMS = 4194304.*k = 1e\+12"):
+        wide.expected_l1(wide.mean)
+    torch.testing.assert_close(wide.expected_l2(wide.mean), wide.variance)  # the closed forms still work
 
 
 # ---------------------------------------------------------------------------------------------- gradients
