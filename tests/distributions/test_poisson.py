@@ -206,6 +206,10 @@ def test_float32_totals_above_2_pow_24_raise():
             ConstrainedPoisson(torch.ones(3), torch.tensor(2**24 + 1), validate_args=validate)
     with pytest.raises(ValueError, match=r"total.*torch\.float32"):
         ConstrainedPoisson(torch.ones(4), torch.tensor([3.0, 1e9]), index=torch.tensor([0, 0, 1, 1]))
+    with pytest.raises(ValueError, match=r"total.*2\*\*11 = 2048.*torch\.float16"):
+        ConstrainedPoisson(torch.ones(3, dtype=torch.float16), torch.tensor(2049))
+    z16 = ConstrainedPoisson(torch.ones(3, dtype=torch.float16), torch.tensor(2048)).sample((4,))
+    assert z16.dtype == torch.float16 and bool((z16.double().sum(-1) == 2048).all())
     # the fix named in the message works
     z = ConstrainedPoisson(torch.ones(3, dtype=torch.float64), torch.tensor(2**24 + 1, dtype=torch.float64)).sample()
     assert z.sum().item() == 2**24 + 1
@@ -448,6 +452,12 @@ def test_binomial_marginals_at_large_totals(total):
     z_var = (stats.var(0) - var) / (var * ((2 / (num - 1)) + kurt / num).sqrt())
     assert bool((z_mean.abs() < z_crit).all()), z_mean
     assert bool((z_var.abs() < z_crit).all()), z_var
+    # the whole marginal law of z_2 against scipy's binomial cdf: chi-square over 10 equiprobable bins
+    k, p2 = total, float(probs[2])
+    edges = scipy.stats.binom.ppf(np.linspace(0, 1, 11)[1:-1], k, p2)
+    expected = np.diff(np.concatenate([[0.0], scipy.stats.binom.cdf(edges, k, p2), [1.0]])) * num
+    observed = np.bincount(np.searchsorted(edges, z[:, 2].numpy(), side="left"), minlength=10)
+    assert scipy.stats.chisquare(observed, expected).pvalue > FAILURE_RATE  # seed 0: p = 0.42, 0.70, 0.82
 
 
 def test_binomial_sample_chunks(monkeypatch):
