@@ -89,7 +89,9 @@ class ConstrainedPoisson(Distribution):
             integer, ``log_prob`` arguments in the support), as in ``torch.distributions``; defaults to
             torch's global setting. Types, shapes, ``index`` and the dtype rule are always checked, and
             :meth:`sample` always refuses totals and rates it cannot honour (a total of 3.5 never yields
-            vectors summing to 4).
+            vectors summing to 4). With ``validate_args=False`` the closed forms (:meth:`log_prob`,
+            :attr:`mean`, ...) trust ``rate``, as in ``torch.distributions``: a non-positive rate gives
+            undefined values there (NaN included); keep validation on while rates are not known positive.
 
     Shapes:
         batch_shape: ``broadcast(rate.shape[:-1], total batch dims)``; event_shape: ``(n,)``.
