@@ -253,11 +253,14 @@ def binomial_sample(count: Tensor, probs: Tensor, generator: torch.Generator | N
     num_chunks = int(-(-count.max().item() // BINOMIAL_CHUNK))
     if num_chunks <= 1:
         return torch.binomial(count, probs, generator=generator)
-    out = torch.zeros_like(count)
-    for c in range(num_chunks):  # loop over chunks of trials, not over entries
-        chunk = (count - c * BINOMIAL_CHUNK).clamp_(0, BINOMIAL_CHUNK)
-        out += torch.binomial(chunk, probs, generator=generator)
-    return out
+    out = torch.binomial(count.clamp(max=BINOMIAL_CHUNK), probs, generator=generator)  # the first chunk
+    big = (count > BINOMIAL_CHUNK).reshape(-1).nonzero().squeeze(-1)  # only these need more chunks
+    rest, big_probs = count.reshape(-1)[big] - BINOMIAL_CHUNK, probs.reshape(-1)[big]
+    extra = torch.zeros_like(rest)
+    for c in range(num_chunks - 1):  # loop over chunks of trials, not over entries
+        chunk = (rest - c * BINOMIAL_CHUNK).clamp_(0, BINOMIAL_CHUNK)
+        extra += torch.binomial(chunk, big_probs, generator=generator)
+    return out.view(-1).index_add_(0, big, extra).view(count.shape)
 
 
 #: Largest number of pmf terms held in memory at once by the cdf's cumulative sum.
