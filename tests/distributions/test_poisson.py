@@ -141,23 +141,101 @@ def test_expected_losses_match_enumeration(case):
         np.testing.assert_allclose(d.expected_l2(yt).numpy(), l2, rtol=1e-10, atol=1e-12)
 
 
-def test_log_prob_off_constraint():
+def test_log_prob_off_support():
+    # as ConstrainedNormal.log_prob off the plane: validation on raises, validation off gives -inf (never NaN)
     d, *_ = make("grouped")
+    d_nv = ConstrainedPoisson(d.rate, d.total, index=d.index, validate_args=False)
     good = torch.tensor([2.0, 1.0, 1.0, 1.0, 1.0, 3.0])
     assert torch.isfinite(d.log_prob(good))
     assert bool(d.support.check(good))
     wrong_sum = torch.tensor([2.0, 1.0, 2.0, 1.0, 1.0, 3.0])
-    assert d.log_prob(wrong_sum).item() == -math.inf
+    expected = r"value.*support.*sums are \[4\.0, 2\.0, 4\.0\].*total is \[3\.0, 2\.0, 4\.0\]"
+    with pytest.raises(ValueError, match=expected):
+        d.log_prob(wrong_sum)
+    assert d_nv.log_prob(wrong_sum).item() == -math.inf
     assert not bool(d.support.check(wrong_sum))
     # with validation, non-integer / negative counts are rejected; without, their pmf is 0
     for bad in ([2.5, 1.0, 0.5, 1.0, 1.0, 3.0], [4.0, 1.0, -1.0, 1.0, 1.0, 3.0]):
         with pytest.raises(ValueError, match="non-negative integer"):
             d.log_prob(torch.tensor(bad))
-        d_nv = ConstrainedPoisson(d.rate, d.total, index=d.index, validate_args=False)
         assert d_nv.log_prob(torch.tensor(bad)).item() == -math.inf
-    # integer dtype values and batched values are accepted
-    lp = d.log_prob(torch.stack([good, wrong_sum]).long())
+    # integer dtype values and batched values are accepted; a batch with one bad event names it
+    batch = torch.stack([good, wrong_sum]).long()
+    with pytest.raises(ValueError, match=r"at event \(1,\).*1 of 2 events"):
+        d.log_prob(batch)
+    lp = d_nv.log_prob(batch)
     assert lp.shape == (2,) and torch.isfinite(lp[0]) and lp[1] == -math.inf
+    # single group, huge total: the sum is checked exactly in float64
+    big = ConstrainedPoisson(torch.ones(3, dtype=torch.float64), torch.tensor(1e12, dtype=torch.float64))
+    z = torch.tensor([4e11, 3e11, 3e11 + 1], dtype=torch.float64)
+    expected = r"value.*sum equals total.*\[1000000000001\.0\].*total is \[1000000000000\.0\]"
+    with pytest.raises(ValueError, match=expected):
+        big.log_prob(z)
+    assert torch.isfinite(big.log_prob(z - torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64)))
+
+
+def test_invalid_totals_and_rates_never_sample_silently():
+    # a total of 3.5 cannot be met by integer counts: validation on raises at construction, off at sampling
+    with pytest.raises(ValueError, match="total"):
+        ConstrainedPoisson(torch.ones(3), torch.tensor(3.5))
+    d = ConstrainedPoisson(torch.ones(3), torch.tensor(3.5), validate_args=False)
+    with pytest.raises(ValueError, match=r"cannot sample: total.*non-negative integers.*3\.5"):
+        d.sample()
+    with pytest.raises(ValueError, match="cannot sample: total"):
+        d.rsample((2,))
+    assert d.log_prob(torch.tensor([1.0, 1.0, 2.0])).item() == -math.inf  # documented: -inf, never NaN
+    for total in (-1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="cannot sample: total"):
+            ConstrainedPoisson(torch.ones(3), torch.tensor(total), validate_args=False).sample()
+    with pytest.raises(ValueError, match=r"cannot sample: total.*2\*\*53"):
+        ConstrainedPoisson(torch.ones(3, dtype=torch.float64), torch.tensor(2.0**54, dtype=torch.float64),
+                           validate_args=False).sample()
+    # a non-positive or non-finite rate: validation on raises at construction, off at sampling (no NaN counts)
+    for rate in ([1.0, -2.0, 1.0], [1.0, 0.0, 1.0], [1.0, math.nan, 1.0], [1.0, math.inf, 1.0]):
+        with pytest.raises(ValueError, match="rate"):
+            ConstrainedPoisson(torch.tensor(rate), torch.tensor(3.0))
+        with pytest.raises(ValueError, match="cannot sample: rate must be positive and finite"):
+            ConstrainedPoisson(torch.tensor(rate), torch.tensor(3.0), validate_args=False).sample()
+
+
+def test_float32_totals_above_2_pow_24_raise():
+    # float32 holds integers exactly up to 2**24; larger totals are refused (whatever validate_args says)
+    ConstrainedPoisson(torch.ones(3), torch.tensor(2**24))
+    for validate in (True, False):
+        with pytest.raises(ValueError, match=r"total.*2\*\*24.*torch\.float32.*got 1\.67772e\+07.*float64"):
+            ConstrainedPoisson(torch.ones(3), torch.tensor(2**24 + 1), validate_args=validate)
+    with pytest.raises(ValueError, match=r"total.*torch\.float32"):
+        ConstrainedPoisson(torch.ones(4), torch.tensor([3.0, 1e9]), index=torch.tensor([0, 0, 1, 1]))
+    with pytest.raises(ValueError, match=r"total.*2\*\*11 = 2048.*torch\.float16"):
+        ConstrainedPoisson(torch.ones(3, dtype=torch.float16), torch.tensor(2049))
+    z16 = ConstrainedPoisson(torch.ones(3, dtype=torch.float16), torch.tensor(2048)).sample((4,))
+    assert z16.dtype == torch.float16 and bool((z16.double().sum(-1) == 2048).all())
+    # the fix named in the message works
+    z = ConstrainedPoisson(torch.ones(3, dtype=torch.float64), torch.tensor(2**24 + 1, dtype=torch.float64)).sample()
+    assert z.sum().item() == 2**24 + 1
+
+
+@pytest.mark.parametrize("total", [1e6, 1e12, 2.0**52])
+def test_log_prob_accurate_at_large_totals(total):
+    # the pmf over every outcome with non-negligible mass sums to 1 (the lgamma form is off by ~1e-2 at 1e12),
+    # and neighbouring outcomes differ by the exact ratio log(z_j p_i / ((z_i + 1) p_j))
+    k = torch.tensor(total, dtype=torch.float64)
+    rate = torch.tensor([1e4 / total, 1.0], dtype=torch.float64)  # mean of z_0: about 1e4
+    d = ConstrainedPoisson(rate, k)
+    x = torch.arange(0, 30_000, dtype=torch.float64)
+    z = torch.stack([x, k - x], -1)
+    lp = d.log_prob(z)
+    assert lp.exp().sum().item() == pytest.approx(1.0, abs=1e-10)
+    p = rate / rate.sum()
+    step = torch.log(z[:-1, 1] * p[0] / ((z[:-1, 0] + 1) * p[1]))
+    torch.testing.assert_close(lp[1:] - lp[:-1], step, rtol=0, atol=1e-9)
+    # float32 rates and counts (up to 2**24): the same float64 evaluation, rounded
+    k32 = float(2**24)
+    r = torch.tensor([1.0, 2.0, 5.0])
+    z32 = torch.tensor([[2097152.0, 4194304.0, 10485760.0], [2097000.0, 4194000.0, 10486216.0]])
+    lp32 = ConstrainedPoisson(r, torch.tensor(k32)).log_prob(z32)
+    lp64 = ConstrainedPoisson(r.double(), torch.tensor(k32, dtype=torch.float64)).log_prob(z32.double())
+    torch.testing.assert_close(lp32.double(), lp64, rtol=1e-6, atol=1e-6)
 
 
 def test_log_prob_gradcheck():
@@ -228,6 +306,25 @@ def test_binomial_cdf_value_and_gradient():
         torch.tensor([-1.0, 3.0, 5.0, 0.0, 2.0]), torch.tensor(3.0), torch.tensor([0.5, 0.5, 0.5, 0.0, 1.0])
     )
     assert edge.tolist() == [0.0, 1.0, 1.0, 1.0, 0.0]
+
+
+def test_binomial_cdf_and_expected_l1_at_large_totals():
+    # the cdf sums only a window of ~48 sqrt(k p (1 - p)) pmf terms, so large totals with moderate variance work;
+    # against scipy's incomplete-beta cdf (scipy's own logpmf is off by ~1e-3 at k = 1e12, ours is not)
+    k = torch.tensor([1e6, 1e9, 1e12, 1e12, 2.0**53], dtype=torch.float64)
+    p = torch.tensor([0.3, 1e-3, 1e-6, 1e-9, 1e-12], dtype=torch.float64)
+    x = torch.round(k * p + torch.tensor([100.0, -3000.0, 500.0, 2.0, -30.0], dtype=torch.float64))
+    expected = scipy.stats.binom.cdf(x.numpy(), k.numpy(), p.numpy())
+    np.testing.assert_allclose(binomial_cdf(x, k, p).numpy(), expected, rtol=1e-10, atol=1e-13)
+    # E|Z - y| at the mean is sqrt(2 var / pi) (1 + O(1/var)) for a near-normal binomial
+    d = ConstrainedPoisson(torch.tensor([1.0, 1e6 - 1.0], dtype=torch.float64), torch.tensor(1e12, dtype=torch.float64))
+    l1 = d.expected_l1(d.mean.detach())
+    np.testing.assert_allclose(l1.detach().numpy(), (2 * d.variance / math.pi).sqrt().numpy(), rtol=1e-5)
+    # where the window is too wide for the bound, a ValueError names the method, the total and the bound
+    wide = ConstrainedPoisson(torch.ones(100, dtype=torch.float64), torch.tensor(1e12, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"expected_l1.*pmf terms.*CDF_MAX_TERMS = 4194304.*k = 1e\+12"):
+        wide.expected_l1(wide.mean)
+    torch.testing.assert_close(wide.expected_l2(wide.mean), wide.variance)  # the closed forms still work
 
 
 # ---------------------------------------------------------------------------------------------- gradients
@@ -311,6 +408,108 @@ def test_chisquare_grouped_batched_different_totals():
         outcomes = enumerate_outcomes(totals, index, 6)
         pmf = oracle_pmf(outcomes, rate[b].numpy(), totals, index)
         assert _chisquare_pvalue(samples[:, b].numpy(), outcomes, pmf) > FAILURE_RATE / 4
+
+
+def test_chisquare_enumerated_n3_k6_and_uneven_groups():
+    # small totals, all outcomes enumerated: n = 3, k = 6 (28 outcomes), and a group of 5 (a splitting tree with
+    # an unpaired node at every level) next to a group of 2, batched
+    torch.manual_seed(0)  # statistical test, see the note at the top
+    rate = [0.8, 1.0, 1.3]
+    d = ConstrainedPoisson(torch.tensor(rate, dtype=torch.float64), torch.tensor(6))
+    samples = d.sample((40_000,))
+    outcomes = enumerate_outcomes([6], [0, 0, 0], 3)
+    pvalue = _chisquare_pvalue(samples.numpy(), outcomes, oracle_pmf(outcomes, rate, [6], [0, 0, 0]))
+    assert pvalue > FAILURE_RATE / 4  # seed 0: p = 0.80 (the grouped batch: 0.31, 0.53)
+    index = [0, 1, 0, 0, 1, 0, 0]
+    rate = torch.tensor([[0.5, 1.0, 1.0, 1.5, 1.0, 2.0, 1.0], [1.0, 1.0, 0.7, 1.3, 1.0, 1.0, 2.0]], dtype=torch.float64)
+    total = torch.tensor([[3, 2], [3, 2]])
+    samples = ConstrainedPoisson(rate, total, index=torch.tensor(index)).sample((40_000,))
+    for b in range(2):
+        outcomes = enumerate_outcomes([3, 2], index, 7)
+        pmf = oracle_pmf(outcomes, rate[b].numpy(), [3, 2], index)
+        assert _chisquare_pvalue(samples[:, b].numpy(), outcomes, pmf) > FAILURE_RATE / 4
+
+
+@pytest.mark.parametrize("total", [1e6, 1e9, 1e12])
+def test_binomial_marginals_at_large_totals(total):
+    # large totals: every marginal z_i ~ Bin(k, p_i), and a sum across the splitting tree's halves
+    # z_0 + z_3 ~ Bin(k, p_0 + p_3); standardised sample means and variances over 2,000 samples
+    torch.manual_seed(0)  # statistical test, see the note at the top
+    num = 2000
+    rate = torch.tensor([1e-6, 0.3, 1.0, 2.5, 0.05], dtype=torch.float64)
+    d = ConstrainedPoisson(rate, torch.tensor(total, dtype=torch.float64))
+    z = d.sample((num,))
+    assert torch.equal(z.sum(-1), torch.full((num,), total, dtype=torch.float64))
+    p = rate / rate.sum()
+    stats = torch.cat([z, z[:, :1] + z[:, 3:4]], -1)
+    probs = torch.cat([p, p[:1] + p[3:4]])
+    mean, var = total * probs, total * probs * (1 - probs)
+    # Bonferroni over 2 x 6 checks; the variance of a sample variance is ~ 2 var^2 / (num - 1) (+ the excess
+    # kurtosis term, below 1 / (k p (1 - p)) relative, negligible except for p_0 at k = 1e6, where it is ~1)
+    z_crit = scipy.stats.norm.isf(FAILURE_RATE / (2 * 12))
+    z_mean = (stats.mean(0) - mean) / (var / num).sqrt()
+    kurt = (1 - 6 * probs * (1 - probs)) / var
+    z_var = (stats.var(0) - var) / (var * ((2 / (num - 1)) + kurt / num).sqrt())
+    assert bool((z_mean.abs() < z_crit).all()), z_mean
+    assert bool((z_var.abs() < z_crit).all()), z_var
+    # the whole marginal law of z_2 against scipy's binomial cdf: chi-square over 10 equiprobable bins
+    k, p2 = total, float(probs[2])
+    edges = scipy.stats.binom.ppf(np.linspace(0, 1, 11)[1:-1], k, p2)
+    expected = np.diff(np.concatenate([[0.0], scipy.stats.binom.cdf(edges, k, p2), [1.0]])) * num
+    observed = np.bincount(np.searchsorted(edges, z[:, 2].numpy(), side="left"), minlength=10)
+    assert scipy.stats.chisquare(observed, expected).pvalue > FAILURE_RATE  # seed 0: p = 0.42, 0.70, 0.82
+
+
+def test_binomial_sample_chunks(monkeypatch):
+    # counts above BINOMIAL_CHUNK are drawn as sums of chunks: shrink the chunk to 3 and compare with scipy
+    import hardeq.ops as ops
+
+    torch.manual_seed(0)  # statistical test, see the note at the top
+    monkeypatch.setattr(ops, "BINOMIAL_CHUNK", 3)
+    count = torch.full((20_000,), 10.0, dtype=torch.float64)
+    z = ops.binomial_sample(count, torch.tensor(0.35, dtype=torch.float64))
+    assert z.dtype == torch.float64 and bool((z == z.round()).all()) and bool(((z >= 0) & (z <= 10)).all())
+    observed = np.bincount(z.long().numpy(), minlength=11)
+    expected = scipy.stats.binom.pmf(np.arange(11), 10, 0.35) * len(z)
+    keep = expected >= 5  # pool the tails
+    observed = np.append(observed[keep], observed[~keep].sum())
+    expected = np.append(expected[keep], expected[~keep].sum())
+    assert scipy.stats.chisquare(observed, expected).pvalue > FAILURE_RATE
+    # edges: probability 0 and 1, count 0, and a count beyond the real chunk (2**40) with p = 1
+    monkeypatch.undo()
+    big = torch.tensor([0.0, 5.0, 5.0, 2.0**50 + 3, 2.0**53], dtype=torch.float64)
+    out = ops.binomial_sample(big, torch.tensor([0.5, 0.0, 1.0, 1.0, 0.0], dtype=torch.float64))
+    assert out.tolist() == [0.0, 0.0, 5.0, 2.0**50 + 3, 0.0]
+
+
+def test_binomial_sample_moments_beyond_the_chunk():
+    # k = 2**45 + 1 (33 chunks of 2**40): mean and variance of Bin(k, p) at a small and a moderate p
+    torch.manual_seed(0)  # statistical test, see the note at the top
+    from hardeq.ops import binomial_sample
+
+    num, k = 4000, 2.0**45 + 1
+    p = torch.tensor([1e-6, 0.3], dtype=torch.float64)
+    z = binomial_sample(torch.tensor(k, dtype=torch.float64), p.expand(num, 2))
+    assert bool((z == z.round()).all()) and bool((z <= k).all())
+    mean, var = k * p, k * p * (1 - p)
+    z_crit = scipy.stats.norm.isf(FAILURE_RATE / (2 * 4))
+    assert bool((((z.mean(0) - mean) / (var / num).sqrt()).abs() < z_crit).all())
+    assert bool((((z.var(0) - var) / (var * (2 / (num - 1)) ** 0.5)).abs() < z_crit).all())
+
+
+def test_samples_sum_exactly_at_huge_totals():
+    # O(n) whatever the total: 1e12 and 2**53 (float64's last exact integer), grouped and batched
+    torch.manual_seed(0)
+    index = torch.tensor([0, 1, 0, 2, 1, 2, 2, 0, 0])
+    total = torch.tensor([[1e12, 2.0**53, 0.0], [7.0, 1e15 + 1, 2.0**52 + 1]], dtype=torch.float64)
+    rate = torch.rand(2, 9, dtype=torch.float64) * 10 + 1e-3
+    rate[0, 0] = 1e-12  # a tiny probability
+    d = ConstrainedPoisson(rate, total, index=index)
+    z = d.sample((50,))
+    assert bool((z >= 0).all()) and bool((z == z.round()).all())
+    sums = torch.zeros(50, 2, 3, dtype=torch.float64).index_add(-1, index, z)
+    assert torch.equal(sums, total.expand(50, 2, 3))
+    assert bool(d.support.check(z).all()) and bool(torch.isfinite(d.log_prob(z)).all())
 
 
 def test_sample_mean_matches_large_totals():

@@ -16,6 +16,7 @@ import torch
 import hardeq.estimators.poisson as poisson_estimators
 from hardeq.distributions.poisson import ConstrainedPoisson
 from hardeq.estimators.registry import available_estimators, get_estimator
+from hardeq.ops import binomial_log_pmf
 
 FAILURE_RATE = 1e-4
 NAMES = ["marginal_expectation", "constrained_marginal", "unconstrained_marginal", "random"]
@@ -188,3 +189,33 @@ def test_estimator_argument_errors():
         d.rsample(estimator="score_function")
     with pytest.raises(TypeError, match="estimator"):
         d.rsample(estimator=3)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_estimators_at_large_totals(name):
+    # totals of 1e9 and 1e12 (a group of one coordinate, p = 1, too): the forward is the exact sample, the
+    # gradient finite; marginal_expectation's is exact for a linear loss, as at small totals
+    rate = torch.tensor([[0.5, 1.0, 2.0, 4.0, 3.0], [1e-6, 1.0, 1.0, 1.0, 7.0]], dtype=torch.float64)
+    rate.requires_grad_()
+    index = torch.tensor([0, 0, 1, 1, 2])
+    total = torch.tensor([[1e12, 1e9, 5e11], [1e12, 3.0, 1e12]], dtype=torch.float64)
+    d = ConstrainedPoisson(rate, total, index=index)
+    torch.manual_seed(0)
+    z = d.sample((4,))
+    torch.manual_seed(0)
+    zr = d.rsample((4,), estimator=name)
+    assert torch.equal(zr, z)
+    w = torch.randn(4, 2, 5, dtype=torch.float64)
+    (grad,) = torch.autograd.grad((zr * w).sum(), rate)
+    assert torch.isfinite(grad).all()
+    if name == "marginal_expectation":
+        (expected,) = torch.autograd.grad((d.mean * w).sum(), rate)
+        torch.testing.assert_close(grad, expected)
+    if name == "constrained_marginal":  # chain rule, d/dp b(z; k, p) = b(z; k, p) (z / p - (k - z) / (1 - p))
+        p = d.probs
+        k = total[:, index]
+        q = torch.where(p < 1, p, 0.5).detach()  # p = 1: the singleton group, whose p has no gradient
+        m = binomial_log_pmf(z, k, p.detach()).exp()
+        dm_dp = torch.where(p < 1, m * (z / q - (k - z) / (1 - q)), 0.0)
+        (expected,) = torch.autograd.grad((p * (w * dm_dp).sum(0)).sum(), rate)
+        torch.testing.assert_close(grad, expected, rtol=1e-6, atol=1e-12)

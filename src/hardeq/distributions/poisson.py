@@ -3,6 +3,7 @@ r"""Independent Poissons conditioned on their (grouped) sums: products of multin
 from __future__ import annotations
 
 import numbers
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -11,7 +12,7 @@ from torch.distributions import Binomial, Distribution, constraints
 from .._utils import check_finite, check_group_index
 from ..constraints import EqualityConstraint, SumConstraint
 from ..estimators import poisson as _poisson_estimators  # noqa: F401  (registers the estimators)
-from ..ops import gather, group_probs, group_sum
+from ..ops import MAX_EXACT_COUNT, binomial_sample, gather, group_probs, group_sum, multinomial_log_pmf
 from ..estimators.registry import get_estimator
 from .poisson_losses import binomial_expected_l1, binomial_expected_l2
 
@@ -61,10 +62,16 @@ class ConstrainedPoisson(Distribution):
 
     and :math:`\mathbb E|z_i - y_i|` has the closed form of
     :func:`~hardeq.distributions.poisson_losses.binomial_expected_l1`. :meth:`log_prob` is the pmf (w.r.t.
-    counting measure on :math:`\mathbb N^n`): the product of the groups' multinomial pmfs, :math:`-\infty` for
-    count vectors whose group sums differ from the totals.
+    counting measure on :math:`\mathbb N^n`): the product of the groups' multinomial pmfs. Off the support
+    (group sums other than the totals, negative or non-integer counts) it raises with validation on, as
+    :meth:`ConstrainedNormal.log_prob <hardeq.ConstrainedNormal.log_prob>` off the plane, and is
+    :math:`-\infty` with ``validate_args=False``.
 
-    Sampling is exact; :meth:`rsample` returns the same exact sample with the gradient w.r.t. ``rate`` of the
+    Sampling is exact, by conditional binomials down a binary tree of each group's members, in O(n) time and
+    memory per sample **whatever the totals** (see :meth:`sample`). Dtype rule: counts are exact integers up to
+    :math:`2^{53}` in float64 and :math:`2^{24}` in float32, so with a float32 (or half) ``rate`` a larger total
+    is a ``ValueError`` at construction (pass float64). :meth:`rsample` returns the same exact sample with the
+    gradient w.r.t. ``rate`` of the
     chosen estimator (``hardeq.estimators.poisson``): ``"marginal_expectation"`` (default),
     ``"constrained_marginal"``, ``"unconstrained_marginal"`` or ``"random"``; none is unbiased.
 
@@ -79,8 +86,12 @@ class ConstrainedPoisson(Distribution):
             grouped-sum constraint such as :class:`~hardeq.SumConstraint`, whose ``group_index`` gives the groups
             and ``k`` the totals. Any other constraint is a ``TypeError``.
         validate_args (bool, optional): value checks (``rate`` positive and finite, ``total`` a non-negative
-            integer, ``log_prob`` arguments non-negative integers), as in ``torch.distributions``; defaults to
-            torch's global setting. Types, shapes and ``index`` are always checked.
+            integer, ``log_prob`` arguments in the support), as in ``torch.distributions``; defaults to
+            torch's global setting. Types, shapes, ``index`` and the dtype rule are always checked, and
+            :meth:`sample` always refuses totals and rates it cannot honour (a total of 3.5 never yields
+            vectors summing to 4). With ``validate_args=False`` the closed forms (:meth:`log_prob`,
+            :attr:`mean`, ...) trust ``rate``, as in ``torch.distributions``: a non-positive rate gives
+            undefined values there (NaN included); keep validation on while rates are not known positive.
 
     Shapes:
         batch_shape: ``broadcast(rate.shape[:-1], total batch dims)``; event_shape: ``(n,)``.
@@ -157,6 +168,14 @@ class ConstrainedPoisson(Distribution):
             raise TypeError(f"total must have a floating-point or integer dtype, got {total.dtype}.")
         if total.device != rate.device:
             raise ValueError(f"total is on device {total.device} but rate is on {rate.device}.")
+        exact = round(2 / torch.finfo(rate.dtype).eps)  # 2**24 in float32, 2**53 in float64, 2**11 in float16
+        if rate.dtype != torch.float64 and total.numel() and bool(((total > exact) & torch.isfinite(total)).any()):
+            raise ValueError(
+                f"total must be at most 2**{exact.bit_length() - 1} = {exact} when rate has dtype {rate.dtype} "
+                f"(larger counts are not exact integers in that dtype, so samples could not sum to the total), "
+                f"got {total.max().item():.6g}. Pass rate (and total) as torch.float64, which holds counts "
+                "exactly up to 2**53."
+            )
         total = total.to(rate.dtype)
 
         if index is None:
@@ -187,7 +206,7 @@ class ConstrainedPoisson(Distribution):
         self.rate = rate.expand(batch_shape + (n,))
         self.total = total.expand(batch_shape + total.shape[len(total_batch) :])
         self._group_total = group_total.expand(batch_shape + (num_groups,))  # shape: (*batch, a)
-        self._layout = _group_layout(index, n, num_groups, rate.device)
+        self._layout = _split_tree(index, n, num_groups, rate.device)
         super().__init__(batch_shape, torch.Size([n]), validate_args=validate_args)
         if self._validate_args:
             check_finite("rate", rate)
@@ -245,7 +264,12 @@ class ConstrainedPoisson(Distribution):
 
     def marginal(self) -> Binomial:
         r"""The conditional marginals :math:`z_i \sim \mathrm{Binomial}(k_{g(i)}, p_i)` as one
-        ``torch.distributions.Binomial`` of batch shape ``(*batch, n)`` (the coordinates are dependent)."""
+        ``torch.distributions.Binomial`` of batch shape ``(*batch, n)`` (the coordinates are dependent).
+
+        Its ``log_prob`` is torch's ``lgamma`` form in ``rate``'s dtype: at large totals it loses about
+        :math:`k \log k\,\varepsilon` (4e-3 at :math:`k = 10^{12}` in float64; useless above :math:`10^5` in
+        float32). :func:`hardeq.ops.binomial_log_pmf` evaluates the same pmf in float64 to about
+        :math:`10^{-13}`."""
         return Binomial(
             total_count=self._coordinate_total, probs=self.probs, validate_args=self._validate_args
         )
@@ -301,16 +325,23 @@ class ConstrainedPoisson(Distribution):
             Tensor: ``broadcast(y.shape, (*batch, n))``, differentiable in ``rate`` (via
             :math:`\partial_p F(m; k, p) = -k\, b(m; k - 1, p)`).
 
-        Cost: O(N (max y + 1)) time for N = the output's size (a float64 cumulative sum of pmf values for the
-        cdf, memory bounded by chunks of 2^20 terms): fine for totals up to a few thousand.
+        Cost: O(N W) time for N = the output's size, :math:`W \le \min(y + 1, 48\sqrt{k p_i (1 - p_i)} + 800)`
+        (a float64 sum of the pmf values in a window around the mean, :func:`hardeq.ops.binomial_cdf`; memory
+        bounded by chunks of 2^20 terms): any total whose variance is moderate (:math:`k = 10^{12}` with
+        :math:`p_i = 10^{-6}`: W = 5e4).
+
+        Raises:
+            ValueError: when ``N W`` exceeds ``hardeq.ops.CDF_MAX_TERMS`` (:math:`2^{22}`), naming the total and
+                the bound: e.g. 100 coordinates of equal rate at :math:`k = 10^{12}` (W = 4e6 each). Use
+                :meth:`expected_l2` there.
         """
         y = self._check_target(y)
         return binomial_expected_l1(y, self._coordinate_total, self.probs)
 
     # ------------------------------------------------------------------------------------------ density
     def _validate_sample(self, value: Tensor) -> None:
-        # Shapes, and values that are non-negative integers. Group sums are *not* validated: the pmf is 0
-        # there, so log_prob returns -inf (use ``support.check`` for the full support test).
+        # Shapes, values that are non-negative integers, and group sums equal to the totals (the support),
+        # as ConstrainedNormal.log_prob rejects points off the plane.
         if not isinstance(value, Tensor):
             raise TypeError(f"value must be a torch.Tensor, got {type(value).__name__}.")
         n = self.event_shape[0]
@@ -326,11 +357,25 @@ class ConstrainedPoisson(Distribution):
                     f"value (shape {tuple(value.shape)}) does not broadcast with batch_shape + event_shape = "
                     f"{tuple(expected)}."
                 )
-        v = value if value.is_floating_point() else value.to(self.rate.dtype)
+        v = value if value.is_floating_point() else value.to(torch.float64)
         if not bool(((v >= 0) & (v == torch.floor(v))).all()):
             raise ValueError(
                 f"Expected value (Tensor of shape {tuple(value.shape)}) to hold non-negative integer counts, "
                 f"but found invalid values:\n{value}"
+            )
+        sums = group_sum(v.to(torch.float64), self.index, self.num_groups)
+        total = self._group_total.detach().to(torch.float64)
+        sums, total = torch.broadcast_tensors(sums, total)
+        off = sums != total
+        if bool(off.any()):
+            where = tuple(int(i) for i in off.nonzero()[0])[:-1]
+            at = f" at event {where}" if where else ""
+            what = "sum equals" if self.index is None else "group sums (over index) equal"
+            raise ValueError(
+                f"Expected value to lie in the support, non-negative integer counts whose {what} total, "
+                f"but{at} its sums are {sums[where].tolist()} while total is {total[where].tolist()} "
+                f"({int(off.any(-1).sum())} of {off.any(-1).numel()} events off the "
+                "support). Pass validate_args=False to get log_prob = -inf there instead."
             )
 
     def log_prob(self, value: Tensor) -> Tensor:
@@ -339,25 +384,34 @@ class ConstrainedPoisson(Distribution):
         .. math::
             \log p(z) = \sum_j \Big[\log k_j! - \sum_{i \in G_j} \log z_i!\Big] + \sum_i z_i \log p_i
 
-        for non-negative integer ``z`` with the right group sums, :math:`-\infty` otherwise.
+        for non-negative integer ``z`` with the right group sums, evaluated in float64 (whatever ``rate``'s
+        dtype) in Loader's saddle-point form (:func:`hardeq.ops.multinomial_log_pmf`): accurate to about
+        :math:`10^{-13}` absolute at totals of :math:`10^{12}`, where the ``lgamma`` form above loses
+        :math:`10^{-2}`.
+
+        Off the support, as :meth:`ConstrainedNormal.log_prob <hardeq.ConstrainedNormal.log_prob>` off the
+        plane: with validation on (``validate_args``), a ``value`` with negative or non-integer entries, or
+        whose group sums differ from the totals, raises ``ValueError`` (naming the position, the sums
+        received and the totals expected); with validation off it gets :math:`-\infty` (the pmf is 0), as does
+        every value when a total is not a non-negative integer; never NaN for a positive finite ``rate``.
 
         Args:
             value (Tensor): counts, shape ``(*sample, *batch, n)``.
 
         Returns:
             Tensor: ``(*sample, *batch)``, differentiable in ``rate``. Cost: O(n).
+
+        Raises:
+            ValueError: with validation on, ``value`` off the support (see above).
         """
         if self._validate_args:
             self._validate_sample(value)
-        p = self.probs
+        # p in float64 from the rates themselves: a float32 p is off by ~6e-8 relative, i.e. by ~k 6e-8 in the log
+        p = group_probs(self._unbroadcasted_rate.to(torch.float64), self.index, self.num_groups)
         if not value.is_floating_point():
-            value = value.to(p.dtype)
+            value = value.to(torch.float64)
         value = value.detach()
-        logp = (
-            torch.xlogy(value, p).sum(-1)
-            - torch.lgamma(value.clamp(min=0) + 1).sum(-1)
-            + torch.lgamma(self._group_total + 1).sum(-1)
-        )
+        logp = multinomial_log_pmf(value, p, self.index, self._group_total.detach()).to(self.rate.dtype)
         in_support = _GroupedMultinomial(self._group_total, self.index).check(value)
         return logp.masked_fill(~in_support, float("-inf"))
 
@@ -365,16 +419,30 @@ class ConstrainedPoisson(Distribution):
     def sample(self, sample_shape: _size = ()) -> Tensor:
         r"""Exact sample of the product of multinomials, a float tensor of counts in ``rate``'s dtype.
 
-        Every total :math:`k_j` is realised as :math:`k_j` categorical draws restricted to its group (inverse
-        cdf: ``torch.searchsorted`` on within-group cumulative probabilities, offset by the group's position
-        so that one sorted sequence serves all batch elements and groups), then counted with ``bincount``.
-        Every sample sums exactly to its totals. Vectorised over sample, batch and groups (no Python loop).
+        Binary splitting with conditional binomials: the members of every group form a balanced binary
+        tree (positions within the group, :class:`_SplitTree`), and a node holding :math:`c` counts sends
 
-        Cost: O(B n + S K log(B n)) time and O(B n + S K) memory, with S = ``sample_shape.numel()``,
-        B = ``batch_shape.numel()`` and K the sum of all B a totals (so linear in the totals; for totals in
-        the millions a conditional-binomial splitting would be cheaper). The search runs in float64 on keys
-        ``group offset + cumulative probability``, so probabilities are resolved to about
-        :math:`2^{-52} B a`; counts are exact integers (in float32 up to :math:`2^{24}` per coordinate).
+        .. math::
+            c_L \sim \mathrm{Bin}\Big(c,\; \frac{\sum_{i \in L}\theta_i}{\sum_{i \in L \cup R}\theta_i}\Big),
+            \qquad c_R = c - c_L
+
+        to its children :math:`L, R`, starting from :math:`c = k_j` at the root of group :math:`j`. This is the
+        multinomial exactly (a multinomial's count on a subset is binomial, and given it the two subsets are
+        independent multinomials), and the right child takes the remainder, so every sample sums **exactly**
+        to its totals. One vectorised step per tree level, for all groups, samples and batch elements at once:
+        :math:`\lceil\log_2 \max_j |G_j|\rceil` steps. Subtree weights are sums of positive rates in float64,
+        so the ratios need no cancelling subtraction; they are clamped to ``[0, 1]``. Draws use
+        :func:`hardeq.ops.binomial_sample` (``torch.binomial``, counts above :math:`2^{40}` in chunks).
+
+        Cost: O(S B n) time and memory (about :math:`2 S B n` binomial draws, at most
+        :math:`\lceil \max k / 2^{40}\rceil` each), with S = ``sample_shape.numel()``, B = ``batch_shape.numel()``,
+        **independent of the totals**. Totals up to :math:`2^{53}` are exact in float64; with a float32 rate
+        (exact integers up to :math:`2^{24}`), a larger total is a ``ValueError`` at construction (use float64).
+
+        Raises:
+            ValueError: a total that is not a non-negative integer :math:`\le 2^{53}` (3.5 cannot be met by
+                integer counts), or a rate that is not positive and finite; checked here **even with**
+                ``validate_args=False``.
 
         Returns:
             Tensor: ``(*sample_shape, *batch, n)``.
@@ -408,39 +476,97 @@ class ConstrainedPoisson(Distribution):
         B, S = batch.numel(), sample_shape.numel()
         device = self.rate.device
         shape = sample_shape + batch + (n,)
-        totals = torch.round(self._group_total.detach()).long().reshape(B * a)  # shape: (B a,)
-        if S == 0 or B == 0 or int(totals.sum()) == 0:
+        rate = self.rate.detach()
+        total = self._group_total.detach()
+        _check_sampling_parameters(rate, total)
+        if S == 0 or B == 0:
             return torch.zeros(shape, dtype=self.rate.dtype, device=device)
-        perm, sorted_index, starts, ends = self._layout
-        # Within-group cumulative probabilities, in the group-sorted coordinate order, float64.
-        p = self.probs.detach().to(torch.float64).reshape(B, n)[:, perm]  # shape: (B, n)
-        cum = p.cumsum(-1)
-        before = torch.cat([cum.new_zeros(B, 1), cum[:, :-1]], -1)
-        within = (cum - before[:, starts].index_select(-1, sorted_index)).clamp_(max=1.0)
-        within[:, ends - 1] = 1.0  # each group's last interval ends exactly at 1
-        # Offset group (b, g) by b a + g: one non-decreasing sequence over all batch elements and groups.
-        group_id = torch.arange(B, device=device).unsqueeze(-1) * a + sorted_index  # shape: (B, n)
-        keys = (group_id.to(torch.float64) + within).reshape(-1)  # shape: (B n,)
-        draw_group = torch.repeat_interleave(torch.arange(B * a, device=device), totals)  # shape: (K,)
-        u = torch.rand((S, draw_group.numel()), dtype=torch.float64, device=device)
-        pos = torch.searchsorted(keys, draw_group.to(torch.float64) + u, right=True)  # shape: (S, K)
-        b, g = draw_group // a, draw_group % a
-        lo, hi = b * n + starts[g], b * n + ends[g] - 1  # round-off guard: stay inside the draw's group
-        pos = torch.minimum(torch.maximum(pos, lo), hi)
-        coord = (pos // n) * n + perm[pos % n]  # flat (b, i) in the original coordinate order
-        coord = coord + torch.arange(S, device=device).unsqueeze(-1) * (B * n)
-        counts = torch.bincount(coord.reshape(-1), minlength=S * B * n)
-        return counts.reshape(shape).to(self.rate.dtype)
+        tree = self._layout
+        # Node weights, level 0 = the coordinates in group-sorted order; a parent's weight is the sum of its
+        # children's (positive terms: no cancellation), so the split ratios lie in [0, 1] up to round-off.
+        weights = [rate.to(torch.float64).reshape(B, n).index_select(-1, tree.perm)]
+        for parent, num_parents in zip(tree.parent, tree.num_nodes[1:], strict=True):
+            w = weights[-1]
+            weights.append(w.new_zeros(B, num_parents).index_add_(-1, parent, w))
+        counts = total.to(torch.float64).reshape(1, B, a).expand(S, B, a)  # the top level: one node per group
+        for level in range(tree.depth, 0, -1):
+            parent, left, paired = tree.parent[level - 1], tree.is_left[level - 1], tree.paired[level - 1]
+            at_parent = counts.index_select(-1, parent)  # shape: (S, B, M) for the M children
+            ratio = (weights[level - 1] / weights[level].index_select(-1, parent)).clamp_(0.0, 1.0)
+            draw = binomial_sample(torch.where(paired, at_parent, 0.0), ratio)  # left children with a sibling
+            sibling = torch.nn.functional.pad(draw[..., :-1], (1, 0))  # a right child's left sibling's draw
+            counts = torch.where(left, torch.where(paired, draw, at_parent), at_parent - sibling)
+        out = counts.index_select(-1, tree.inverse_perm)
+        return out.reshape(shape).to(self.rate.dtype)
 
 
-def _group_layout(
-    index: Tensor | None, n: int, num_groups: int, device: torch.device
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Group-sorted order of the coordinates: ``perm`` (n,), ``index[perm]`` (n,), and every group's
-    ``starts``/``ends`` (a,) in that order."""
+def _check_sampling_parameters(rate: Tensor, total: Tensor) -> None:
+    """Parameters the sampler cannot honour raise, whatever ``validate_args`` says (a total of 3.5 cannot be
+    met by integer counts; a non-positive rate has no multinomial)."""
+    if not bool(torch.isfinite(rate).all() and (rate > 0).all()):
+        bad = rate[~(torch.isfinite(rate) & (rate > 0))]
+        raise ValueError(
+            f"cannot sample: rate must be positive and finite, got {bad.flatten()[:5].tolist()} among its "
+            "entries (sampling checks this even with validate_args=False)."
+        )
+    ok = torch.isfinite(total) & (total >= 0) & (total == torch.floor(total))
+    if not bool(ok.all()):
+        raise ValueError(
+            f"cannot sample: total must hold non-negative integers (the sums of integer counts), got "
+            f"{total[~ok].flatten()[:5].tolist()} among its entries (sampling checks this even with "
+            "validate_args=False; round the totals first)."
+        )
+    if bool((total > MAX_EXACT_COUNT).any()):
+        raise ValueError(
+            f"cannot sample: total must be at most 2**53 = {MAX_EXACT_COUNT} (the largest count float64 holds "
+            f"exactly), got {total.max().item():.6g}."
+        )
+
+
+class _SplitTree(NamedTuple):
+    r"""Binary splitting tree of every group, built once per ``index``.
+
+    The members of group :math:`g` (in coordinate order) get positions :math:`0 .. s_g - 1`; at level
+    :math:`\ell` a node is a pair :math:`(g, h)` holding the members with ``position >> l == h``. Level 0
+    is the coordinates, level ``depth`` = :math:`\lceil\log_2 \max_g s_g\rceil` one node per group. Nodes of
+    a level are numbered group by group (``offset_l[g] + h``), so level 0 is the group-sorted order ``perm``
+    and a right child ``c`` (odd ``h``) has its left sibling at ``c - 1``. Per level ``l = 1..depth``, for
+    the children at level ``l - 1``: ``parent`` (their node at level ``l``), ``is_left`` (even ``h``) and
+    ``paired`` (a left child with a right sibling). Size: at most :math:`2n + a \cdot \mathrm{depth}` nodes.
+    """
+
+    perm: Tensor
+    inverse_perm: Tensor
+    depth: int
+    num_nodes: list[int]
+    parent: list[Tensor]
+    is_left: list[Tensor]
+    paired: list[Tensor]
+
+
+def _split_tree(index: Tensor | None, n: int, num_groups: int, device: torch.device) -> _SplitTree:
     if index is None:
         index = torch.zeros(n, dtype=torch.long, device=device)
     perm = torch.argsort(index, stable=True)
-    ends = torch.bincount(index, minlength=num_groups).cumsum(0)
-    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-    return perm, index[perm], starts, ends
+    inverse_perm = torch.empty_like(perm)
+    inverse_perm[perm] = torch.arange(n, device=device)
+    sizes = torch.bincount(index, minlength=num_groups)
+    max_size = int(sizes.max().item()) if n else 0
+    depth = max(0, (max_size - 1).bit_length())
+    groups = torch.arange(num_groups, device=device)
+    num_nodes, parent, is_left, paired = [], [], [], []
+    per_group = sizes  # nodes per group at the current level
+    for level in range(depth + 1):
+        num_nodes.append(int(per_group.sum().item()))
+        if level == depth:
+            break
+        up = -(-sizes // 2 ** (level + 1))  # nodes per group one level up
+        offset = torch.cumsum(per_group, 0) - per_group
+        up_offset = torch.cumsum(up, 0) - up
+        group = torch.repeat_interleave(groups, per_group)
+        h = torch.arange(num_nodes[-1], device=device) - offset[group]
+        parent.append(up_offset[group] + h // 2)
+        is_left.append(h % 2 == 0)
+        paired.append((h % 2 == 0) & (h + 1 < per_group[group]))
+        per_group = up
+    return _SplitTree(perm, inverse_perm, depth, num_nodes, parent, is_left, paired)

@@ -51,9 +51,10 @@ def binomial_expected_l1(target: Tensor, total_count: Tensor, probs: Tensor) -> 
     Returns:
         Tensor: broadcast shape of the inputs.
 
-    Cost: that of :func:`binomial_cdf`, O(N (max j + 1)) for N entries. Evaluated in float64 (the two terms
-    are of size :math:`\sqrt k` and partly cancel) and returned in the promoted dtype of ``target`` and
-    ``probs``.
+    Cost: that of :func:`binomial_cdf`, O(N W) for N entries, W the width of the window of pmf terms it sums
+    (at most :math:`\min(j + 1, 48\sqrt{kp(1-p)} + 800)`); ``ValueError`` beyond ``hardeq.ops.CDF_MAX_TERMS``.
+    Evaluated in float64 (the two terms are of size :math:`\sqrt k` and partly cancel) and returned in the
+    promoted dtype of ``target`` and ``probs``.
     """
     dtype = torch.promote_types(target.dtype, probs.dtype)
     y, k, p = torch.broadcast_tensors(
