@@ -2,8 +2,8 @@
 
 ``test_raises_on_wrong_inputs`` is a table in the style of Distrax's: (description, callable, exception type,
 regex on the message); every regex names the argument at fault, so a message that stops saying *which*
-argument is wrong fails the test. Poisson rows are left to the Poisson tests, except one that already
-behaves well.
+argument is wrong fails the test. The Poisson rows cover its totals, rates and off-support values; the Poisson
+tests check the sampler itself.
 """
 
 from __future__ import annotations
@@ -174,6 +174,36 @@ WRONG_INPUTS = [
      r"^family must be one of 'normal', 'poisson'; got 'gaussian'"),
     ("unknown Poisson estimator", lambda: ConstrainedPoisson(torch.ones(N), torch.tensor([2, 3]), index=INDEX)
      .rsample(estimator="nope"), ValueError, r"unknown estimator 'nope'"),
+    # -- ConstrainedPoisson: totals, rates, off-support values, closed forms past their bound
+    ("Poisson float32 total above 2^24", lambda: ConstrainedPoisson(torch.ones(N), torch.tensor(1e9)), ValueError,
+     r"^total must be at most 2\*\*24 = 16777216 when rate has dtype torch\.float32"),
+    ("Poisson total 3.5", lambda: ConstrainedPoisson(torch.ones(N), torch.tensor(3.5)), ValueError,
+     r"parameter total .* to satisfy the constraint"),
+    ("Poisson total 3.5 sampled without validation",
+     lambda: ConstrainedPoisson(torch.ones(N), torch.tensor(3.5), validate_args=False).sample(), ValueError,
+     r"^cannot sample: total must hold non-negative integers"),
+    ("Poisson negative total", lambda: ConstrainedPoisson(torch.ones(N), torch.tensor(-2.0)), ValueError,
+     r"parameter total .* to satisfy the constraint"),
+    ("Poisson negative rate", lambda: ConstrainedPoisson(torch.tensor([1.0, -1.0, 1.0, 1.0]), torch.tensor(3.0)),
+     ValueError, r"parameter rate .* to satisfy the constraint"),
+    ("Poisson negative rate sampled without validation",
+     lambda: ConstrainedPoisson(torch.tensor([1.0, -1.0, 1.0, 1.0]), torch.tensor(3.0), validate_args=False).sample(),
+     ValueError, r"^cannot sample: rate must be positive and finite"),
+    ("Poisson log_prob of counts with the wrong sum",
+     lambda: ConstrainedPoisson(torch.ones(N), torch.tensor(3.0)).log_prob(torch.tensor([1.0, 1.0, 0.0, 0.0])),
+     ValueError, r"^Expected value to lie in the support.*sums are \[2\.0\] while total is \[3\.0\]"),
+    ("Poisson log_prob of negative counts",
+     lambda: ConstrainedPoisson(torch.ones(N), torch.tensor(3.0)).log_prob(torch.tensor([4.0, -1.0, 0.0, 0.0])),
+     ValueError, r"^Expected value .* to hold non-negative integer counts"),
+    ("Poisson log_prob of non-integer counts",
+     lambda: ConstrainedPoisson(torch.ones(N), torch.tensor(3.0)).log_prob(torch.tensor([1.5, 1.5, 0.0, 0.0])),
+     ValueError, r"^Expected value .* to hold non-negative integer counts"),
+    ("Poisson on a dense constraint",
+     lambda: ConstrainedPoisson(torch.ones(N), constraint=LinearConstraint(torch.ones(1, N), torch.tensor([3.0]))),
+     TypeError, r"^constraint must be a grouped-sum constraint"),
+    ("Poisson expected_l1 past the cdf bound",
+     lambda: ConstrainedPoisson(torch.ones(2, dtype=torch.float64), torch.tensor(1e15, dtype=torch.float64))
+     .expected_l1(torch.tensor([5e14, 5e14], dtype=torch.float64)), ValueError, r"expected_l1.*above the bound"),
     # -- sampling arguments
     ("noise has the wrong shape", lambda: _normal().rsample((2,), noise=torch.randn(3, N)), ValueError,
      r"^noise must have shape sample_shape \+ batch_shape \+ \(noise_size,\) = \(2, 4\), got \(3, 4\)"),
