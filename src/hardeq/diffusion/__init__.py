@@ -21,6 +21,8 @@ to round-off.
 
 from __future__ import annotations
 
+import importlib
+
 from .conditioning import constrained_x0
 from .ddim import ddim_sample, ddim_timesteps
 from .ddpm import ddpm_sample
@@ -28,7 +30,6 @@ from .image_constraints import channel_sum_constraint, channel_sums, satisfies_c
 from .noise import derive_generator
 from .noise_schedule import make_betas
 from .post import clip_to, project_and_clip, project_onto
-from .scheduler import ConstrainedScheduler, ConstrainedSchedulerOutput
 from .schedules import EndSpaced, Schedule, StartEnd, StartSpaced, Steps, Uniform
 
 __all__ = [
@@ -53,3 +54,11 @@ __all__ = [
     "ConstrainedScheduler",
     "ConstrainedSchedulerOutput",
 ]
+
+
+def __getattr__(name: str):
+    """``ConstrainedScheduler`` / ``ConstrainedSchedulerOutput`` load on first access: their module subclasses
+    diffusers' ``SchedulerMixin`` and imports diffusers (``ImportError`` naming the extra when it is missing)."""
+    if name in ("ConstrainedScheduler", "ConstrainedSchedulerOutput"):
+        return getattr(importlib.import_module(".scheduler", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,50 +1,86 @@
-r"""diffusers integration: :class:`ConstrainedScheduler` wraps a ``DDPMScheduler`` / ``DDIMScheduler`` so that a
-plain diffusers loop conditions the :math:`x_0`-prediction on :math:`Ax_0 = k` at the steps of a schedule.
+r"""diffusers integration: :class:`ConstrainedScheduler`, a diffusers scheduler (``SchedulerMixin`` +
+``ConfigMixin``) that runs a ``DDPMScheduler`` / ``DDIMScheduler`` and conditions its :math:`x_0`-prediction on
+:math:`Ax_0 = k` at the steps of a schedule.
 
 .. code-block:: python
 
     scheduler = ConstrainedScheduler(DDIMScheduler(num_train_timesteps=1000, clip_sample=False),
                                      channel_sum_constraint(shape, totals), schedule=StartEnd(3, 1))
-    scheduler.set_timesteps(50)
-    x = torch.randn(shape, generator=g)
-    for t in scheduler.timesteps:
-        eps = unet(x, t).sample
-        x = scheduler.step(eps, t, x, generator=g).prev_sample
-    # every image of x satisfies the constraint to round-off
+    pipe = DDPMPipeline(unet, scheduler)                       # runs the DDIM base with eta = 0
+    images = pipe(batch_size=4, output_type="np").images       # (x / 2 + 0.5).clamp(0, 1) of exact samples
+    pipe.save_pretrained(path)                                 # scheduler/scheduler_config.json holds it all
+    pipe = DDPMPipeline.from_pretrained(path)                  # the same constraint, schedule and base config
 
 At a conditioned step, :meth:`~ConstrainedScheduler.step` computes diffusers' :math:`\hat x_0` from the model
 output, replaces it by :func:`~hardeq.diffusion.constrained_x0` (variance :math:`\beta_t` by default), re-expresses
 the replacement in the scheduler's parametrisation (:math:`\varepsilon`, :math:`x_0` or :math:`v`) and calls the
-wrapped scheduler's own ``step`` with it (same update, same draws from ``generator``). At the *last* step it
-returns the conditioned :math:`x_0` itself as ``prev_sample`` (the wrapped update would rescale it by
+base scheduler's own ``step`` with it (same update, same draws from ``generator``). At the *last* step it
+returns the conditioned :math:`x_0` itself as ``prev_sample`` (the base update would rescale it by
 :math:`\sqrt{\bar\alpha_0}` with ``set_alpha_to_one=False``, and re-deriving :math:`x_0` from
 :math:`\varepsilon` costs round-off), so the output is exact.
+
+**The config.** ``scheduler_config.json`` records ``base_scheduler`` (``{"class_name": "DDIMScheduler",
+"config": {...}}``), ``constraint``, ``schedule``, ``scale`` and ``deterministic`` as JSON (the specs of
+``hardeq.diffusion._scheduler_spec``). ``config`` refuses to be consumed by *another* scheduler's
+``from_config`` (a ``TypeError`` naming the fix): that is what ``DDIMPipeline.__init__`` does
+(``DDIMScheduler.from_config(scheduler.config)``), and the result would silently drop the constraint.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from ..constraints import EqualityConstraint
+from . import _scheduler_spec as spec
 from ._optional import require_diffusers
 from .conditioning import ScaleLike, constrained_x0, resolve_scale
 from .image_constraints import check_image_constraint
 from .noise import check_generator, derive_generator
-from .schedules import Schedule, Steps, resolve_steps
+from .schedules import Schedule, resolve_steps
+
+diffusers = require_diffusers()  # ImportError naming the extra; hardeq.diffusion imports this module lazily
+# A saved pipeline records this component as ["hardeq.diffusion.scheduler", "ConstrainedScheduler"] (the class's
+# module); diffusers' loader then looks the base classes (SchedulerMixin) up in that module's namespace.
+from diffusers import ConfigMixin, SchedulerMixin  # noqa: E402
+from diffusers.configuration_utils import FrozenDict  # noqa: E402
+from diffusers.utils import BaseOutput  # noqa: E402
 
 __all__ = ["ConstrainedScheduler", "ConstrainedSchedulerOutput"]
 
 PREDICTION_TYPES = ("epsilon", "sample", "v_prediction")
 VARIANCE_TYPES = ("fixed_small", "fixed_small_log", "fixed_large", "fixed_large_log")
+BASE_SCHEDULERS = ("DDPMScheduler", "DDIMScheduler")
+
+_FOREIGN_FROM_CONFIG = (
+    "this is the config of a hardeq ConstrainedScheduler, and another scheduler class's from_config(...) would "
+    "silently drop its constraint A x0 = k. diffusers' DDIMPipeline does this in its __init__ "
+    "(DDIMScheduler.from_config(scheduler.config)): build the pipeline with the base scheduler and set the "
+    "constrained one afterwards, pipe = DDIMPipeline(unet, cs.scheduler); pipe.scheduler = cs (or use "
+    "DDPMPipeline(unet, cs), which keeps it). To load a saved DDIMPipeline: cs = "
+    "ConstrainedScheduler.from_pretrained(path, subfolder='scheduler'); pipe = DDIMPipeline.from_pretrained(path, "
+    "scheduler=cs.scheduler); pipe.scheduler = cs. To change the base scheduler: "
+    "ConstrainedScheduler(NewScheduler.from_config(cs.scheduler.config), cs.constraint, cs.schedule).")
+
+
+class _ConstrainedConfig(FrozenDict):
+    """The config of a :class:`ConstrainedScheduler` as diffusers' ``FrozenDict``, except that diffusers'
+    ``extract_init_dict`` (the first thing any ``SomeScheduler.from_config(config)`` does) raises: only
+    :meth:`ConstrainedScheduler.from_config` may consume it (it hands diffusers a plain ``dict`` copy)."""
+
+    def get(self, key, default=None):
+        if key == "_use_default_values":  # diffusers.ConfigMixin.extract_init_dict's first read
+            raise TypeError(_FOREIGN_FROM_CONFIG)
+        return super().get(key, default)
 
 
 @dataclass
-class ConstrainedSchedulerOutput:
-    """Output of :meth:`ConstrainedScheduler.step` (like diffusers' ``DDIMSchedulerOutput``)."""
+class ConstrainedSchedulerOutput(BaseOutput):
+    """Output of :meth:`ConstrainedScheduler.step` (a diffusers ``BaseOutput``, like ``DDIMSchedulerOutput``)."""
 
     #: :math:`x_{t-1}`, ``(B, C, H, W)``; the conditioned :math:`x_0` after a conditioned last step
     prev_sample: Tensor
@@ -52,90 +88,224 @@ class ConstrainedSchedulerOutput:
     pred_original_sample: Tensor
 
 
-class ConstrainedScheduler:
-    r"""A ``diffusers.DDPMScheduler`` or ``DDIMScheduler`` whose :math:`x_0`-predictions are conditioned on
-    :math:`Ax_0 = k` at the steps of ``schedule``.
+def _json_value(value: Any) -> Any:
+    """A base-config value as JSON (diffusers keeps ``trained_betas`` as given: a list, an array or a tensor)."""
+    if isinstance(value, (np.ndarray, Tensor)):
+        return value.tolist()
+    return value
+
+
+def _base_spec(scheduler: object) -> dict[str, Any]:
+    return {"class_name": type(scheduler).__name__,
+            "config": {k: _json_value(v) for k, v in scheduler.config.items() if not k.startswith("_")}}
+
+
+def _base_from_spec(base: object) -> object:
+    """The base scheduler: an instance as is, or built from ``{"class_name": ..., "config": {...}}``."""
+    if isinstance(base, dict):
+        name = base.get("class_name")
+        if name not in BASE_SCHEDULERS or not isinstance(base.get("config"), dict):
+            raise ValueError(f"ConstrainedScheduler: base_scheduler must be {{'class_name': one of {BASE_SCHEDULERS}, "
+                             f"'config': {{...}}}}, got {base!r}.")
+        return getattr(diffusers, name).from_config(base["config"])
+    if base is None:
+        raise TypeError("ConstrainedScheduler needs a base scheduler: ConstrainedScheduler(DDIMScheduler(..., "
+                        "clip_sample=False), constraint, schedule).")
+    if not isinstance(base, (diffusers.DDPMScheduler, diffusers.DDIMScheduler)):
+        raise TypeError("ConstrainedScheduler wraps a diffusers.DDPMScheduler or diffusers.DDIMScheduler, got "
+                        f"{type(base).__name__}.")
+    return base
+
+
+def _check_base(scheduler: object) -> None:
+    cfg = scheduler.config
+    name = type(scheduler).__name__
+    if getattr(cfg, "thresholding", False):
+        raise ValueError(f"{name} has thresholding=True: dynamic thresholding clips x0_hat after it is "
+                         "conditioned, which breaks the constraint A x0 = k. Build the scheduler with "
+                         "thresholding=False.")
+    if getattr(cfg, "clip_sample", False):
+        raise ValueError(f"{name} has clip_sample=True (diffusers' default): clipping x0_hat to "
+                         f"[-{cfg.clip_sample_range}, {cfg.clip_sample_range}] after it is conditioned breaks the "
+                         f"constraint A x0 = k. Build the scheduler with clip_sample=False, e.g. "
+                         f"{name}(..., clip_sample=False) or {name}.from_config(config, clip_sample=False).")
+    if cfg.prediction_type not in PREDICTION_TYPES:
+        raise ValueError(f"prediction_type must be one of {PREDICTION_TYPES}, got {cfg.prediction_type!r}.")
+    variance_type = getattr(cfg, "variance_type", None)
+    if variance_type is not None and variance_type not in VARIANCE_TYPES:
+        raise ValueError(f"{name} has variance_type={variance_type!r}: models that predict their variance are not "
+                         f"supported; use one of {VARIANCE_TYPES}.")
+
+
+class ConstrainedScheduler(SchedulerMixin, ConfigMixin):
+    r"""A diffusers scheduler that runs a ``DDPMScheduler`` or ``DDIMScheduler`` (the *base*) and conditions its
+    :math:`x_0`-predictions on :math:`Ax_0 = k` at the steps of ``schedule``.
+
+    Every argument but ``condition_generator`` is recorded in :attr:`config` as JSON, so that ``save_pretrained``
+    / ``from_pretrained`` / ``from_config`` round-trip it, alone and inside a pipeline. Each argument takes the
+    runtime object or its JSON spec (what the config holds; see ``hardeq.diffusion._scheduler_spec``).
 
     Args:
-        scheduler: the wrapped scheduler, built with ``clip_sample=False`` and ``thresholding=False`` (clipping
-            :math:`\hat x_0` after conditioning would break the constraint; both default to ``True`` / ``False``
-            in diffusers, so pass ``clip_sample=False``). ``prediction_type`` ``"epsilon"``, ``"sample"`` or
+        base_scheduler: a ``DDPMScheduler`` / ``DDIMScheduler`` instance (kept as is, timesteps included) or
+            ``{"class_name": "DDIMScheduler", "config": {...}}``. Built with ``clip_sample=False`` and
+            ``thresholding=False`` (clipping :math:`\hat x_0` after conditioning would break the constraint;
+            ``clip_sample`` defaults to ``True`` in diffusers). ``prediction_type`` ``"epsilon"``, ``"sample"`` or
             ``"v_prediction"``; DDPM's learned variance types are not supported.
         constraint: :math:`Ax = k` on the flattened images (:func:`channel_sum_constraint`), batch shape ``()`` or
-            ``(B,)``; ``None`` makes the wrapper a pass-through. May be reassigned (``.constraint = ...``).
-        schedule: a :class:`Schedule` or loop indices into :attr:`timesteps` (index 0: the first step); default
-            ``None``: the last step only (when a constraint is given).
-        scale: standard deviation of the conditioned steps; default :math:`\sqrt{\beta_t}` (``scheduler.betas[t]``
-            at the step's train timestep), a float, a tensor broadcastable to the images, or ``t -> scale``.
+            ``(B,)``, or its spec (``{"kind": "channel_sum", "channels": C, "event_size": C*H*W, "totals":
+            [...]}``, ``"sum"``, ``"linear"``); ``None`` makes the scheduler a pass-through. May be reassigned
+            (``.constraint = ...``; the config follows).
+        schedule: a :class:`Schedule`, loop indices into :attr:`timesteps` (index 0: the first step) or a spec
+            (``{"kind": "Uniform", "n": 4}``); default ``None``: the last step only (when a constraint is given).
+        scale: standard deviation of the conditioned steps; default :math:`\sqrt{\beta_t}` (``betas[t]`` at the
+            step's train timestep), a float, a tensor broadcastable to the images, or ``t -> scale`` (a tensor or a
+            callable is used but not saved: ``save_pretrained`` raises).
         deterministic: use the conditional mean (projection) instead of a sample.
-        condition_generator: the conditioning stream; default: derived, at the first conditioned step after each
-            :meth:`set_timesteps`, from the state of the ``generator`` passed to :meth:`step` (or torch's global
-            RNG) without drawing from it, so that the main stream is that of the unconstrained loop.
+        condition_generator: the conditioning stream (never saved); default: derived, at the first conditioned
+            step after each :meth:`set_timesteps`, from the state of the ``generator`` passed to :meth:`step` (or
+            torch's global RNG) without drawing from it, so that the main stream is that of the unconstrained loop.
 
-    Everything else (``timesteps``, ``config``, ``init_noise_sigma``, ``scale_model_input``, ``add_noise``, ...)
-    is the wrapped scheduler's.
+    The sampling interface (``timesteps``, ``set_timesteps``, ``init_noise_sigma``, ``scale_model_input``,
+    ``add_noise``, ``get_velocity``, ``betas``, ``alphas_cumprod``, ``len()``) is the base scheduler's
+    (:attr:`scheduler`); its config is ``cs.scheduler.config``.
+
+    Pipelines: ``DDPMPipeline(unet, cs)`` keeps it. ``DDIMPipeline(unet, cs)`` raises ``TypeError`` (its
+    ``__init__`` rebuilds the scheduler as ``DDIMScheduler.from_config(cs.config)``, which would drop the
+    constraint): build ``DDIMPipeline(unet, cs.scheduler)`` and set ``pipe.scheduler = cs``.
 
     Raises:
         ImportError: diffusers is not installed (``pip install "hardeq[diffusion]"``).
-        TypeError: ``scheduler`` is not a DDPMScheduler / DDIMScheduler.
-        ValueError: ``clip_sample`` or ``thresholding`` is on, or the prediction / variance type is unsupported.
+        TypeError: ``base_scheduler`` is not a DDPMScheduler / DDIMScheduler (or its spec), or a bad constraint /
+            schedule type.
+        ValueError: ``clip_sample`` or ``thresholding`` is on, the prediction / variance type is unsupported, or a
+            spec is malformed.
     """
 
-    def __init__(self, scheduler: object, constraint: EqualityConstraint | None = None,
-                 schedule: Schedule | Iterable[int] | None = None, *, scale: ScaleLike = None,
+    config_name = "scheduler_config.json"
+    ignore_for_config = ["condition_generator"]
+    order = 1
+
+    # The config is registered by hand, not by @register_to_config: the decorator would record the arguments as
+    # given (a scheduler object, a constraint object); the config records their JSON specs.
+    def __init__(self, base_scheduler: object = None, constraint: EqualityConstraint | dict | None = None,
+                 schedule: Schedule | list[int] | dict | None = None, scale: ScaleLike | dict = None,
                  deterministic: bool = False, condition_generator: torch.Generator | None = None) -> None:
-        diffusers = require_diffusers()
-        if not isinstance(scheduler, (diffusers.DDPMScheduler, diffusers.DDIMScheduler)):
-            raise TypeError("ConstrainedScheduler wraps a diffusers.DDPMScheduler or diffusers.DDIMScheduler, got "
-                            f"{type(scheduler).__name__}.")
-        cfg = scheduler.config
-        name = type(scheduler).__name__
-        if getattr(cfg, "thresholding", False):
-            raise ValueError(f"{name} has thresholding=True: dynamic thresholding clips x0_hat after it is "
-                             "conditioned, which breaks the constraint A x0 = k. Build the scheduler with "
-                             "thresholding=False.")
-        if getattr(cfg, "clip_sample", False):
-            raise ValueError(f"{name} has clip_sample=True (diffusers' default): clipping x0_hat to "
-                             f"[-{cfg.clip_sample_range}, {cfg.clip_sample_range}] after it is conditioned breaks the "
-                             f"constraint A x0 = k. Build the scheduler with clip_sample=False, e.g. "
-                             f"{name}(..., clip_sample=False) or {name}.from_config(config, clip_sample=False).")
-        if cfg.prediction_type not in PREDICTION_TYPES:
-            raise ValueError(f"prediction_type must be one of {PREDICTION_TYPES}, got {cfg.prediction_type!r}.")
-        variance_type = getattr(cfg, "variance_type", None)
-        if variance_type is not None and variance_type not in VARIANCE_TYPES:
-            raise ValueError(f"{name} has variance_type={variance_type!r}: models that predict their variance are not "
-                             f"supported; use one of {VARIANCE_TYPES}.")
+        base = _base_from_spec(base_scheduler)
+        _check_base(base)
         check_generator("condition_generator", condition_generator)
-        if constraint is not None and not isinstance(constraint, EqualityConstraint):
-            raise TypeError("constraint must be a hardeq.LinearConstraint or hardeq.SumConstraint (e.g. from "
-                            f"channel_sum_constraint) or None, got {type(constraint).__name__}.")
-        if schedule is not None and not isinstance(schedule, Schedule):
-            if isinstance(schedule, (str, bytes)) or not isinstance(schedule, Iterable):
-                raise TypeError("schedule must be a hardeq.diffusion Schedule, a sequence of step indices or None, "
-                                f"got {type(schedule).__name__}.")
-            schedule = Steps(tuple(schedule))
-        self.scheduler = scheduler
+        self.scheduler = base
+        self.register_to_config(base_scheduler=_base_spec(base))
         self.constraint = constraint
         self.schedule = schedule
         self.scale = scale
-        self.deterministic = bool(deterministic)
+        self.deterministic = deterministic
         self._user_condition_generator = condition_generator
         self._condition_generator = condition_generator
 
-    # ------------------------------------------------------------------ delegation
-    def __getattr__(self, name: str):
-        if name == "scheduler":  # not yet set (during unpickling)
-            raise AttributeError(name)
-        return getattr(self.scheduler, name)
+    # ------------------------------------------------------------------ the config
+    @property
+    def config(self) -> FrozenDict:
+        """The recorded config (a ``FrozenDict`` that only :meth:`from_config` of this class consumes)."""
+        return _ConstrainedConfig(self._internal_dict)
+
+    @classmethod
+    def from_config(cls, config=None, return_unused_kwargs=False, **kwargs):
+        """diffusers' ``from_config`` (a :class:`ConstrainedScheduler`'s own config is accepted)."""
+        if isinstance(config, _ConstrainedConfig):
+            config = dict(config)
+        return super().from_config(config, return_unused_kwargs=return_unused_kwargs, **kwargs)
+
+    def save_config(self, save_directory, push_to_hub: bool = False, **kwargs) -> None:
+        """diffusers' ``save_config`` (``save_pretrained`` calls it); refuses a config with unsaved entries.
+
+        Raises:
+            ValueError: the constraint, schedule or scale has no JSON spec (e.g. a tensor ``scale``).
+        """
+        missing = spec.unsaved_entries(self._internal_dict)
+        if missing:
+            raise ValueError(f"ConstrainedScheduler.save_pretrained: {', '.join(missing)} cannot be written as JSON, "
+                             "so the saved scheduler would not reproduce this one. Use a channel-sum / SumConstraint "
+                             "/ LinearConstraint, a built-in schedule and a float or None scale, or pass the others "
+                             "again when loading: ConstrainedScheduler.from_pretrained(path, scale=...).")
+        super().save_config(save_directory, push_to_hub=push_to_hub, **kwargs)
 
     @property
+    def constraint(self) -> EqualityConstraint | None:
+        """The constraint (``None``: pass-through); assigning it updates the config."""
+        return self._constraint
+
+    @constraint.setter
+    def constraint(self, value: EqualityConstraint | dict | None) -> None:
+        if value is not None and not isinstance(value, (EqualityConstraint, dict)):
+            raise TypeError("constraint must be a hardeq.LinearConstraint or hardeq.SumConstraint (e.g. from "
+                            f"channel_sum_constraint), a constraint spec dict or None, got {type(value).__name__}.")
+        value = spec.constraint_from_spec(value) if isinstance(value, dict) else value
+        self._constraint = value
+        self.register_to_config(constraint=spec.constraint_spec(value))
+
+    @property
+    def schedule(self) -> Schedule | None:
+        """The conditioning schedule (``None``: the last step); assigning it updates the config."""
+        return self._schedule
+
+    @schedule.setter
+    def schedule(self, value: object) -> None:
+        self._schedule = spec.schedule_from_spec(value)
+        self.register_to_config(schedule=spec.schedule_spec(self._schedule))
+
+    @property
+    def scale(self) -> ScaleLike:
+        """The standard deviation of the conditioned steps (``None``: :math:`\\sqrt{\\beta_t}`)."""
+        return self._scale
+
+    @scale.setter
+    def scale(self, value: ScaleLike) -> None:
+        self._scale = spec.scale_from_spec(value)
+        self.register_to_config(scale=spec.scale_spec(self._scale))
+
+    @property
+    def deterministic(self) -> bool:
+        """Condition on the mean (projection) instead of sampling."""
+        return self._deterministic
+
+    @deterministic.setter
+    def deterministic(self, value: bool) -> None:
+        self._deterministic = bool(value)
+        self.register_to_config(deterministic=self._deterministic)
+
+    # ------------------------------------------------------------------ the base scheduler's interface
+    @property
     def timesteps(self) -> Tensor:
-        """The wrapped scheduler's timesteps (decreasing); loop index ``i`` is position ``i`` here."""
+        """The base scheduler's timesteps (decreasing); loop index ``i`` is position ``i`` here."""
         return self.scheduler.timesteps
 
     @property
-    def config(self):
-        return self.scheduler.config
+    def num_inference_steps(self) -> int | None:
+        return self.scheduler.num_inference_steps
+
+    @property
+    def init_noise_sigma(self) -> float:
+        return self.scheduler.init_noise_sigma
+
+    @property
+    def betas(self) -> Tensor:
+        return self.scheduler.betas
+
+    @property
+    def alphas_cumprod(self) -> Tensor:
+        return self.scheduler.alphas_cumprod
+
+    def scale_model_input(self, sample: Tensor, timestep: int | None = None) -> Tensor:
+        return self.scheduler.scale_model_input(sample, timestep)
+
+    def add_noise(self, original_samples: Tensor, noise: Tensor, timesteps: Tensor) -> Tensor:
+        return self.scheduler.add_noise(original_samples, noise, timesteps)
+
+    def get_velocity(self, sample: Tensor, noise: Tensor, timesteps: Tensor) -> Tensor:
+        return self.scheduler.get_velocity(sample, noise, timesteps)
+
+    def __len__(self) -> int:
+        return len(self.scheduler)
 
     def set_timesteps(self, *args, **kwargs) -> None:
         """``scheduler.set_timesteps(...)``; also restarts the derived conditioning stream."""
@@ -217,3 +387,4 @@ class ConstrainedScheduler:
         if not return_dict:
             return prev, x0
         return ConstrainedSchedulerOutput(prev_sample=prev, pred_original_sample=x0)
+
