@@ -19,9 +19,9 @@ TOTALS = [4.0, -6.0]
 T = 10
 
 
-def _constrained(base="DDPMScheduler", schedule=Uniform(2), **kwargs):
+def _constrained(base="DDPMScheduler", schedule=None, **kwargs):
     base = getattr(diffusers, base)(num_train_timesteps=T, clip_sample=False, **kwargs)
-    return ConstrainedScheduler(base, channel_sum_constraint(SHAPE, TOTALS), schedule)
+    return ConstrainedScheduler(base, channel_sum_constraint(SHAPE, TOTALS), Uniform(2) if schedule is None else schedule)
 
 
 def _record_last(scheduler):
