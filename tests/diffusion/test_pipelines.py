@@ -21,7 +21,8 @@ T = 10
 
 def _constrained(base="DDPMScheduler", schedule=None, **kwargs):
     base = getattr(diffusers, base)(num_train_timesteps=T, clip_sample=False, **kwargs)
-    return ConstrainedScheduler(base, channel_sum_constraint(SHAPE, TOTALS), Uniform(2) if schedule is None else schedule)
+    schedule = Uniform(2) if schedule is None else schedule
+    return ConstrainedScheduler(base, channel_sum_constraint(SHAPE, TOTALS), schedule)
 
 
 def _record_last(scheduler):
