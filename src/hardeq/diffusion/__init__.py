@@ -21,6 +21,7 @@ to round-off.
 
 from __future__ import annotations
 
+from .box import box_project
 from .conditioning import constrained_x0
 from .ddim import ddim_sample, ddim_timesteps
 from .ddpm import ddpm_sample
@@ -50,6 +51,7 @@ __all__ = [
     "project_onto",
     "project_and_clip",
     "clip_to",
+    "box_project",
     "ConstrainedScheduler",
     "ConstrainedSchedulerOutput",
 ]
