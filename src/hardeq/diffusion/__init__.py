@@ -29,6 +29,7 @@ from .image_constraints import channel_sum_constraint, channel_sums, satisfies_c
 from .noise import derive_generator
 from .noise_schedule import make_betas
 from .post import clip_to, project_and_clip, project_onto
+from .quantize import to_uint8_exact
 from .scheduler import ConstrainedScheduler, ConstrainedSchedulerOutput
 from .schedules import EndSpaced, Schedule, StartEnd, StartSpaced, Steps, Uniform
 
@@ -52,6 +53,7 @@ __all__ = [
     "project_and_clip",
     "clip_to",
     "box_project",
+    "to_uint8_exact",
     "ConstrainedScheduler",
     "ConstrainedSchedulerOutput",
 ]
