@@ -25,6 +25,7 @@ from .box import box_project
 from .conditioning import constrained_x0
 from .ddim import ddim_sample, ddim_timesteps
 from .ddpm import ddpm_sample
+from .flow import flow_sample, flow_sigmas
 from .image_constraints import channel_sum_constraint, channel_sums, satisfies_constraint
 from .noise import derive_generator
 from .noise_schedule import make_betas
@@ -54,6 +55,8 @@ __all__ = [
     "clip_to",
     "box_project",
     "to_uint8_exact",
+    "flow_sample",
+    "flow_sigmas",
     "ConstrainedScheduler",
     "ConstrainedSchedulerOutput",
 ]
