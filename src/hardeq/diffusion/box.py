@@ -162,16 +162,23 @@ def box_project(x: Tensor, constraint: SumConstraint | Tensor, variance: float |
     k = con.k.expand(B, a)
     counts = con.counts.to(torch.float64)  # (a,)
 
-    # breakpoints (B, 2n), slope changes (B, 2n), group id (2n,)
-    p = torch.cat([(lo - mu) / v, (hi - mu) / v], dim=1)
-    d = torch.cat([v, -v], dim=1)
-    g_id = torch.cat([index, index])
-    # sort by breakpoint, then (stably) by group: contiguous groups, each sorted by breakpoint
-    p, o1 = torch.sort(p, dim=1, stable=True)
-    d = d.gather(1, o1)
-    gid = g_id[o1]
-    gid, o2 = torch.sort(gid, dim=1, stable=True)
-    p, d = p.gather(1, o2), d.gather(1, o2)
+    # breakpoints (B, 2n) and their slope changes, arranged in contiguous groups (0, 1, ...), each sorted
+    if bool((index[1:] >= index[:-1]).all()) and bool((con.counts == con.counts[0]).all()):
+        # channel layout (equal contiguous groups): one batched sort of (B, a, 2m)
+        m2 = 2 * int(con.counts[0])
+        p = torch.stack([(lo - mu) / v, (hi - mu) / v], dim=-1).reshape(B, a, m2)
+        d = torch.stack([v, -v], dim=-1).reshape(B, a, m2)
+        p, o = torch.sort(p, dim=-1, stable=True)
+        p, d = p.reshape(B, 2 * n), d.gather(-1, o).reshape(B, 2 * n)
+        gid = index.repeat_interleave(2).expand(B, 2 * n)
+    else:
+        # any grouping: sort by breakpoint, then (stably) by group
+        p = torch.cat([(lo - mu) / v, (hi - mu) / v], dim=1)
+        d = torch.cat([v, -v], dim=1)
+        p, o1 = torch.sort(p, dim=1, stable=True)
+        d = d.gather(1, o1)
+        gid, o2 = torch.sort(torch.cat([index, index])[o1], dim=1, stable=True)
+        p, d = p.gather(1, o2), d.gather(1, o2)
     # per-group cumulative sums: global cumsums minus the value before the group's start
     size2 = 2 * con.counts  # (a,) entries per group
     start = torch.cumsum(size2, 0) - size2  # (a,)
