@@ -198,3 +198,13 @@ def test_doctest():
     globs = {"torch": torch, **{k: getattr(hardeq.diffusion, k) for k in hardeq.diffusion.__all__}}
     result = doctest.testmod(mod, extraglobs=globs, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_contiguous_unequal_groups_and_a_single_pixel_group():
+    """Hand-solved: a one-pixel group takes its total; group 1 moves by lambda = -31/30; group 2 has lambda = 4."""
+    con = SumConstraint(torch.tensor([0, 1, 1, 1, 2, 2]), torch.tensor([0.3, -2.5, 1.0], dtype=torch.float64))
+    x = torch.tensor([[5.0, 0.1, 0.2, 0.3, -4.0, 4.0]], dtype=torch.float64)
+    y = box_project(x, con, 1.0, -1.0, 1.0)
+    lam = -31 / 30
+    expected = torch.tensor([[0.3, 0.1 + lam, 0.2 + lam, 0.3 + lam, 0.0, 1.0]], dtype=torch.float64)
+    torch.testing.assert_close(y, expected, atol=1e-15, rtol=0)
