@@ -42,3 +42,17 @@ def test_samplers_final_box(sampler):
 def test_samplers_final_box_needs_sum_constraint():
     with pytest.raises(ValueError, match="constraint"):
         ddim_sample(far_model, (1, 1, 2, 2), 3, None, final="box", betas=torch.linspace(1e-4, 0.02, 10))
+
+
+def test_final_box_uses_the_last_steps_variance_as_the_metric():
+    """A per-pixel scale makes the last step the projection in the metric diag(scale^2)."""
+    shape = (2, 2, 4, 4)
+    totals = torch.tensor([0.3 * 16, -0.5 * 16], dtype=torch.float64)
+    c = channel_sum_constraint(shape, totals)
+    scale = torch.rand(shape, generator=gen(8), dtype=torch.float64) + 0.05
+    kw = dict(betas=torch.linspace(1e-4, 0.02, 10, dtype=torch.float64), dtype=torch.float64)
+    plain = ddim_sample(far_model, shape, 4, c, schedule=(), generator=gen(9), **kw)
+    boxed = ddim_sample(far_model, shape, 4, c, final="box", scale=scale, generator=gen(9), **kw)
+    torch.testing.assert_close(boxed, box_project(plain, totals, scale**2, -1.0, 1.0), atol=1e-12, rtol=0)
+    iso = box_project(plain, totals, 1.0, -1.0, 1.0)
+    assert float((boxed - iso).abs().max()) > 1e-3  # the metric matters once pixels hit the box
