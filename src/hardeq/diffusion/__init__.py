@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import importlib
 
+from .box import box_project
 from .conditioning import constrained_x0
 from .ddim import ddim_sample, ddim_timesteps
 from .ddpm import ddpm_sample
+from .flow import flow_sample, flow_sigmas
 from .image_constraints import channel_sum_constraint, channel_sums, satisfies_constraint
 from .noise import derive_generator
 from .noise_schedule import make_betas
 from .post import clip_to, project_and_clip, project_onto
+from .quantize import to_uint8_exact
 from .schedules import EndSpaced, Schedule, StartEnd, StartSpaced, Steps, Uniform
 
 __all__ = [
@@ -51,6 +54,10 @@ __all__ = [
     "project_onto",
     "project_and_clip",
     "clip_to",
+    "box_project",
+    "to_uint8_exact",
+    "flow_sample",
+    "flow_sigmas",
     "ConstrainedScheduler",
     "ConstrainedSchedulerOutput",
 ]

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from ..constraints import EqualityConstraint
 from ._loop import iterate, setup_loop
+from .box import box_project, check_final
 from .conditioning import ScaleLike, constrained_x0, resolve_scale
 from .model import EpsModel, predict_noise
 from .noise import randn
@@ -96,6 +97,8 @@ def ddim_sample(
     condition_generator: torch.Generator | None = None,
     noise: Tensor | None = None,
     post: str | Callable[[Tensor], Tensor] | None = None,
+    final: str | None = None,
+    box: tuple[float, float] = (-1.0, 1.0),
     clip_range: tuple[float, float] = (-1.0, 1.0),
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
@@ -133,6 +136,12 @@ def ddim_sample(
         noise: :math:`x_T` itself.
         post: ``None``, ``"project"``, ``"project_clip"``, ``"clip"`` or a callable applied to the output; the
             baselines are e.g. ``schedule=(), post="project"``.
+        final: ``None``, or ``"box"``: the last step returns the conditional *mode* in the box,
+            :func:`box_project` of the last step's unconditioned :math:`\hat x_0` onto
+            the constraint (a ``SumConstraint``) and ``box``, in the metric of the last step's variance (default
+            isotropic: the Euclidean projection); a conditioned last step of ``schedule`` is replaced by it, the
+            other conditioned steps are kept. Exact in the sums *and* in ``[lo, hi]``; not a sample.
+        box: ``(lo, hi)`` of ``final="box"``.
         clip_range: ``(lo, hi)`` of the ``"clip"`` options.
         dtype, device: of the samples; default the model's parameters' (or ``noise``'s), else float32 on CPU.
         progress: show a tqdm progress bar.
@@ -158,12 +167,19 @@ def ddim_sample(
     s = setup_loop(model, shape, constraint, schedule, num_steps, deterministic=deterministic, generator=generator,
                    condition_generator=condition_generator, noise=noise, dtype=dtype, device=device, post=post,
                    clip_range=clip_range)
+    box_lh = check_final(final, box, s.constraint)
     x, last = s.x, num_steps - 1
     for i, t in iterate(ts, progress, "DDIM"):
         ab_t = abar[t]
         ab_prev = abar[ts[i + 1]] if i < last else final_abar
         eps = predict_noise(model, x, t)
         x0 = (x - math.sqrt(1 - ab_t) * eps) / math.sqrt(ab_t)
+        if box_lh is not None and i == last:
+            var = resolve_scale(scale, t, b)
+            x = box_project(x0, s.constraint, var * var, *box_lh)  # the conditional mode in the box
+            if callback is not None:
+                callback(i, t, x, x)
+            break
         conditioned = i in s.steps
         if conditioned:
             x0 = constrained_x0(x0, s.constraint, resolve_scale(scale, t, b), s.condition_generator, deterministic)

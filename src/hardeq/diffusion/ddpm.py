@@ -38,6 +38,7 @@ from torch import Tensor
 
 from ..constraints import EqualityConstraint
 from ._loop import iterate, setup_loop
+from .box import box_project, check_final
 from .conditioning import ScaleLike, constrained_x0, resolve_scale
 from .model import EpsModel, predict_noise
 from .noise import randn
@@ -68,6 +69,8 @@ def ddpm_sample(
     condition_generator: torch.Generator | None = None,
     noise: Tensor | None = None,
     post: str | Callable[[Tensor], Tensor] | None = None,
+    final: str | None = None,
+    box: tuple[float, float] = (-1.0, 1.0),
     clip_range: tuple[float, float] = (-1.0, 1.0),
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
@@ -101,6 +104,12 @@ def ddpm_sample(
         noise: :math:`x_T` itself (then nothing is drawn for it).
         post: ``None``, ``"project"``, ``"project_clip"``, ``"clip"`` or a callable applied to the final
             :math:`x_0` (:mod:`hardeq.diffusion.post`; the baselines use ``schedule=()``).
+        final: ``None``, or ``"box"``: the last step returns the conditional *mode* in the box,
+            :func:`box_project` of the last step's unconditioned mean :math:`\mu_\theta(x_1)` onto
+            the constraint (a ``SumConstraint``) and ``box``, in the metric of the last step's variance (default
+            isotropic: the Euclidean projection); a conditioned last step of ``schedule`` is replaced by it, the
+            other conditioned steps are kept. Exact in the sums *and* in ``[lo, hi]``; not a sample.
+        box: ``(lo, hi)`` of ``final="box"``.
         clip_range: ``(lo, hi)`` of the ``"clip"`` options.
         dtype, device: of the samples; default the model's parameters' (or ``noise``'s), else float32 on CPU.
         progress: show a tqdm progress bar.
@@ -121,6 +130,7 @@ def ddpm_sample(
     s = setup_loop(model, shape, constraint, schedule, T, deterministic=deterministic, generator=generator,
                    condition_generator=condition_generator, noise=noise, dtype=dtype, device=device, post=post,
                    clip_range=clip_range)
+    box_lh = check_final(final, box, s.constraint)
     x, last = s.x, T - 1
     for i, t in iterate(timesteps, progress, "DDPM"):
         eps = predict_noise(model, x, t)
@@ -128,6 +138,12 @@ def ddpm_sample(
         ab_prev = abar[t - 1] if t > 0 else 1.0
         beta_t = 1 - ab_t / ab_prev
         x0 = (x - math.sqrt(1 - ab_t) * eps) / math.sqrt(ab_t)
+        if box_lh is not None and i == last:
+            var = resolve_scale(scale, t, b)
+            x = box_project(x0, s.constraint, var * var, *box_lh)  # the conditional mode in the box
+            if callback is not None:
+                callback(i, t, x, x)
+            break
         conditioned = i in s.steps
         if conditioned:
             x0 = constrained_x0(x0, s.constraint, resolve_scale(scale, t, b), s.condition_generator, deterministic)
