@@ -73,9 +73,9 @@ def test_matches_scipy_slsqp():
         mu = rng.normal(0.5, 0.8, n)
         v = rng.uniform(0.1, 2.0, n)
         k = rng.uniform(0.05, 0.95) * n
-        res = scipy_opt.minimize(lambda z: ((z - mu) ** 2 / v).sum(), np.clip(mu, 0, 1), method="SLSQP",
-                                 jac=lambda z: 2 * (z - mu) / v, bounds=[(0, 1)] * n,
-                                 constraints=[{"type": "eq", "fun": lambda z: z.sum() - k,
+        res = scipy_opt.minimize(lambda z, mu=mu, v=v: ((z - mu) ** 2 / v).sum(), np.clip(mu, 0, 1),
+                                 method="SLSQP", jac=lambda z, mu=mu, v=v: 2 * (z - mu) / v, bounds=[(0, 1)] * n,
+                                 constraints=[{"type": "eq", "fun": lambda z, k=k: z.sum() - k,
                                                "jac": lambda z: np.ones_like(z)}],
                                  options={"ftol": 1e-12, "maxiter": 500})
         assert res.success, res.message
