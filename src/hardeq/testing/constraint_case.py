@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from abc import ABC, abstractmethod
+
 import torch
 from torch import Tensor
 
@@ -61,7 +63,7 @@ def _mv(M: Tensor, x: Tensor) -> Tensor:
     return (M @ x.unsqueeze(-1)).squeeze(-1)
 
 
-class ConstraintTestCase:
+class ConstraintTestCase(ABC):
     """Base class: a subclass implements :meth:`create` and inherits the ``test_*`` methods below."""
 
     #: batch shapes of ``k`` (and of ``A`` if the constraint supports a batched ``A``) to test
@@ -71,11 +73,11 @@ class ConstraintTestCase:
     #: seed of :meth:`create` and of the random test vectors
     seed: int = 0
 
+    @abstractmethod
     def create(self, batch_shape: tuple[int, ...], dtype: torch.dtype, seed: int
                ) -> tuple[EqualityConstraint, Tensor, Tensor]:
         """Return ``(constraint, A, k)``: the constraint under test, its dense ``A`` (``(a, n)`` or
         ``(*batch, a, n)``) and its right-hand side ``k`` (``(*batch, a)``), all in ``dtype``."""
-        raise NotImplementedError(f"{type(self).__name__} must implement create(batch_shape, dtype, seed).")
 
     # ------------------------------------------------------------------ helpers
     def pytest_generate_tests(self, metafunc) -> None:

@@ -24,6 +24,8 @@ arithmetic.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import pytest
 import torch
 from torch import Tensor
@@ -74,7 +76,7 @@ def _lowrank(batch, n, dtype, seed):
 _PARTNERS = {"diagonal": _diagonal, "full": _full, "lowrank": _lowrank}
 
 
-class CovarianceTestCase:
+class CovarianceTestCase(ABC):
     """Base class of a covariance structure's conformance tests (a pytest class: name the subclass ``Test*``).
 
     Attributes:
@@ -85,11 +87,11 @@ class CovarianceTestCase:
     batch_shape: tuple[int, ...] = (2, 3)
     event_size: int = 5
 
+    @abstractmethod
     def create(self, batch_shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> tuple[Covariance, Tensor]:
         """The structure with parameters in ``dtype`` and batch shape ``batch_shape``, and its dense
         :math:`\\Sigma` (``(*batch_shape, n, n)``, computed from the same parameter values, preferably in
         float64 and without the structure's own methods). Different seeds give different parameters."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------------ helpers
     def _case(self, dtype, seed=0):
