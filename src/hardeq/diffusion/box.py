@@ -217,6 +217,12 @@ def box_project(x: Tensor, constraint: SumConstraint | Tensor, variance: float |
 FINAL_OPTIONS = (None, "box")
 
 
+def boxed_last_step(x0: Tensor, constraint, std, box: tuple[float, float]) -> Tensor:
+    r"""The samplers' ``final="box"`` step: :func:`box_project` of the last step's prediction ``x0`` in the metric of
+    its Gaussian, :math:`\mathrm{diag}(\mathrm{std}^2)`: the conditional mode in the box, not a sample."""
+    return box_project(x0, constraint, std * std, *box)
+
+
 def check_final(final: object, box: object, constraint: object) -> tuple[float, float] | None:
     """Validate a sampler's ``final=`` / ``box=`` options; return ``(lo, hi)`` for ``final="box"``, else ``None``."""
     if final not in FINAL_OPTIONS:

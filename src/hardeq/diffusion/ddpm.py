@@ -38,7 +38,7 @@ from torch import Tensor
 
 from ..constraints import EqualityConstraint
 from ._loop import iterate, setup_loop
-from .box import box_project, check_final
+from .box import boxed_last_step, check_final
 from .conditioning import ScaleLike, constrained_x0, resolve_scale
 from .model import EpsModel, predict_noise
 from .noise import randn
@@ -139,8 +139,7 @@ def ddpm_sample(
         beta_t = 1 - ab_t / ab_prev
         x0 = (x - math.sqrt(1 - ab_t) * eps) / math.sqrt(ab_t)
         if box_lh is not None and i == last:
-            var = resolve_scale(scale, t, b)
-            x = box_project(x0, s.constraint, var * var, *box_lh)  # the conditional mode in the box
+            x = boxed_last_step(x0, s.constraint, resolve_scale(scale, t, b), box_lh)
             if callback is not None:
                 callback(i, t, x, x)
             break

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from ..constraints import EqualityConstraint
 from ._loop import iterate, setup_loop
-from .box import box_project, check_final
+from .box import boxed_last_step, check_final
 from .conditioning import constrained_x0
 from .model import call_model
 from .schedules import Schedule
@@ -148,7 +148,7 @@ def flow_sample(
         std = (t - t_next) if scale is None else (scale(t) if callable(scale) and not isinstance(scale, Tensor)
                                                   else scale)
         if box_lh is not None and i == last:
-            x = box_project(x0, s.constraint, std * std, *box_lh)
+            x = boxed_last_step(x0, s.constraint, std, box_lh)
             if callback is not None:
                 callback(i, t, x, x)
             break
