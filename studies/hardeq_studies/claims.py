@@ -8,7 +8,9 @@ what this run measured and a verdict computed here from the results document, ne
 * **refuted**: it rejects, and the difference goes the other way (the paper's claim is contradicted);
 * **undecided**: it does not reject; the row says with how many pairs, and what budget would decide it
   (:func:`undecided`, with the smallest p a Wilcoxon test over ``n`` pairs can reach);
-* **by construction**: the two sides are equal by their definition, so no run can decide the claim.
+* **by construction**: the two sides are equal by their definition, so no run can decide the claim;
+* **consistent**: for a claim of *no difference* ("about as bad as Random"), the test does not reject
+  (:func:`verdict_no_difference`); a significant difference either way refutes it.
 
 ``paired`` is the dictionary of :func:`hardeq_studies.stats.paired_wilcoxon` or :func:`~hardeq_studies.stats.
 paired_ttest` of ``a - b`` (``a`` the paper's winner, ``b`` the method it should beat), so "the paper's way" is
@@ -24,7 +26,7 @@ from typing import Any
 
 from .results import markdown_table
 
-__all__ = ["ALPHA", "Claim", "verdict", "smallest_wilcoxon_p", "claims_section"]
+__all__ = ["ALPHA", "Claim", "verdict", "verdict_no_difference", "smallest_wilcoxon_p", "claims_section"]
 
 #: the level of every claim's test
 ALPHA = 0.05
@@ -75,6 +77,18 @@ def verdict(paired: Mapping[str, Any], *, lower_is_better: bool = True, alpha: f
         return f"undecided ({where}; {budget or 'more seeds'})"
     paper_way = (_direction(paired) < 0) == lower_is_better
     return f"{'reproduced' if paper_way else 'refuted'} ({where})"
+
+
+def verdict_no_difference(paired: Mapping[str, Any], *, alpha: float = ALPHA) -> str:
+    """The verdict on "``a`` and ``b`` are about the same": ``"consistent (no significant difference; ...)"``
+    when the paired test does not reject at ``alpha``, else ``"refuted (... a lower / higher)"``."""
+    n, p = int(paired["n"]), float(paired["p"])
+    where = f"{_test_name(paired)}, n = {n}, p = {_p(paired)}"
+    if math.isnan(p):
+        return "undecided (fewer than 2 pairs)"
+    if p >= alpha or _direction(paired) == 0:
+        return f"consistent (no significant difference; {where})"
+    return f"refuted ({where}; the first is {'lower' if _direction(paired) < 0 else 'higher'})"
 
 
 @dataclass(frozen=True)

@@ -36,3 +36,12 @@ def test_claims_section_is_a_table_with_the_note():
     text = claims_section([Claim("ours beats KKT", "Table 1", "1.0 vs 2.0", "refuted (x)")], note="A note.")
     assert text.startswith("## Claims of the paper\n")
     assert "| ours beats KKT | Table 1 | 1.0 vs 2.0 | refuted (x) |" in text and text.endswith("A note.\n")
+
+
+def test_no_difference_claims_are_consistent_unless_the_test_rejects():
+    from hardeq_studies.claims import verdict_no_difference
+
+    same = paired_wilcoxon([1.0, 3.0, 1.0, 3.0, 2.0, 2.5], [2.0, 2.0, 2.0, 2.0, 2.1, 2.4])
+    assert verdict_no_difference(same).startswith("consistent (no significant difference; Wilcoxon, n = 6")
+    worse = paired_wilcoxon([2.0 + 0.01 * i for i in range(10)], [1.0] * 10)
+    assert verdict_no_difference(worse) == "refuted (Wilcoxon, n = 10, p = 0.002; the first is higher)"

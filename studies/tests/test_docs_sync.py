@@ -50,20 +50,23 @@ def test_report_section_stops_at_a_heading_of_the_same_or_higher_level():
     assert "88.25" in results and "gap 13.5" in results and "Claims" not in results
     assert "not a heading" in results  # the fenced line belongs to the section
     assert report_section(REPORT, "Detail").startswith("gap 13.5")
-    assert report_section(REPORT, "Claims of the paper").splitlines()[-1] == "| ours best | refuted (paired t, p = 0.002) |"
+    last = report_section(REPORT, "Claims of the paper").splitlines()[-1]
+    assert last == "| ours best | refuted (paired t, p = 0.002) |"
     assert report_section(REPORT, "Timing") == ""
     with pytest.raises(KeyError, match="no section 'Nope'.*'Results'"):
         report_section(REPORT, "Nope")
 
 
 def test_sync_rewrites_stale_blocks_and_is_idempotent(tmp_path):
-    page = _page('## Results\n\n<!-- BEGIN generated: results/s.md "Claims of the paper" -->\nold\n<!-- END generated -->')
+    page = _page('## Results\n\n<!-- BEGIN generated: results/s.md "Claims of the paper" -->\nold\n'
+                 '<!-- END generated -->')
     doc = _tree(tmp_path, page)
     new, changed = sync_text(page, tmp_path)
     assert changed == ['results/s.md "Claims of the paper"']
     assert "refuted (paired t, p = 0.002)" in new and "\nold\n" not in new
     assert sync_text(new, tmp_path) == (new, [])
-    assert check_page(doc, tmp_path)[0].startswith("s.md: generated block results/s.md \"Claims of the paper\" is stale")
+    stale = 's.md: generated block results/s.md "Claims of the paper" is stale'
+    assert check_page(doc, tmp_path)[0].startswith(stale)
     doc.write_text(new)
     assert check_page(doc, tmp_path) == []
 

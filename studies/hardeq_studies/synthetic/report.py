@@ -6,12 +6,14 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ..claims import Claim, claims_section, verdict, verdict_no_difference
 from ..figures import save_png
 from ..palette import color
 from ..results import markdown_table
+from ..stats import paired_wilcoxon
 from .data import FAMILY_NAMES, order_key
 
-__all__ = ["render_markdown", "plot", "METRICS", "LABELS"]
+__all__ = ["render_markdown", "claims", "plot", "METRICS", "LABELS"]
 
 METRICS = ("bias", "variance", "average_error")  # the paper's three; the config adds diagnostics
 LABELS = {"bias": "bias", "variance": "variance", "average_error": "average error",
@@ -43,6 +45,53 @@ def _methods(records: list[dict], group: tuple) -> list[str]:
         if (r["family"], r["case"], r["loss"], r["target"]) == group:
             seen.setdefault(r["method"], None)
     return sorted(seen, key=order_key)
+
+
+def _setting(group: tuple) -> str:
+    return f"{FAMILY_NAMES.get(group[0], group[0])} {group[1]} {group[2].upper()} {group[3]}"
+
+
+def _identical(a: list[float], b: list[float]) -> bool:
+    """Equal per set to 1e-9 relative: two estimators that compute the same gradient up to round-off."""
+    return len(a) == len(b) and all(abs(x - y) <= 1e-9 * max(abs(x), abs(y)) for x, y in zip(a, b))
+
+
+def claims(records: list[dict]) -> str:
+    """``## Claims of the paper`` from the per-set average errors (paired over the parameter sets, which every
+    estimator shares): per setting, "Marginal Expectation has the lowest average error" against the best
+    estimator that is not identical to it, and "Constrained / Unconstrained Marginal are no better than
+    Random" (a claim of no difference). An estimator whose per-set values equal Marginal Expectation's (to
+    round-off) is named as a tie by construction: no run can separate them."""
+    idx = _index(records)
+    rows = []
+    for group in _groups(records):
+        values = {m: idx[group + (m, "average_error")]["values"] for m in _methods(records, group)
+                  if group + (m, "average_error") in idx}
+        mean = {m: idx[group + (m, "average_error")]["mean"] for m in values}
+        me = "marginal_expectation"
+        if me not in values:
+            continue
+        same = [m for m in values if m != me and _identical(values[m], values[me])]
+        rivals = {m: v for m, v in mean.items() if m != me and m not in same and v is not None}
+        if rivals:
+            best = min(rivals, key=rivals.get)
+            here = f"{mean[me]:.3g} vs {best} {mean[best]:.3g}"
+            if same:
+                here += f"; equal to {', '.join(same)} in every set (by construction)"
+            rows.append(Claim(f"{_setting(group)}: Marginal Expectation has the lowest average error",
+                              "figure (Gaussian) / appendix (Poisson)", here,
+                              verdict(paired_wilcoxon(values[me], values[best]))))
+        for marginal in ("constrained_marginal", "unconstrained_marginal"):
+            if marginal in values and "random" in values:
+                test = paired_wilcoxon(values[marginal], values["random"])
+                rows.append(Claim(f"{_setting(group)}: {marginal} is about as bad as random",
+                                  "figure: about as bad as Random",
+                                  f"{mean[marginal]:.3g} vs random {mean['random']:.3g}",
+                                  verdict_no_difference(test)))
+    note = ("Average error = mean over estimates of 1 - cos(estimate, true gradient); tests pair the parameter "
+            "sets. \"About as bad as random\" is a claim of no difference: consistent when the test does not "
+            "reject, refuted when the marginal estimator is significantly lower (better) or higher (worse).")
+    return claims_section(rows, note) if rows else ""
 
 
 def render_markdown(doc: dict, command: str | None = None) -> str:
@@ -102,6 +151,7 @@ def render_markdown(doc: dict, command: str | None = None) -> str:
             row.append(", ".join(m for m, v in vals.items() if v <= best + 1e-12))
         rows.append(row)
     lines.append(markdown_table(["family", "case", "loss", "target"] + [f"lowest {LABELS[m]}" for m in METRICS], rows))
+    lines.append(claims(records))
     if doc.get("figures"):
         lines += ["## Figures", ""] + [f"![{Path(f).stem}]({Path(f).name})" for f in doc["figures"]] + [""]
     return "\n".join(lines)
