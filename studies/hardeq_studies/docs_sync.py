@@ -14,9 +14,9 @@ two ways:
   same or a higher level, with blank lines at both ends dropped. ``python -m hardeq_studies.docs_sync``
   rewrites every block from the committed reports; ``--check`` only reports the stale ones (exit status 1).
 * **Checked prose.** Outside generated blocks, code fences and inline code, a section whose heading starts
-  with "Results", "Claims" or "Findings" may state a decimal number (``1.27``, ``0.002``, ``8e-5``, ``34%``)
-  only if the same text occurs in one of the reports that the page draws from (the ``results/*.md`` files
-  its generated blocks or links name; for README's "Results" section, the report of the study each bullet
+  with "Results", "Claims", "Findings" or "Discussion" may state a decimal number (``1.27``, ``0.002``,
+  ``8e-5``, ``34%``) only if the same text occurs in one of the reports that the page draws from (the
+  ``results/*.md`` files its generated blocks or links name; for README's "Results" section, the report of the study each bullet
   names through ``hardeq reproduce NAME``).
 
 :func:`check_page` returns the problems of one page; the tests run it over README.md and docs/*.md.
@@ -39,7 +39,7 @@ END = "<!-- END generated -->"
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*$")
 #: a number as prose writes it (1.27, -0.22, 1,234.5, 8e-5, 34%); :func:`checked_numbers` keeps the decimal ones
 NUMBER = re.compile(r"(?<![\w.])[-+]?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?%?(?![\w%]|\.\d)")
-CHECKED_HEADINGS = ("results", "claims", "findings")
+CHECKED_HEADINGS = ("results", "claims", "findings", "discussion")
 
 
 @dataclass(frozen=True)
