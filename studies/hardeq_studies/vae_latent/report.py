@@ -83,6 +83,7 @@ def summarise(result: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
             us = [_unit(units, c, m, t, first) for t in trials]
             per_trial[c][m] = {k: [u["metrics"][k] for u in us] for k in METRICS}
             per_trial[c][m]["max_latent_residual"] = [u["metrics"]["max_latent_residual"] for u in us]
+            per_trial[c][m]["diverged"] = ["diverged" in u["metrics"] for u in us]
             if all("posterior_std" in u["metrics"] for u in us):
                 std = np.asarray([u["metrics"]["posterior_std"] for u in us])
                 records.append({"dataset": c, "method": m, "metric": "posterior_std", "mean": float(std.mean()),
@@ -151,6 +152,11 @@ def render_markdown(doc: dict[str, Any]) -> str:
                         + ["n/a" if m == "unconstrained" else f"{res:.1e}"])
         lines += [markdown_table(["method"] + list(METRICS.values())
                                  + (["posterior std"] if has_std else []) + ["max |A z - k|"], rows)]
+        diverged = [f"{LABELS.get(m, m)} ({sum(v['diverged'])} of {len(v['diverged'])} trials)"
+                    for m, v in doc["per_trial"][c].items() if any(v.get("diverged", ()))]
+        if diverged:
+            lines += ["Diverged (a non-finite loss; metrics recorded as NaN, so the paired tests involving them are "
+                      "NaN and decide nothing): " + ", ".join(diverged) + ".", ""]
         lines += [f"## Paired tests (`{c}`)", "",
                   "Paired tests over trials (same initialisation, data order and evaluation noise): "
                   "difference a - b of the mean, paired t-test p (Wilcoxon p in brackets).", ""]
@@ -203,7 +209,7 @@ def plot_metrics(doc: dict[str, Any], out: Path) -> Path:
             means = [recs[m]["mean"] for m in methods]
             ax.bar(range(len(methods)), means, yerr=[recs[m]["std"] for m in methods],
                    color=[_color(m) for m in methods], capsize=3)
-            lo, hi = 0.9 * min(means), 1.6 * float(np.median(means))  # diverged runs would hide the rest
+            lo, hi = 0.9 * float(np.nanmin(means)), 1.6 * float(np.nanmedian(means))  # diverged runs: off scale
             ax.set_ylim(lo, hi)
             for pos, v in enumerate(means):
                 if v > hi:
@@ -237,9 +243,9 @@ def plot_curves(doc: dict[str, Any], out: Path) -> Path:
             ax.plot(range(1, len(y) + 1), y, color=_color(m), label=LABELS.get(m, m),
                     ls="--" if m == "pathwise" else "-")
             lasts.append(y[-1])
-        lo, hi = min(lasts) - 5, 1.6 * float(np.median(lasts))
+        lo, hi = float(np.nanmin(lasts)) - 5, 1.6 * float(np.nanmedian(lasts))
         ax.set_ylim(lo, hi)
-        off = [LABELS.get(m, m) for m in cfg["methods_run"] if doc["curves"][c][m]["test_nelbo"][-1] > hi]
+        off = [LABELS.get(m, m) for m in cfg["methods_run"] if not doc["curves"][c][m]["test_nelbo"][-1] <= hi]
         if off:
             ax.text(0.99, 0.97, "off scale: " + ", ".join(off), transform=ax.transAxes, ha="right", va="top",
                     fontsize=7)
