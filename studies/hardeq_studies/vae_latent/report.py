@@ -217,8 +217,25 @@ def plot_metrics(doc: dict[str, Any], out: Path) -> Path:
             ax.set_xticks(range(len(methods)), [LABELS.get(m, m) for m in methods], rotation=60, ha="right",
                           fontsize=7)
             ax.set_title(f"{c}: {label}", fontsize=9)
+    return _save(fig, out, "vae-latent.png")
+
+
+def _finish_epoch_axes(ax: Any, c: str, ylabel: str) -> None:
+    """Integer epochs on x, the labels, the constraint as title and the legend of one epoch panel."""
+    from ..palette import integer_epochs
+
+    integer_epochs(ax)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"constraint {c}")
+    ax.legend(fontsize=7)
+
+
+def _save(fig: Any, out: Path, name: str) -> Path:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
-    path = Path(out) / "vae-latent.png"
+    path = Path(out) / name
     save_png(fig, path, dpi=120)
     plt.close(fig)
     return path
@@ -230,8 +247,6 @@ def plot_curves(doc: dict[str, Any], out: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from ..palette import integer_epochs
 
     cfg = doc["config"]
     cs = cfg["constraints_run"]
@@ -249,16 +264,8 @@ def plot_curves(doc: dict[str, Any], out: Path) -> Path:
         if off:
             ax.text(0.99, 0.97, "off scale: " + ", ".join(off), transform=ax.transAxes, ha="right", va="top",
                     fontsize=7)
-        integer_epochs(ax)
-        ax.set_xlabel("epoch")
-        ax.set_ylabel("test NELBO (1 sample, nats)")
-        ax.set_title(f"constraint {c}")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(out) / "vae-latent_curves.png"
-    save_png(fig, path, dpi=120)
-    plt.close(fig)
-    return path
+        _finish_epoch_axes(ax, c, "test NELBO (1 sample, nats)")
+    return _save(fig, out, "vae-latent_curves.png")
 
 
 # ------------------------------------------------------------------------------------------------ the claims
@@ -377,8 +384,6 @@ def plot_gap(doc: dict[str, Any], out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..palette import integer_epochs
-
     cs = [c for c in doc["config"]["constraints_run"] if gap_rows(doc, c)]
     fig, axes = plt.subplots(1, max(len(cs), 1), figsize=(5.5 * max(len(cs), 1), 3.8), squeeze=False)
     for ax, c in zip(axes[0], cs):
@@ -390,13 +395,5 @@ def plot_gap(doc: dict[str, Any], out: Path) -> Path:
         if g["ci_low"] is not None:
             ax.fill_between(x, g["ci_low"], g["ci_high"], color="#000000", alpha=0.15, label="95% t-interval")
         ax.axhline(0, color="#888888", lw=0.8)
-        integer_epochs(ax)
-        ax.set_xlabel("epoch")
-        ax.set_ylabel("test NELBO gap, ME - pathwise (nats)")
-        ax.set_title(f"constraint {c}")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(out) / "vae-latent_gap.png"
-    save_png(fig, path, dpi=120)
-    plt.close(fig)
-    return path
+        _finish_epoch_axes(ax, c, "test NELBO gap, ME - pathwise (nats)")
+    return _save(fig, out, "vae-latent_gap.png")
