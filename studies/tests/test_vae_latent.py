@@ -9,6 +9,9 @@ import torch
 
 from hardeq_studies.cli import main
 from hardeq_studies import available, load_study
+from hardeq_studies.harness import Interrupted
+from hardeq_studies.vae_latent import report as R
+from hardeq_studies.vae_latent import run as run_mod
 from hardeq_studies.vae_latent.run import VAE, build_constraint, evaluate, load_config, settings
 
 
@@ -64,4 +67,73 @@ def test_resume_reuses_finished_units(tmp_path):
     assert main([*args, "--resume"]) == 0
     again = json.loads((tmp_path / "vae-latent.json").read_text())["records"]
     assert first == again
-    assert main([*args[:-1], "--epochs", "2", "--resume"]) == 2  # a checkpoint of another run is refused
+    assert main([*args[:-1], "--epochs", "3", "--resume"]) == 2  # a checkpoint of another run is refused
+
+
+def _without_timings(units):
+    return {k: {f: v for f, v in u.items() if f not in ("epoch_seconds", "eval_seconds")} for k, u in units.items()}
+
+
+def test_interrupted_run_resumed_equals_uninterrupted(tmp_path, monkeypatch):
+    """A run interrupted in its third unit and resumed from the checkpoint gives the uninterrupted run's units
+    (metrics and per-epoch curves) bit for bit; the first two units come from the checkpoint."""
+    s = {**settings(load_config(), "quick"), "train_subset": 256, "test_subset": 64}
+    kw = {"methods": ["marginal_expectation", "pathwise"], "constraints": ["sum"], "progress": False}
+    full = run_mod.run(s, [0, 1], 2, **kw)
+    calls, original = [], run_mod.run_unit
+
+    def flaky(*args, **kwargs):
+        calls.append(args[1:4])
+        if len(calls) == 3:
+            raise Interrupted("simulated crash in unit 3")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(run_mod, "run_unit", flaky)
+    with pytest.raises(Interrupted):
+        run_mod.run(s, [0, 1], 2, **kw, checkpoint_path=tmp_path / "ck.pt")
+    calls.clear()
+    resumed = run_mod.run(s, [0, 1], 2, **kw, checkpoint_path=tmp_path / "ck.pt", resume=True)
+    assert len(calls) == 2  # units 1 and 2 came from the checkpoint
+    assert _without_timings(resumed["units"]) == _without_timings(full["units"])
+
+
+def test_paired_gap_curve_and_its_interval():
+    a = [[10.0, 12.0, 15.0], [11.0, 13.0, 17.0], [9.0, 12.5, 16.0]]
+    b = [[5.0, 5.0, 5.0], [5.0, 6.5, 5.0], [5.0, 5.5, 6.0]]
+    g = R.paired_gap_curve(a, b)
+    assert g["mean"] == pytest.approx([5.0, 20.5 / 3, 32 / 3])
+    assert all(lo < m < hi for lo, m, hi in zip(g["ci_low"], g["mean"], g["ci_high"]))
+    assert g["ci_low"][0] == pytest.approx(5.0 - 4.302652729911275 * 1.0 / 3**0.5)
+    assert R.paired_gap_curve(a[:1], b[:1])["ci_low"] is None
+    with pytest.raises(ValueError, match="trials, epochs"):
+        R.paired_gap_curve([1.0, 2.0], [0.0, 1.0])
+
+
+def _doc(diffs: dict[tuple[str, str], list[float]]):
+    """A minimal document whose significance list holds the given paired t-tests (a - b, p)."""
+    sig = [{"dataset": "sum", "metric": k, "a": a, "b": b, "ttest": {"mean_diff": d, "p": p}}
+           for (a, b), (d, p) in diffs.items() for k in R.METRICS]
+    methods = sorted({m for pair in diffs for m in pair})
+    return {"config": {"constraints_run": ["sum"], "methods_run": methods, "trials": [0, 1, 2, 3, 4], "epochs": 3},
+            "significance": sig}
+
+
+def test_claim_verdicts_follow_the_tests():
+    me, pw, rnd = "marginal_expectation", "pathwise", "random"
+    um, cm, cl = "unconstrained_marginal", "constrained_marginal", "constrained_layer"
+    doc = _doc({(me, pw): (12.0, 0.001), (me, rnd): (-60.0, 0.0001), (me, cl): (-50.0, 0.01),
+                (um, cm): (3.0, 0.6), (cm, rnd): (-20.0, 0.01), (um, rnd): (-15.0, 0.2), (pw, me): (-12.0, 0.001),
+                (cl, me): (50.0, 0.01)})
+    rows = {r[0].split(" (`")[0]: r[3] for r in R.claims(doc)}
+    assert rows["Marginal Expectation is best on all three metrics"] == "refuted (paired t-test, " \
+        "Marginal Expectation - pathwise (ours), nll, p = 0.001)"
+    assert rows["Unconstrained and Constrained Marginal tie"].startswith("undecided")
+    assert rows["Unconstrained and Constrained Marginal beat Random"].startswith("undecided")
+    assert rows["Constrained Reparametrization trails Marginal Expectation"].startswith("refuted")
+    assert rows["Constrained Layer trails Marginal Expectation"].startswith("reproduced")
+    doc = _doc({(me, pw): (-2.0, 0.01), (um, cm): (30.0, 0.01), (cm, rnd): (20.0, 0.01), (um, rnd): (-5.0, 0.01)})
+    rows = {r[0].split(" (`")[0]: r[3] for r in R.claims(doc)}
+    assert rows["Marginal Expectation is best on all three metrics"].startswith("reproduced")
+    assert rows["Unconstrained and Constrained Marginal tie"].startswith("refuted")
+    assert rows["Unconstrained and Constrained Marginal beat Random"].startswith("refuted")
+    assert rows["Constrained Reparametrization trails Marginal Expectation"].startswith("reproduced")

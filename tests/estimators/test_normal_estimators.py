@@ -29,9 +29,10 @@ def _call(name, case, noise, **kwargs):
 
 def test_registry_lists_the_design_estimators():
     for name in ["pathwise", "marginal_expectation", "constrained_marginal", "unconstrained_marginal",
-                 "constrained_layer", "random", "constrained_reparam_independent"]:
+                 "constrained_layer", "random", "constrained_reparam_independent", "constrained_reparam"]:
         assert name in NORMAL
     assert get_estimator("pathwise").exact and not get_estimator("marginal_expectation").exact
+    assert get_estimator("constrained_reparam").exact and not get_estimator("constrained_reparam_independent").exact
     with pytest.raises(ValueError, match="unknown estimator"):
         get_estimator("bogus")
     with pytest.raises(TypeError):
@@ -171,3 +172,27 @@ def test_estimators_work_on_plain_tensors_without_a_distribution():
     z.pow(2).sum().backward()
     assert scale.grad is None or torch.all(scale.grad == 0)
     assert loc.grad is not None
+
+
+@pytest.mark.parametrize("kind", ["linear", "sum"])
+def test_constrained_reparam_is_pathwise_in_value_and_gradient(kind):
+    """The shared-noise Constrained Reparametrization: proxy = the forward sample itself, so its value and its
+    gradients w.r.t. loc and scale equal pathwise's exactly (float64, no tolerance), for a dense and a sum
+    constraint; the independent-noise reading does not (a check that the comparison can fail)."""
+    case = make_case("diag", kind, (2,), n=6, a=2, requires_grad=True)
+    leaves = [case.params["loc"], case.params["scale"]]
+    noise = torch.randn(3, 2, case.dist.noise_size, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    weights = torch.randn(3, 2, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+
+    def grads(name, **kwargs):
+        z = _call(name, case, noise, **kwargs)
+        loss = (weights * z).sum() + (z**2).sum()  # a non-linear loss: dl/dz depends on the sample
+        return z, torch.autograd.grad(loss, leaves, retain_graph=True)
+
+    z_ref, g_ref = grads("pathwise")
+    z, g = grads("constrained_reparam")
+    assert torch.equal(z, z_ref)
+    for got, want in zip(g, g_ref):
+        assert torch.equal(got, want)
+    _, g_ind = grads("constrained_reparam_independent", proxy_noise=torch.randn_like(noise))
+    assert not torch.equal(g_ind[1], g_ref[1])

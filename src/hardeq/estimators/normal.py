@@ -40,6 +40,7 @@ __all__ = [
     "marginal_expectation",
     "constrained_marginal",
     "unconstrained_marginal",
+    "constrained_reparam",
     "constrained_reparam_independent",
     "random",
 ]
@@ -108,6 +109,26 @@ def unconstrained_marginal(cond: Conditioner, loc: Tensor, noise: Tensor) -> Ten
     """
     z = _detached_sample(cond, loc, noise)
     return straight_through(z, _gaussian_density(z, loc, cond.cov.diagonal()))
+
+
+@register_estimator("constrained_reparam", exact=True)
+def constrained_reparam(cond: Conditioner, loc: Tensor, noise: Tensor) -> Tensor:
+    r"""The source paper's "Constrained Reparametrization" under the *shared-noise* reading: the proxy is the
+    Matheron sample :math:`m(\theta) = \hat z + K(k - A\hat z)`, :math:`\hat z = \mu + F\varepsilon`, built
+    from the forward sample's *own* noise :math:`\varepsilon` (as the ``constrained_layer`` proxy is by
+    default).
+
+    Since the proxy *is* the forward sample, ``z.detach() + (m - m.detach())`` equals :func:`pathwise` in
+    value and in gradient, bit for bit: **this estimator is identical to** ``pathwise`` (exact per sample,
+    unbiased w.r.t. ``loc``, the covariance's tensors and ``k``). It is registered under the paper's name so
+    that the name resolves; a study need not train it separately from ``pathwise``. The independent-noise
+    reading, whose expected gradient is :func:`marginal_expectation`'s, is
+    :func:`constrained_reparam_independent`. Cost: one Matheron sample, as ``pathwise``.
+
+    Shapes: ``loc`` ``(*batch, n)``, ``noise`` ``(*sample, *batch, m)`` -> ``(*sample, *batch, n)``.
+    """
+    z = _detached_sample(cond, loc, noise)
+    return straight_through(z, exact_sample(cond, loc, noise))
 
 
 @register_estimator("constrained_reparam_independent")

@@ -164,12 +164,21 @@ def run_unit(s: dict[str, Any], constraint_name: str, method: str, trial: int, t
 
     bs = int(s["train"]["batch_size"])
     source = ShuffledBatches({"x": train_x}, bs, data_gen, redraw=binarise, device=device)
-    train(model, Objective(loss_per_item), source, None,
-          TrainConfig(epochs, bs, zero_grad_to_none=True, raise_nonfinite=True), [seed],
-          optimizer=lambda params: torch.optim.Adam(params, lr=float(s["train"]["lr"])), hooks=OnEpoch(on_epoch),
-          progress=False, desc=f"{constraint_name}/{method}/trial {trial}")
     t0 = time.perf_counter()
-    metrics = evaluate(model, test_x.to(device), int(s["importance_samples"]), int(s["eval"]["seed"]), chunk)
+    try:
+        train(model, Objective(loss_per_item), source, None,
+              TrainConfig(epochs, bs, zero_grad_to_none=True, raise_nonfinite=True), [seed],
+              optimizer=lambda params: torch.optim.Adam(params, lr=float(s["train"]["lr"])),
+              hooks=OnEpoch(on_epoch), progress=False, desc=f"{constraint_name}/{method}/trial {trial}")
+        t0 = time.perf_counter()
+        metrics = evaluate(model, test_x.to(device), int(s["importance_samples"]), int(s["eval"]["seed"]), chunk)
+    except FloatingPointError as err:  # a biased estimator can blow the posterior up: record it, go on
+        if progress:
+            print(f"  {constraint_name} {method} trial {trial}: diverged ({err})", flush=True)
+        metrics = {**dict.fromkeys(("nll", "nelbo", "rec", "max_latent_residual", "posterior_std"), math.nan),
+                   "diverged": str(err)}
+        for curve in (curve_train, curve_test):
+            curve.extend([math.nan] * (epochs - len(curve)))
     return {"metrics": metrics, "curve_train_nelbo": curve_train, "curve_test_nelbo": curve_test,
             "epoch_seconds": epoch_s, "eval_seconds": time.perf_counter() - t0}
 

@@ -31,9 +31,9 @@ class VaeLatentStudy(VaeStudy):
         return render_markdown(doc)
 
     def figures(self, doc: dict[str, Any], out: Path) -> list[Path]:
-        from .report import plot_curves, plot_metrics
+        from .report import plot_curves, plot_gap, plot_metrics
 
-        return [plot_metrics(doc, out), plot_curves(doc, out)]
+        return [plot_metrics(doc, out), plot_curves(doc, out), plot_gap(doc, out)]
 
 
 STUDY = VaeLatentStudy("vae-latent", load_config(CONFIG_PATH))
