@@ -16,7 +16,7 @@ from hardeq_studies.portfolio.classical import (
 )
 from hardeq_studies.portfolio.data import load_data, load_prices, make_windows
 from hardeq_studies.portfolio.models import StemGNN, StemGNNBlock, chebyshev_filter
-from hardeq_studies.portfolio.task import METHODS, OURS, WeightHead, sharpe, sum_residual
+from hardeq_studies.portfolio.task import METHODS, OURS, WeightHead, selection_score, sharpe, sum_residual
 
 PERIODS = {"train": ["2015-01-01", "2016-12-31"], "val": ["2017-01-01", "2017-12-31"],
            "test": ["2018-01-01", "2018-12-31"]}
@@ -174,6 +174,72 @@ def test_sharpe_matches_the_mean_covariance_form():
         WeightHead("softmax", 4)
 
 
+def test_ours_diagnostics_see_unequal_variances():
+    """Equal variances: the conditional mean is the KKT projection of the mean (gap 0, CV 0, ratio 1); unequal
+    variances with ``sum(mu) != 1``: it is not."""
+    torch.manual_seed(7)
+    N = 12
+    head = WeightHead("ours", N)
+    raw = torch.randn(3, N, 2, dtype=torch.float64)
+    raw[..., 1] = 0.7
+    d = head.diagnostics(raw)
+    assert d["gap_to_projection"].max() < 1e-15 and d["var_cv"].max() < 1e-12
+    torch.testing.assert_close(d["var_ratio"], torch.ones(3, dtype=torch.float64))
+    y = (1 + raw[..., 0]) / N
+    torch.testing.assert_close(head.weights(raw), y - y.mean(-1, keepdim=True) + 1 / N)
+    raw[..., 1] = torch.randn(3, N, dtype=torch.float64)
+    d = head.diagnostics(raw)
+    assert (d["gap_to_projection"] > 1e-4).all() and (d["var_cv"] > 0.1).all() and (d["var_ratio"] > 2).all()
+    v = head.variances(raw)
+    torch.testing.assert_close(d["var_ratio"], v.amax(-1) / v.amin(-1))
+    with pytest.raises(ValueError, match="diagnostics"):
+        WeightHead("StemGNN-KKThPINN", N).diagnostics(raw)
+
+
+def test_selection_rule():
+    from hardeq_studies.portfolio.run import selection_options
+
+    assert np.isnan(selection_score([1.0, 2.0], 3, 2))
+    assert selection_score([1.0, 2.0, 4.0], 3, 2) == -3.0
+    assert selection_score([5.0, 0.0, 1.0, 2.0], 3, 3) == -1.0
+    with pytest.raises(ValueError, match="smooth"):
+        selection_score([1.0], 1, 2)
+    assert selection_options({"min_epochs": 5, "smooth": 3, "patience": 5}, 20) == (5, 3)
+    assert selection_options({"min_epochs": 5, "smooth": 3, "patience": 5}, 2) == (2, 2)
+    with pytest.raises(ValueError, match="patience"):
+        selection_options({"min_epochs": 5, "smooth": 3, "patience": 4}, 20)
+
+
+def test_ours_starts_from_the_shared_network_with_unequal_variances():
+    from hardeq_studies.portfolio.data import load_config
+    from hardeq_studies.portfolio.run import build_model, prepare, settings
+
+    s = settings(load_config(), "quick")
+    data = prepare(s, "sp500_20-10")
+    x = torch.as_tensor(data.splits["val"].inputs[:4], dtype=torch.float32) - 1
+    kkt = build_model(s, data, "StemGNN-KKThPINN", 3).eval()
+    ours = build_model(s, data, "ours", 3).eval()
+    again = build_model(s, data, "ours", 3).eval()
+    with torch.no_grad():
+        (f0, r0), (f1, r1), (_, r2) = kkt(x), ours(x), again(x)
+    torch.testing.assert_close(f1, f0)
+    torch.testing.assert_close(r1[..., 0], r0[..., 0])  # the mean output is the other methods'
+    torch.testing.assert_close(r2, r1)  # seeded
+    d = WeightHead("ours", data.num_assets).diagnostics(r1.to(torch.float64))
+    assert (d["var_ratio"] > 2).all() and (d["gap_to_projection"] > 0).all()
+    with pytest.raises(ValueError, match="log_var_bias"):
+        StemGNN(4, 10, 5, gru_chunk=5, log_var_bias=True)
+
+
+def test_claim_verdicts():
+    from hardeq_studies.portfolio.report import verdict
+
+    assert verdict({"p": 0.002, "n": 10, "median_diff": 0.2}) == "reproduced"
+    assert verdict({"p": 0.002, "n": 10, "median_diff": -0.2}) == "refuted (Wilcoxon, p = 0.0020)"
+    assert verdict({"p": 0.3, "n": 10, "median_diff": 0.2}).startswith("undecided (p = 0.3000")
+    assert verdict({"p": float("nan"), "n": 1, "median_diff": 0.2}).startswith("undecided")
+
+
 # -------------------------------------------------------------------------------------- classical
 def test_classical_allocations():
     from scipy.optimize import minimize
@@ -218,20 +284,31 @@ def test_quick_preset_end_to_end_through_the_cli(tmp_path):
 
     assert main(["reproduce", "portfolio", "--preset", "quick", "--out", str(tmp_path), "--quiet"]) == 0
     doc = json.loads((tmp_path / "portfolio.json").read_text())
+    universes = ["sp500_20-10", "sp500_20-20"]
+    assert doc["universes"] == universes and {r["dataset"] for r in doc["records"]} == set(universes)
     methods = {r["method"] for r in doc["records"]}
     assert set(METHODS) | {"equal-weight", "Markowitz", "min-variance"} == methods
     paper = {r["method"]: r["paper"] for r in doc["records"] if r["metric"] == "test_sharpe"}
     assert paper["ours"] == 1.9041 and paper["StemGNN-CL"] == 1.5018
-    for m, runs in doc["per_run"].items():
-        assert len(runs["test_sharpe"]) == 2 and all(np.isfinite(runs["test_sharpe"]))
-        assert max(runs["max_sum_residual"]) < 1e-13, m  # heads applied in float64 at evaluation
-    assert len(doc["significance"]) == 2 * 7 and all("p" in s for s in doc["significance"])
-    assert doc["data"]["test"]["period"] == ["2021-01-01", "2021-12-31"]
+    for u in universes:
+        assert doc["data"][u]["num_assets"] == int(u.split("-")[1])
+        assert doc["data"][u]["test"]["period"] == ["2021-01-01", "2021-12-31"]
+        for m, runs in doc["per_run"][u].items():
+            assert len(runs["test_sharpe"]) == 2 and all(np.isfinite(runs["test_sharpe"]))
+            assert max(runs["max_sum_residual"]) < 1e-13, m  # heads applied in float64 at evaluation
+            assert ("var_cv" in runs) == (m in OURS)
+        for m in OURS:  # the variances differ, so ours is not the KKT projection of its own mean
+            assert min(doc["per_run"][u][m]["var_ratio"]) > 1.5 and min(doc["per_run"][u][m]["var_cv"]) > 0.1
+            assert min(doc["per_run"][u][m]["max_gap_to_projection"]) > 1e-4
+        assert all(e == 2 for m in METHODS for e in doc["training"][u][m]["best_epoch"])
+    assert len(doc["significance"]) == 2 * 2 * 7 and all("p" in s for s in doc["significance"])
     for name in ("portfolio.md", "portfolio_cumulative.png", "portfolio_weights.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert not (tmp_path / "checkpoints").exists()
     md = (tmp_path / "portfolio.md").read_text()
-    assert "Table 9" in md and "Wilcoxon" in md
+    assert "Table 9" in md and "Wilcoxon" in md and "## Claims of the paper" in md
+    claims = md.split("## Claims of the paper")[1].split("\n## ")[0]
+    assert claims.count("| ours beats") == 3 * 2 and claims.count("undecided (p = ") == 3 * 2  # 2 runs decide nothing
     (tmp_path / "portfolio.md").unlink()
     assert main(["report", "portfolio", "--out", str(tmp_path), "--quiet"]) == 0
     assert (tmp_path / "portfolio.md").read_text() == md
@@ -247,11 +324,14 @@ def test_resume_recomputes_only_missing_units_bit_exactly(tmp_path):
     full = json.loads((tmp_path / "portfolio.json").read_text())
     path = tmp_path / "checkpoints" / "portfolio-quick.pt"
     ck = load_checkpoint(path)
-    blocks = {k: v for k, v in ck["blocks"].items() if k not in ("run1/ours", "run1/StemGNN-CL")}
+    drop = ("sp500_20-10/run1/ours", "sp500_20-20/run0/StemGNN-CL", "sp500_20-20/classical")
+    assert set(drop) <= set(ck["blocks"])
+    blocks = {k: v for k, v in ck["blocks"].items() if k not in drop}
     atomic_torch_save({"fingerprint": ck["fingerprint"], "blocks": blocks}, path)
     assert main([*args, "--resume"]) == 0
     resumed = json.loads((tmp_path / "portfolio.json").read_text())
-    assert resumed["per_run"] == full["per_run"]
+    assert resumed["per_run"] == full["per_run"] and resumed["records"] == full["records"]
+    assert resumed["training"] == full["training"] and resumed["significance"] == full["significance"]
     assert not path.exists()
     atomic_torch_save({"fingerprint": "another run", "blocks": {}}, path)
     assert main([*args, "--resume"]) == 2  # a checkpoint of another run is refused (ValueError -> exit 2)

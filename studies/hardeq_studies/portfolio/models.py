@@ -144,13 +144,18 @@ class StemGNN(nn.Module):
         gru_chunk: days per GRU step (1: the paper's one day per step).
         dropout: on the attention matrix.
         weight_outputs: ``c`` outputs per stock of the weight head (1, or 2 for mean and log-variance).
+        log_var_bias: with ``weight_outputs = 2``, add a learned per-stock bias ``b`` ``(N,)`` (initialised to 0
+            here; the study draws it) to the second output, the log-variance. The network's features are
+            nearly the same for every stock at initialisation, so without it every stock starts with the same
+            variance.
 
     ``forward(x (B, T, N)) -> (forecast (B, H, N), weight_raw (B, N, c))``.
     """
 
     def __init__(self, num_nodes: int, window: int, horizon: int, *, stacks: int = 2, order: int = 4,
                  multi: int = 1, modes: int | None = None, gru_hidden: int = 16, gru_chunk: int = 1,
-                 dropout: float = 0.5, weight_outputs: int = 1, leaky_slope: float = 0.2) -> None:
+                 dropout: float = 0.5, weight_outputs: int = 1, leaky_slope: float = 0.2,
+                 log_var_bias: bool = False) -> None:
         super().__init__()
         for arg, v, lo in (("num_nodes", num_nodes, 2), ("window", window, 2), ("horizon", horizon, 1),
                            ("stacks", stacks, 1), ("order", order, 1), ("multi", multi, 1),
@@ -167,6 +172,9 @@ class StemGNN(nn.Module):
         self.fc = nn.Sequential(nn.Linear(window, window), nn.LeakyReLU(leaky_slope), nn.Linear(window, horizon))
         self.weight_head = nn.Sequential(nn.Linear(window, window), nn.LeakyReLU(leaky_slope),
                                          nn.Linear(window, weight_outputs))
+        if log_var_bias and weight_outputs != 2:
+            raise ValueError(f"log_var_bias needs weight_outputs = 2 (mean, log-variance), got {weight_outputs}.")
+        self.log_var_bias = nn.Parameter(torch.zeros(num_nodes)) if log_var_bias else None
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         if x.dim() != 3 or x.shape[1] != self.T or x.shape[2] != self.N:
@@ -179,5 +187,8 @@ class StemGNN(nn.Module):
             total = forecast if total is None else total + forecast
             if h_next is not None:
                 h = h_next
-        return self.fc(total).transpose(1, 2), self.weight_head(total)
+        raw = self.weight_head(total)
+        if self.log_var_bias is not None:
+            raw = torch.stack([raw[..., 0], raw[..., 1] + self.log_var_bias], dim=-1)
+        return self.fc(total).transpose(1, 2), raw
 

@@ -1,9 +1,10 @@
 """Running the ``portfolio`` study: settings of a preset, one training unit (method x run), all units.
 
-Every unit (one method, one run) is deterministic given its run index: the run seeds the initial network
-(the same for every method of a run: ours only adds a log-variance output whose weights start at 0), the
-batch order and the noise. Units are computed run-major and checkpointed atomically after each one
-(:func:`hardeq_studies.harness.run_blocks`), so ``--resume`` continues after the last finished unit.
+Every unit (one universe, one method, one run) is deterministic given its run index: the run seeds the
+initial network (the same for every method of a run: ours only adds a log-variance output, drawn from its
+own seeded generator), the batch order and the noise. Units are computed universe by universe, run-major,
+and checkpointed atomically after each one (:func:`hardeq_studies.harness.run_blocks`), so ``--resume``
+continues after the last finished unit.
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ from ..harness import Hooks, Objective, ShuffledBatches, TrainConfig, run_blocks
 from .classical import CLASSICAL, classical_weights
 from .data import PortfolioData, load_data
 from .models import StemGNN
-from .task import METHODS, OURS, WeightHead, loss, portfolio_stats
+from .task import METHODS, OURS, WeightHead, loss, portfolio_stats, selection_score
 
 __all__ = ["settings", "prepare", "train_unit", "evaluate", "run"]
 
 #: per-window metrics kept for every method
 METRICS = ("sharpe", "ann_return", "ann_vol", "short_share", "sum_residual")
+#: per-window diagnostics kept for the ours methods (:meth:`WeightHead.diagnostics`)
+DIAGNOSTICS = ("var_cv", "var_ratio", "gap_to_projection")
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -39,25 +42,41 @@ def _merge(base: dict, over: dict) -> dict:
 
 def settings(config: dict[str, Any], preset: str) -> dict[str, Any]:
     """The protocol of ``preset``: ``config["protocol"]`` overridden by the preset's ``data``/``model``/``train``
-    entries, plus its ``seeds``, ``epochs`` and ``device``."""
+    entries, plus its ``seeds``, ``epochs``, ``device`` and ``universes`` (which replace the protocol's).
+
+    ``universes`` maps a universe's name (the records' ``dataset``) to its overrides of ``data`` (e.g. the
+    number of stocks); every universe is trained and tested on its own."""
     if preset not in config["presets"]:
         raise ValueError(f"preset must be one of {sorted(config['presets'])}, got {preset!r}.")
     p = config["presets"][preset]
     s = _merge(config["protocol"], {k: p[k] for k in ("data", "model", "train") if k in p})
-    s.update({k: p[k] for k in ("seeds", "epochs", "device") if k in p})
+    s.update({k: copy.deepcopy(p[k]) for k in ("seeds", "epochs", "device", "universes") if k in p})
+    if not isinstance(s.get("universes"), dict) or not s["universes"]:
+        raise ValueError(f"preset {preset!r}: universes must be a non-empty mapping name -> data overrides.")
     return s
 
 
-def prepare(s: dict[str, Any]) -> PortfolioData:
-    """The data of protocol ``s``."""
-    d = s["data"]
+def prepare(s: dict[str, Any], universe: str) -> PortfolioData:
+    """The data of ``universe`` (a key of ``s["universes"]``) under protocol ``s``."""
+    if universe not in s["universes"]:
+        raise ValueError(f"universe must be one of {list(s['universes'])}, got {universe!r}.")
+    d = _merge(s["data"], s["universes"][universe])
     return load_data(d["dataset"], d["periods"], d["window"], d["horizon"], train_stride=d["train_stride"],
                      eval_stride=d["eval_stride"], val_stride=d.get("val_stride"), num_assets=d["num_assets"],
                      asset_seed=d["asset_seed"])
 
 
 def build_model(s: dict[str, Any], data: PortfolioData, method: str, seed: int) -> StemGNN:
-    """The StemGNN of ``method`` for run ``seed``: the same initial network for every method of a run."""
+    """The StemGNN of ``method`` for run ``seed``: the same initial network for every method of a run.
+
+    Ours adds a log-variance output ``s`` to the weight head's last layer and a learned per-stock bias of it
+    (:class:`~.models.StemGNN`'s ``log_var_bias``), both drawn from a generator seeded with ``10000 + seed``:
+    the layer's new row ``U(-b, b)`` with ``b = 1 / sqrt(fan_in)`` (PyTorch's default bound for a linear layer),
+    its bias ``model.init_log_var``, and the per-stock bias ``N(0, model.log_var_init_std^2)``. The network's
+    features are nearly equal across stocks at initialisation (their std over stocks is about 1e-5), so the
+    per-stock bias is what makes the variances differ from the first step (with equal variances the conditional
+    mean *is* the KKT projection). The rest of the network, the mean output included, stays identical to the
+    other methods' of the run."""
     m = s["model"]
     torch.manual_seed(seed)
     model = StemGNN(data.num_assets, data.window, data.horizon, stacks=m["stacks"], order=m["order"],
@@ -66,39 +85,52 @@ def build_model(s: dict[str, Any], data: PortfolioData, method: str, seed: int) 
     if method in OURS:  # add the log-variance output; the mean output keeps the shared initialisation
         old = model.weight_head[-1]
         new = torch.nn.Linear(old.in_features, 2)
+        gen = torch.Generator().manual_seed(10000 + seed)
+        bound = 1.0 / old.in_features ** 0.5
         with torch.no_grad():
-            new.weight.zero_()
             new.weight[0] = old.weight[0]
             new.bias[0] = old.bias[0]
+            new.weight[1] = (2 * torch.rand(old.in_features, generator=gen, dtype=new.weight.dtype) - 1) * bound
             new.bias[1] = float(m["init_log_var"])
-        model.weight_head[-1] = new
+            model.weight_head[-1] = new
+            model.log_var_bias = torch.nn.Parameter(
+                float(m["log_var_init_std"]) * torch.randn(data.num_assets, generator=gen))
     return model
 
 
 @torch.no_grad()
 def evaluate(model: StemGNN, head: WeightHead, split: dict[str, Tensor], *, rf: float, days: int,
              batch_size: int = 64) -> tuple[Tensor, dict[str, Tensor]]:
-    """Weights ``(K, N)`` of every window of ``split`` (ours: conditional mean) and their per-window metrics.
+    """Weights ``(K, N)`` of every window of ``split`` (ours: conditional mean) and their per-window metrics
+    (for ours also :meth:`WeightHead.diagnostics`: variance dispersion and distance to the KKT projection).
 
     The network runs in its own precision; the weight head (softmax, projection, constraint layer, or the
     conditional mean) is applied to its outputs in float64, so every weight vector sums to 1 to float64
     round-off."""
     model.eval()
-    ws = []
+    raws = []
     for i in range(0, split["inputs"].shape[0], batch_size):
-        _, raw = model(split["inputs"][i: i + batch_size] - 1)
-        ws.append(head.weights(raw.to(torch.float64)))
-    w = torch.cat(ws)
-    return w, portfolio_stats(w, split["returns"].to(torch.float64), rf=rf, days=days)
+        raws.append(model(split["inputs"][i: i + batch_size] - 1)[1].to(torch.float64))
+    raw = torch.cat(raws)
+    w = head.weights(raw)
+    stats = portfolio_stats(w, split["returns"].to(torch.float64), rf=rf, days=days)
+    if head.method in OURS:
+        stats.update(head.diagnostics(raw))
+    return w, stats
 
 
 def train_unit(s: dict[str, Any], data: PortfolioData, tensors: dict[str, dict[str, Tensor]], method: str,
                run: int, *, epochs: int, device: torch.device) -> dict[str, Any]:
-    """Train ``method`` in run ``run`` with early stopping on the validation Sharpe; evaluate on the test windows.
+    """Train ``method`` in run ``run``, select an epoch on the validation Sharpe, evaluate on the test windows.
+
+    Model selection (:func:`selection_options`, :func:`~.task.selection_score`): after every epoch the mean
+    validation Sharpe is recorded; from epoch ``min_epochs`` on, the epoch whose trailing mean of the last
+    ``smooth`` validation Sharpe ratios is the highest so far is kept; training stops ``patience`` epochs after
+    the last improvement (``patience > min_epochs - 1``, so never before ``min_epochs``).
 
     Returns a checkpointable dict: ``test`` (per-window metrics, float64 tensors), ``weights`` (test weights
     ``(K, N)``, float32), ``curve`` (per epoch: train loss, train MSE, train Sharpe, val Sharpe), ``best_epoch``
-    (1-based), ``val_sharpe``, ``seconds``."""
+    (1-based, the selected epoch), ``val_sharpe`` (its smoothed validation Sharpe), ``seconds``."""
     t0 = time.perf_counter()
     tr = s["train"]
     seed = int(s["seed_base"]) + run
@@ -112,23 +144,41 @@ def train_unit(s: dict[str, Any], data: PortfolioData, tensors: dict[str, dict[s
                            w_sharpe=tr["w_sharpe"], rf=rf, days=days)
         return value, {k: torch.tensor(v, dtype=torch.float64) for k, v in info.items()}
 
+    min_epochs, smooth = selection_options(tr, epochs)
+    history: list[float] = []
+
     def val_metrics(model: StemGNN, split: dict[str, Tensor], generator: Any) -> dict[str, Tensor]:
-        return {"neg_sharpe": -evaluate(model, head, split, rf=rf, days=days)[1]["sharpe"].mean()}
+        history.append(float(evaluate(model, head, split, rf=rf, days=days)[1]["sharpe"].mean()))
+        return {"neg_sharpe": torch.tensor(-history[-1], dtype=torch.float64),
+                "select": torch.tensor(selection_score(history, min_epochs, smooth), dtype=torch.float64)}
 
     train_split = {k: tensors["train"][k] for k in ("inputs", "future", "returns")}
     source = ShuffledBatches(train_split, int(tr["batch_size"]), torch.Generator().manual_seed(seed))
     curve = _Curve(source.batches_per_epoch())
-    config = TrainConfig(epochs, int(tr["batch_size"]), select_metric="neg_sharpe", patience=int(tr["patience"]),
+    config = TrainConfig(epochs, int(tr["batch_size"]), select_metric="select", patience=int(tr["patience"]),
                          clip_grad_norm=float(tr["clip_grad_norm"]), zero_grad_to_none=True)
     res = train(model, Objective(objective, val_metrics), source, [tensors["val"]], config, [seed],
                 optimizer=lambda params: torch.optim.Adam(params, lr=tr["lr"], weight_decay=tr["weight_decay"]),
                 hooks=curve, progress=False, desc=f"portfolio {method} run {run}")
     model.load_state_dict(res.best_state)
     w, stats = evaluate(model, head, tensors["test"], rf=rf, days=days)
-    return {"test": {k: stats[k] for k in (*METRICS, "cum_return")}, "weights": w.to(torch.float32),
+    keep = (*METRICS, *DIAGNOSTICS, "cum_return") if method in OURS else (*METRICS, "cum_return")
+    return {"test": {k: stats[k] for k in keep}, "weights": w.to(torch.float32),
             "curve": torch.tensor(curve.rows, dtype=torch.float64), "best_epoch": int(res.best_epoch[0]),
             "val_sharpe": -float(res.best_value[0]),
             "seconds": time.perf_counter() - t0}
+
+
+def selection_options(train: dict[str, Any], epochs: int) -> tuple[int, int]:
+    """``(min_epochs, smooth)`` of the selection rule for a run of at most ``epochs`` epochs: the configured
+    values, capped at ``epochs`` (so a short smoke run still selects its last epoch). Raises ``ValueError``
+    unless ``1 <= smooth <= min_epochs <= patience``."""
+    min_epochs, smooth, patience = int(train["min_epochs"]), int(train["smooth"]), int(train["patience"])
+    if not 1 <= smooth <= min_epochs <= patience:
+        raise ValueError(f"train settings: need 1 <= smooth <= min_epochs <= patience, got smooth={smooth}, "
+                         f"min_epochs={min_epochs}, patience={patience}.")
+    min_epochs = min(min_epochs, int(epochs))
+    return min_epochs, min(smooth, min_epochs)
 
 
 class _Curve(Hooks):
@@ -166,23 +216,21 @@ def classical_unit(s: dict[str, Any], tensors: dict[str, dict[str, Tensor]]) -> 
 def run(s: dict[str, Any], runs: Sequence[int], *, epochs: int, methods: Sequence[str] | None = None,
         checkpoint_path: Path | None = None, resume: bool = False, device: str | torch.device = "cpu",
         progress: bool = True, log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """All units of protocol ``s``: the classical allocations, then every (run, method), run-major.
+    """All units of protocol ``s``: per universe, the classical allocations, then every (run, method),
+    run-major.
 
-    Returns ``{"data": PortfolioData, "classical": {...}, "units": {(method, run): unit}, "timing": {...}}``."""
+    Returns ``{"universes": {name: {"data": PortfolioData, "classical": {...}, "units": {(method, run): unit},
+    "timing": {...}}}, "methods", "runs"}``."""
     methods = list(methods or METHODS)
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"methods: unknown {unknown}; available: {list(METHODS)}.")
     device = torch.device(device)
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    data = prepare(s)
-    tensors = {k: {kk: vv.to(device) for kk, vv in w.tensors(torch.float32).items()} for k, w in data.splits.items()}
-    cpu_tensors = {k: w.tensors(torch.float32) for k, w in data.splits.items()}
-    blocks: dict[str, Callable[[], Any]] = {"classical": lambda: classical_unit(s, cpu_tensors)}
-    for r in runs:
-        for m in methods:
-            blocks[f"run{r}/{m}"] = (lambda m=m, r=r: _to_cpu(train_unit(s, data, tensors, m, r, epochs=epochs,
-                                                                        device=device)))
+    datas = {u: prepare(s, u) for u in s["universes"]}
+    blocks: dict[str, Callable[[], Any]] = {}
+    for u, data in datas.items():
+        blocks.update(_universe_blocks(s, u, data, runs, methods, epochs, device))
     t0 = time.perf_counter()
     done = [0]
 
@@ -190,7 +238,7 @@ def run(s: dict[str, Any], runs: Sequence[int], *, epochs: int, methods: Sequenc
         done[0] += 1
         if progress:
             extra = ""
-            if key != "classical":
+            if not key.endswith("/classical"):
                 extra = (f" test Sharpe {float(res['test']['sharpe'].mean()):.3f}, val {res['val_sharpe']:.3f} "
                          f"(epoch {res['best_epoch']}/{len(res['curve'])})")
             log(f"[portfolio] {done[0]}/{len(blocks)} {key}: {res['seconds']:.1f} s{extra}; "
@@ -198,10 +246,26 @@ def run(s: dict[str, Any], runs: Sequence[int], *, epochs: int, methods: Sequenc
 
     run_id = {"settings": s, "runs": list(runs), "epochs": epochs, "methods": methods}
     res = run_blocks(blocks, checkpoint_path=checkpoint_path, resume=resume, run_id=run_id, on_block=on_block)
-    units = {(m, r): res[f"run{r}/{m}"] for r in runs for m in methods}
-    seconds = {m: sum(units[(m, r)]["seconds"] for r in runs) for m in methods}
-    return {"data": data, "classical": res["classical"], "units": units, "methods": methods, "runs": list(runs),
-            "timing": {"train_s_per_method": seconds, "classical_s": res["classical"]["seconds"]}}
+    out = {}
+    for u, data in datas.items():
+        units = {(m, r): res[f"{u}/run{r}/{m}"] for r in runs for m in methods}
+        seconds = {m: sum(units[(m, r)]["seconds"] for r in runs) for m in methods}
+        out[u] = {"data": data, "classical": res[f"{u}/classical"], "units": units,
+                  "timing": {"train_s_per_method": seconds, "classical_s": res[f"{u}/classical"]["seconds"]}}
+    return {"universes": out, "methods": methods, "runs": list(runs)}
+
+
+def _universe_blocks(s: dict[str, Any], universe: str, data: PortfolioData, runs: Sequence[int],
+                     methods: Sequence[str], epochs: int, device: torch.device) -> dict[str, Callable[[], Any]]:
+    """The checkpointable units of one universe, keyed ``UNIVERSE/classical`` and ``UNIVERSE/runR/METHOD``."""
+    tensors = {k: {kk: vv.to(device) for kk, vv in w.tensors(torch.float32).items()} for k, w in data.splits.items()}
+    cpu_tensors = {k: w.tensors(torch.float32) for k, w in data.splits.items()}
+    blocks: dict[str, Callable[[], Any]] = {f"{universe}/classical": lambda: classical_unit(s, cpu_tensors)}
+    for r in runs:
+        for m in methods:
+            blocks[f"{universe}/run{r}/{m}"] = (lambda m=m, r=r: _to_cpu(train_unit(s, data, tensors, m, r,
+                                                                                   epochs=epochs, device=device)))
+    return blocks
 
 
 def _to_cpu(obj: Any) -> Any:

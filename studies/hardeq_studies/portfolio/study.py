@@ -22,7 +22,7 @@ class PortfolioStudy(Study):
         parser.add_argument("--methods", nargs="+", default=None, metavar="NAME", choices=list(METHODS),
                             help=f"subset of {', '.join(METHODS)} (default: all)")
         parser.add_argument("--num-assets", type=positive_int, default=None,
-                            help="stocks drawn from the data set (default: the preset's)")
+                            help="run one universe of this many stocks instead of the preset's universes")
         parser.add_argument("--config", type=Path, default=None, help="alternative config JSON")
         add_run_arguments(parser)
 
@@ -31,7 +31,8 @@ class PortfolioStudy(Study):
 
         s = settings(load_config(getattr(args, "config", None)), args.preset)
         if getattr(args, "num_assets", None):
-            s["data"]["num_assets"] = int(args.num_assets)
+            n = int(args.num_assets)
+            s["universes"] = {f"{s['data']['dataset']}-{n}": {"num_assets": n}}
         return s
 
     def execute(self, run: RunSetup) -> dict[str, Any]:
@@ -42,18 +43,13 @@ class PortfolioStudy(Study):
                          progress=not run.quiet)
 
     def document(self, run: RunSetup, result: dict[str, Any], wall: float) -> dict[str, Any]:
-        from .report import significance, summarise
+        from .report import document
 
         config = load_config(getattr(run.args, "config", None))
-        summary = summarise(result, config["paper"])
         used = {**run.settings, "preset": run.preset, "runs": result["runs"], "epochs": run.epochs,
                 "methods_run": result["methods"], "paper": config["paper"], "source": config["source"]}
-        data = result["data"]
-        return {"config": used, "records": summary["records"], "device": run.device,
-                "data": {**data.describe(), "tickers": data.table.tickers}, "per_run": summary["per_run"],
-                "significance": significance(summary["per_run"], result["methods"]), "curves": summary["curves"],
-                "weights": summary["weights"], "training": summary["training"],
-                "timing": {"total_s": wall, **result["timing"]}}
+        return {"config": used, "device": run.device, **document(result, config["paper"]),
+                "timing": {"total_s": wall, **{u: r["timing"] for u, r in result["universes"].items()}}}
 
     def markdown(self, doc: dict[str, Any], out: Path) -> str:
         from .report import render_markdown

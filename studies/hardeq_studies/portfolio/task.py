@@ -28,7 +28,8 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["METHODS", "OURS", "ESTIMATORS", "WeightHead", "sharpe", "portfolio_stats", "sum_residual"]
+__all__ = ["METHODS", "OURS", "ESTIMATORS", "WeightHead", "sharpe", "portfolio_stats", "sum_residual",
+           "selection_score"]
 
 #: every trained method, in table order
 METHODS = ("StemGNN", "StemGNN-KKThPINN", "StemGNN-CL", "ours", "ours-pathwise")
@@ -106,6 +107,28 @@ class WeightHead:
         return ConstrainedNormal(loc, scale, constraint=SumConstraint(index, total, validate_args=False),
                                  validate_args=False)
 
+    def variances(self, raw: Tensor) -> Tensor:
+        """Per-stock variances ``(exp(s) + floor) / N^2`` ``(B, N)`` of the ours head (before conditioning)."""
+        return (torch.exp(raw[..., 1]) + self.variance_floor) / self.N**2
+
+    def diagnostics(self, raw: Tensor) -> dict[str, Tensor]:
+        r"""Per-window facts ``(B,)`` of the ours head that say whether it differs from a KKT projection.
+
+        With per-stock variances :math:`v_i` and mean :math:`\mu`, the conditional mean given
+        :math:`\sum w = 1` is :math:`\mu + v (1 - 1^\top\mu) / 1^\top v`; the orthogonal (KKT) projection of
+        :math:`\mu` is :math:`\mu + (1 - 1^\top\mu) / N`. They coincide when all :math:`v_i` are equal.
+
+        Returns ``var_cv`` (std / mean of ``v`` over stocks, population std), ``var_ratio`` (``max v / min v``)
+        and ``gap_to_projection`` (``max_i |w_i - P(mu)_i|``, the largest distance of the conditional mean from
+        the projection of the same mean). Cost ``O(B N)``."""
+        if self.method not in OURS:
+            raise ValueError(f"diagnostics are defined for the ours methods {list(OURS)}, got {self.method!r}.")
+        v = self.variances(raw)
+        loc = (1 + raw[..., 0]) / self.N
+        projected = loc + (1 - loc.sum(-1, keepdim=True)) / self.N
+        return {"var_cv": v.std(-1, unbiased=False) / v.mean(-1), "var_ratio": v.amax(-1) / v.amin(-1),
+                "gap_to_projection": (self.weights(raw) - projected).abs().amax(-1)}
+
     def weights(self, raw: Tensor) -> Tensor:
         """Deterministic weights ``(B, N)`` from raw outputs ``(B, N, c)`` (ours: the conditional mean)."""
         if raw.dim() != 3 or raw.shape[1] != self.N or raw.shape[2] != self.outputs:
@@ -123,6 +146,20 @@ class WeightHead:
             q = self.distribution(raw)
             return q.rsample((self.mc_samples,), estimator=ESTIMATORS[self.method])
         return self.weights(raw).unsqueeze(0)
+
+
+def selection_score(history: list[float], min_epochs: int, smooth: int) -> float:
+    """The model-selection score after epoch ``len(history)`` (lower is better, as the trainer minimises it).
+
+    ``history`` holds the mean validation Sharpe of every epoch so far. Before epoch ``min_epochs`` the score is
+    NaN (never selected); from then on it is minus the mean of the last ``smooth`` validation Sharpe ratios, a
+    trailing moving average that keeps a single lucky epoch from being selected. Requires
+    ``1 <= smooth <= min_epochs``."""
+    if not 1 <= int(smooth) <= int(min_epochs):
+        raise ValueError(f"need 1 <= smooth <= min_epochs, got smooth={smooth}, min_epochs={min_epochs}.")
+    if len(history) < min_epochs:
+        return math.nan
+    return -sum(history[-smooth:]) / smooth
 
 
 def loss(head: WeightHead, forecast: Tensor, raw: Tensor, future: Tensor, returns: Tensor, *, w_pred: float,
