@@ -100,6 +100,10 @@ def test_evaluation_reconstructions_satisfy_the_constraint():
     assert out["unconstrained+cond"]["max_sum_deviation"] < 1e-3
     for v in out:
         assert out[v]["ll"] >= out[v]["elbo"] - 1e-6 and out[v]["ll_unit"] >= out[v]["elbo_unit"] - 1e-6
+    # one shared variance: conditioning is the orthogonal projection onto the plane, which x lies on (Pythagoras)
+    homo = MODELS["vae"](hidden=(32, 32, 16, 8), observation="homoscedastic")
+    both = evaluate(homo, "unconstrained", x, c, 8, seed=1, chunk=8, tolerance=1e-3)
+    assert both["unconstrained+cond"]["rl"] < both["unconstrained"]["rl"]
     again = evaluate(model, "unconstrained", x, c, 8, seed=1, chunk=8, tolerance=1e-3)
     assert again["unconstrained"]["ll"] == out["unconstrained"]["ll"]
 
