@@ -65,6 +65,20 @@ def test_sampled_losses_use_constrained_samples_and_reach_the_parameters():
     assert abs(float(est - exact)) < 0.05 * float(exact)
 
 
+def test_marginal_expectation_leaves_a_shared_variance_untrained():
+    """With one variance for all pixels the conditional mean (ME's proxy) does not depend on it: zero gradient;
+    pathwise and the plain reparameterised sample feel their noise and push the variance down."""
+    torch.manual_seed(0)
+    c = pixel_sum_constraint(100.0)
+    x = torch.rand(4, 784)
+    x = x / x.sum(-1, keepdim=True) * 100
+    mean = torch.rand(4, 784)
+    for v, zero in (("ours-me", True), ("ours-pathwise", False), ("unconstrained-se", False)):
+        nu = torch.zeros(1, requires_grad=True)
+        _reconstruction_loss(v, observation(v, mean, nu.expand(4, 784), c), x, c, None).sum().backward()
+        assert (abs(float(nu.grad)) < 1e-3) == zero and (zero or float(nu.grad) > 100), (v, float(nu.grad))
+
+
 def test_homoscedastic_observation_has_one_variance():
     torch.manual_seed(0)
     model = MODELS["vae"](hidden=(32, 32, 16, 8), observation="homoscedastic")
