@@ -166,3 +166,16 @@ def test_resume_after_an_interruption_equals_the_uninterrupted_run(tmp_path, mon
     assert calls[4:] == [("vae", "cl-se", 1), ("vae", "ours-me", 1)]  # only the two missing units ran again
     assert resumed["records"] == full["records"] and resumed["per_trial"] == full["per_trial"]
     assert resumed["curves"] == full["curves"]
+
+
+def test_verdicts_come_from_the_paired_tests_either_way():
+    from hardeq_studies.stats import paired_ttest
+    from hardeq_studies.vae_data.report import verdict
+
+    doc = {"config": {"trials": [0, 1, 2], "epochs": 10}}
+    better, worse = paired_ttest([3.0, 3.1, 2.9], [1.0, 1.0, 1.1]), paired_ttest([1.0, 1.0, 1.1], [3.0, 3.1, 2.9])
+    noise = paired_ttest([1.0, 2.0, 0.5], [1.5, 0.9, 1.2])
+    assert verdict(better, True, doc) == "reproduced" and verdict(worse, False, doc) == "reproduced"
+    assert verdict(worse, True, doc).startswith("refuted (paired t-test, p = ")
+    assert verdict(noise, True, doc).startswith("undecided (paired t-test over 3 trial(s) of 10 epoch(s)")
+    assert verdict(None, True, doc, "undecided (x)") == "undecided (x)"
