@@ -10,26 +10,92 @@ import torch
 from hardeq import ConstrainedNormal
 from hardeq_studies.cli import main
 from hardeq_studies.vae_data.models import MODELS
-from hardeq_studies.vae_data.run import evaluate, load_config, observation, pixel_sum_constraint, settings, units_of
+from hardeq_studies.vae_data import run as run_mod
+from hardeq_studies.vae_data.report import summarise
+from hardeq_studies.vae_data.run import (SAMPLED, _reconstruction_loss, cl_order, cl_pixel, evaluate, load_config,
+                                         observation, pixel_sum_constraint, settings, units_of)
 
 
 def test_observation_variants():
     c = pixel_sum_constraint(100.0)
     mean, log_var = torch.rand(4, 784), torch.full((4, 784), -3.0)
     assert isinstance(observation("ours", mean, log_var, c), ConstrainedNormal)
-    cl = observation("cl", mean, log_var, c)
-    assert torch.allclose(cl.mean.double().sum(-1), torch.full((4,), 100.0, dtype=torch.float64), atol=1e-3)
-    assert torch.equal(cl.mean[:, :-1], mean[:, :-1])  # CL solves for the last pixel only
-    unc = observation("unconstrained", mean, log_var, c)
-    assert torch.equal(unc.mean, mean)
+    assert isinstance(observation("cl+cond", mean, log_var, c), ConstrainedNormal)
+    for v in ("cl", "cl-se"):
+        cl = observation(v, mean, log_var, c, cl_order(300))
+        assert torch.allclose(cl.mean.double().sum(-1), torch.full((4,), 100.0, dtype=torch.float64), atol=1e-3)
+        keep = torch.ones(784, dtype=torch.bool)
+        keep[300] = False
+        assert torch.equal(cl.mean[:, keep], mean[:, keep])  # CL solves for the named pixel only
+    for v in ("unconstrained", "unconstrained-se"):
+        assert torch.equal(observation(v, mean, log_var, c).mean, mean)
     with pytest.raises(ValueError, match="variant"):
         observation("projection", mean, log_var, c)
+    with pytest.raises(ValueError, match="pixel"):
+        cl_order(784)
+
+
+def test_cl_pixel_is_the_most_variable_training_pixel():
+    x = torch.zeros(10, 784)
+    x[:, 7] = torch.linspace(0, 1, 10)
+    x[:, 500] = torch.linspace(0, 0.5, 10)
+    assert cl_pixel(x) == 7
+    assert cl_order(7)[-1] == 7 and sorted(cl_order(7).tolist()) == list(range(784))
+    with pytest.raises(ValueError, match="train_x"):
+        cl_pixel(x[0])
+
+
+def test_sampled_losses_use_constrained_samples_and_reach_the_parameters():
+    torch.manual_seed(0)
+    c, order = pixel_sum_constraint(100.0), cl_order(10)
+    x = torch.rand(3, 784)
+    x = x / x.sum(-1, keepdim=True) * 100
+    for v in SAMPLED:
+        mean = torch.rand(3, 784, requires_grad=True)
+        log_var = torch.full((3, 784), -2.0, requires_grad=True)
+        loss = _reconstruction_loss(v, observation(v, mean, log_var, c, order), x, c, order)
+        assert loss.shape == (3,) and bool(torch.isfinite(loss).all())
+        loss.sum().backward()
+        assert mean.grad.abs().sum() > 0, v
+    # the plain reparameterised sample: E[1/2 ||x~ - x||^2] = 1/2 ||m - x||^2 + 1/2 sum sigma^2
+    mean, log_var = torch.rand(1, 784), torch.full((1, 784), -4.0)
+    p = observation("unconstrained-se", mean.expand(4000, 784), log_var.expand(4000, 784), c)
+    est = _reconstruction_loss("unconstrained-se", p, x[:1], c, None).mean()
+    exact = 0.5 * (mean - x[:1]).square().sum() + 0.5 * 784 * torch.exp(torch.tensor(-4.0))
+    assert abs(float(est - exact)) < 0.05 * float(exact)
+
+
+def test_marginal_expectation_leaves_a_shared_variance_untrained():
+    """With one variance for all pixels the conditional mean (ME's proxy) does not depend on it: zero gradient;
+    pathwise and the plain reparameterised sample feel their noise and push the variance down."""
+    torch.manual_seed(0)
+    c = pixel_sum_constraint(100.0)
+    x = torch.rand(4, 784)
+    x = x / x.sum(-1, keepdim=True) * 100
+    mean = torch.rand(4, 784)
+    for v, zero in (("ours-me", True), ("ours-pathwise", False), ("unconstrained-se", False)):
+        nu = torch.zeros(1, requires_grad=True)
+        _reconstruction_loss(v, observation(v, mean, nu.expand(4, 784), c), x, c, None).sum().backward()
+        assert (abs(float(nu.grad)) < 1e-3) == zero and (zero or float(nu.grad) > 100), (v, float(nu.grad))
+
+
+def test_homoscedastic_observation_has_one_variance():
+    torch.manual_seed(0)
+    model = MODELS["vae"](hidden=(32, 32, 16, 8), observation="homoscedastic")
+    mean, log_var, kl = model(torch.rand(5, 784))
+    assert log_var.shape == (5, 784) and bool((log_var == log_var[0, 0]).all())
+    assert abs(float(log_var[0, 0].detach())) < 1e-2  # unit variance at initialisation
+    assert sum(p.numel() for p in model.decoder.parameters()) < sum(
+        p.numel() for p in MODELS["vae"](hidden=(32, 32, 16, 8)).decoder.parameters()) - 784 * 784
+    with pytest.raises(ValueError, match="observation"):
+        MODELS["vae"](hidden=(32, 32, 16, 8), observation="full")
 
 
 def test_units_restrict_the_sampled_variants_to_the_named_models():
     s = settings(load_config(), "cpu")
-    units = units_of(s, ["vae", "ladder"], ["unconstrained", "ours", "ours-me"], [0, 1])
+    units = units_of(s, ["vae", "ladder"], ["unconstrained", "ours", "ours-me", "cl-se"], [0, 1])
     assert ("vae", "ours-me", 0) in units and ("ladder", "ours-me", 0) not in units
+    assert ("vae", "cl-se", 1) in units and ("ladder", "cl-se", 1) not in units
     assert units[0][2] == 0 and units[-1][2] == 1  # trials outermost
 
 
@@ -41,9 +107,17 @@ def test_evaluation_reconstructions_satisfy_the_constraint():
     c = pixel_sum_constraint(100.0)
     out = evaluate(model, "unconstrained", x, c, 8, seed=1, chunk=8, tolerance=1e-3)
     assert set(out) == {"unconstrained", "unconstrained+cond"}
+    assert set(evaluate(model, "ours-me", x, c, 2, seed=1, chunk=8, tolerance=1e-3)) == {"ours-me"}
+    cl = evaluate(model, "cl-se", x, c, 2, seed=1, chunk=8, tolerance=1e-3, order=cl_order(3))
+    assert set(cl) == {"cl-se", "cl-se+cond"} and cl["cl-se"]["rl"] == cl["cl-se+cond"]["rl"]  # CL(m) is on the plane
     assert out["unconstrained+cond"]["violation"] == 0.0 and out["unconstrained"]["violation"] == 1.0
     assert out["unconstrained+cond"]["max_sum_deviation"] < 1e-3
-    assert out["unconstrained+cond"]["ll"] >= out["unconstrained+cond"]["elbo"] - 1e-6
+    for v in out:
+        assert out[v]["ll"] >= out[v]["elbo"] - 1e-6 and out[v]["ll_unit"] >= out[v]["elbo_unit"] - 1e-6
+    # one shared variance: conditioning is the orthogonal projection onto the plane, which x lies on (Pythagoras)
+    homo = MODELS["vae"](hidden=(32, 32, 16, 8), observation="homoscedastic")
+    both = evaluate(homo, "unconstrained", x, c, 8, seed=1, chunk=8, tolerance=1e-3)
+    assert both["unconstrained+cond"]["rl"] < both["unconstrained"]["rl"]
     again = evaluate(model, "unconstrained", x, c, 8, seed=1, chunk=8, tolerance=1e-3)
     assert again["unconstrained"]["ll"] == out["unconstrained"]["ll"]
 
@@ -64,3 +138,44 @@ def test_quick_preset_end_to_end_through_the_cli(tmp_path):
     for name in ("vae-data.md", "vae-data_data.png", "vae-data_reconstructions.png", "vae-data_curves.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert main(["report", "vae-data", "--out", str(tmp_path), "--quiet"]) == 0
+
+
+def _quick_run(tmp_path, name, resume=False):
+    s = settings(load_config(), "quick")
+    return run_mod.run(s, [0, 1], 1, models=["vae"], variants=["unconstrained", "cl-se", "ours-me"],
+                       checkpoint_path=tmp_path / name, resume=resume, progress=False)
+
+
+def test_resume_after_an_interruption_equals_the_uninterrupted_run(tmp_path, monkeypatch):
+    """A quick run stopped after 4 of its 6 units and resumed gives the uninterrupted run's records."""
+    config = load_config()
+    full = summarise(_quick_run(tmp_path, "a.pt"), config)
+    real, calls = run_mod.run_unit, []
+
+    def crash_after_four(*args, **kw):
+        if len(calls) == 4:
+            raise KeyboardInterrupt("simulated interruption")
+        calls.append(args[1:4])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(run_mod, "run_unit", crash_after_four)
+    with pytest.raises(KeyboardInterrupt):
+        _quick_run(tmp_path, "b.pt")
+    monkeypatch.setattr(run_mod, "run_unit", lambda *a, **k: calls.append(a[1:4]) or real(*a, **k))
+    resumed = summarise(_quick_run(tmp_path, "b.pt", resume=True), config)
+    assert calls[4:] == [("vae", "cl-se", 1), ("vae", "ours-me", 1)]  # only the two missing units ran again
+    assert resumed["records"] == full["records"] and resumed["per_trial"] == full["per_trial"]
+    assert resumed["curves"] == full["curves"]
+
+
+def test_verdicts_come_from_the_paired_tests_either_way():
+    from hardeq_studies.stats import paired_ttest
+    from hardeq_studies.vae_data.report import verdict
+
+    doc = {"config": {"trials": [0, 1, 2], "epochs": 10}}
+    better, worse = paired_ttest([3.0, 3.1, 2.9], [1.0, 1.0, 1.1]), paired_ttest([1.0, 1.0, 1.1], [3.0, 3.1, 2.9])
+    noise = paired_ttest([1.0, 2.0, 0.5], [1.5, 0.9, 1.2])
+    assert verdict(better, True, doc) == "reproduced" and verdict(worse, False, doc) == "reproduced"
+    assert verdict(worse, True, doc).startswith("refuted (paired t-test, p = ")
+    assert verdict(noise, True, doc).startswith("undecided (paired t-test over 3 trial(s) of 10 epoch(s)")
+    assert verdict(None, True, doc, "undecided (x)") == "undecided (x)"

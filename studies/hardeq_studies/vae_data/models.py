@@ -13,7 +13,9 @@ Shared pieces (appendix C), with ``hidden = (h0, h1, h2, h3) = (512, 512, 256, 1
 * encoder trunk ``fc(784,h0)-BN-ELU-fc(h0,h1)-BN-ELU-fc(h1,h2)-BN-ELU-fc(h2,h3)``;
 * decoder ``fc(latent,h3)-BN-ELU-fc(h3,h2)-BN-ELU-fc(h2,h1)-BN-ELU-fc(h1,h0)-BN-ELU-fc(h0,784)`` giving the
   pre-activations :math:`h \in \mathbb R^{784}`; observation :math:`p(x \mid z) = \mathcal N(\mathrm{sigmoid}(h),
-  \mathrm{diag}\, e^{v})`, :math:`v = \mathrm{softclamp}(\mathrm{fc}(784,784)(h), -12, 6)`.
+  \mathrm{diag}\, e^{v})`, :math:`v = \mathrm{softclamp}(\mathrm{fc}(784,784)(h), -12, 6)` (``observation =
+  "diagonal"``, appendix C), or :math:`v = \mathrm{softclamp}(\nu, -12, 6)` for every pixel with one learned scalar
+  :math:`\nu` (``observation = "homoscedastic"``, initialised at 0: unit variance).
 
 All log-variances (latent and observed) go through a smooth clamp
 :math:`\mathrm{softclamp}(u, a, b) = a + \mathrm{softplus}(u - a) - \mathrm{softplus}(u - b) \in (a, b)`, which is
@@ -34,11 +36,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["VAE", "LadderVAE", "GraphVAE", "MODELS", "PIXELS"]
+__all__ = ["VAE", "LadderVAE", "GraphVAE", "MODELS", "OBSERVATIONS", "PIXELS"]
 
 PIXELS = 784
 HIDDEN = (512, 512, 256, 128)
 OBS_LOG_VAR = (-12.0, 6.0)
+#: observation models: a per-pixel log-variance head (appendix C) or one learned variance for every pixel
+OBSERVATIONS = ("diagonal", "homoscedastic")
 LATENT_LOG_VAR = (-10.0, 6.0)
 _LOG_2PI = math.log(2 * math.pi)
 
@@ -116,16 +120,24 @@ def _noise(shape: tuple[int, ...], like: Tensor, generator: torch.Generator | No
 class _Decoder(nn.Module):
     r"""``z (..., latent) -> (mean (..., 784), log_var (..., 784))``: the mirrored trunk
     ``fc(latent,h3)-BN-ELU-fc(h3,h2)-BN-ELU-fc(h2,h1)-BN-ELU-fc(h1,h0)-BN-ELU-fc(h0,784)`` gives :math:`h`;
-    mean :math:`\mathrm{sigmoid}(h)`, log-variance :math:`\mathrm{softclamp}(\mathrm{fc}(784,784)(h), -12, 6)`."""
+    mean :math:`\mathrm{sigmoid}(h)`; log-variance :math:`\mathrm{softclamp}(\mathrm{fc}(784,784)(h), -12, 6)`
+    (``"diagonal"``) or one learned scalar :math:`\mathrm{softclamp}(\nu, -12, 6)` broadcast to every pixel
+    (``"homoscedastic"``; 784 x 785 fewer parameters)."""
 
-    def __init__(self, latent: int, hidden: tuple[int, ...]):
+    def __init__(self, latent: int, hidden: tuple[int, ...], observation: str = "diagonal"):
         super().__init__()
+        if observation not in OBSERVATIONS:
+            raise ValueError(f"observation must be one of {OBSERVATIONS}, got {observation!r}.")
         self.net = _mlp([latent, *reversed(hidden), PIXELS])
-        self.log_var = nn.Linear(PIXELS, PIXELS)
+        self.observation = observation
+        self.log_var = nn.Linear(PIXELS, PIXELS) if observation == "diagonal" else nn.Parameter(torch.zeros(1))
 
     def forward(self, z: Tensor) -> tuple[Tensor, Tensor]:
         h = _apply(self.net, z)
-        return torch.sigmoid(h), _soft_clamp(self.log_var(h), *OBS_LOG_VAR)
+        mean = torch.sigmoid(h)
+        if self.observation == "diagonal":
+            return mean, _soft_clamp(self.log_var(h), *OBS_LOG_VAR)
+        return mean, _soft_clamp(self.log_var, *OBS_LOG_VAR).expand_as(mean)
 
 
 def _check_hidden(hidden: tuple[int, ...] | list[int]) -> tuple[int, ...]:
@@ -150,14 +162,16 @@ class VAE(nn.Module):
         latent (int): size of :math:`z` (64).
         hidden (tuple of 4 ints): ``(h0, h1, h2, h3)`` (``(512, 512, 256, 128)``); ``h3`` is the decoder's first
             width.
+        observation (str): ``"diagonal"`` (a per-pixel log-variance head, appendix C) or ``"homoscedastic"``
+            (one learned variance for all pixels); see :class:`_Decoder`.
     """
 
-    def __init__(self, latent: int = 64, hidden: tuple[int, ...] = HIDDEN):
+    def __init__(self, latent: int = 64, hidden: tuple[int, ...] = HIDDEN, observation: str = "diagonal"):
         super().__init__()
         hidden = _check_hidden(hidden)
         self.latent = int(latent)
         self.encoder = _mlp([PIXELS, *hidden[:3], 2 * self.latent])
-        self.decoder = _Decoder(self.latent, hidden)
+        self.decoder = _Decoder(self.latent, hidden, observation)
 
     def encode(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """``x (B, 784) -> (mu (B, latent), log_var (B, latent))`` of :math:`q(z \\mid x)`."""
@@ -209,10 +223,12 @@ class LadderVAE(nn.Module):
             measured 1.1-1.3x the VAE's time per training step), read off ``d_2, ..., d_{L+1}`` (at most 3).
         hidden (tuple of 4 ints): trunk widths ``(h0, h1, h2, h3)``.
         top_down (int): hidden width of the top-down MLPs.
+        observation (str): ``"diagonal"`` (a per-pixel log-variance head, appendix C) or ``"homoscedastic"``
+            (one learned variance for all pixels); see :class:`_Decoder`.
     """
 
     def __init__(self, latents: tuple[int, ...] = (64, 32, 16), hidden: tuple[int, ...] = HIDDEN,
-                 top_down: int = 128):
+                 top_down: int = 128, observation: str = "diagonal"):
         super().__init__()
         hidden = _check_hidden(hidden)
         self.latents = tuple(int(d) for d in latents)
@@ -224,7 +240,7 @@ class LadderVAE(nn.Module):
         self.heads = nn.ModuleList(nn.Linear(hidden[1 + i], 2 * d) for i, d in enumerate(self.latents))
         self.top_down = nn.ModuleList(_mlp([self.latents[i + 1], top_down, 2 * self.latents[i]])
                                       for i in range(len(self.latents) - 1))
-        self.decoder = _Decoder(self.latents[0], hidden)
+        self.decoder = _Decoder(self.latents[0], hidden, observation)
 
     def bottom_up(self, x: Tensor) -> list[tuple[Tensor, Tensor]]:
         """``x (B, 784) ->`` the bottom-up ``(mu_hat_l, log_var_hat_l)``, each ``(B, d_l)``, ``l = 1..L``."""
@@ -302,10 +318,12 @@ class GraphVAE(nn.Module):
         hidden (tuple of 4 ints): trunk widths ``(h0, h1, h2, h3)``.
         message (int): width ``m`` of the messages :math:`f_{ij}` and of the node conditionals.
         gate_temperature (float, optional): see Gates.
+        observation (str): ``"diagonal"`` (a per-pixel log-variance head, appendix C) or ``"homoscedastic"``
+            (one learned variance for all pixels); see :class:`_Decoder`.
     """
 
     def __init__(self, nodes: int = 4, node_dim: int = 16, hidden: tuple[int, ...] = HIDDEN, message: int = 32,
-                 gate_temperature: float | None = None):
+                 gate_temperature: float | None = None, observation: str = "diagonal"):
         super().__init__()
         hidden = _check_hidden(hidden)
         self.nodes, self.node_dim, self.message = int(nodes), int(node_dim), int(message)
@@ -323,7 +341,7 @@ class GraphVAE(nn.Module):
         self.messages = nn.ModuleList(nn.Linear(d, (n - 1 - i) * m) for i in range(n - 1))
         self.conditionals = nn.ModuleList(
             nn.Sequential(nn.Linear(m, m), nn.ELU(), nn.Linear(m, 2 * d)) for _ in range(n - 1))
-        self.decoder = _Decoder(n * d, hidden)
+        self.decoder = _Decoder(n * d, hidden, observation)
 
     def gates(self) -> Tensor:
         """The gates :math:`c_{ij}` as an ``(N, N)`` matrix (zero on and below the diagonal); sampled (binary

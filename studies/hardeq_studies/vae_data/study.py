@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from ..runtime import RunSetup
 from ..vae_study import VaeStudy
 from .run import CONFIG_PATH, load_config
 
@@ -24,6 +25,13 @@ class VaeDataStudy(VaeStudy):
         parser.add_argument("--variants", nargs="+", default=None, choices=list(protocol["variants"]),
                             help="subset of the trained variants (default: all)")
         super().add_arguments(parser)
+
+    def document(self, run: RunSetup, result: Any, wall: float) -> dict[str, Any]:
+        """The shared document plus the constraint layer's dependent pixel (``data.cl_pixel``, its training
+        variance and mean)."""
+        doc = super().document(run, result, wall)
+        doc["data"].update({k: result[k] for k in ("cl_pixel", "cl_pixel_variance", "cl_pixel_mean")})
+        return doc
 
     def markdown(self, doc: dict[str, Any], out: Path) -> str:
         from .report import render_markdown
