@@ -57,12 +57,12 @@ def render_markdown(doc: Mapping[str, Any], brief: bool = False) -> str:
     lines.append(markdown_table(["method", "MAD (here)", "MAD (paper)", "NLL (here)", "NLL (paper)", "n"], rows))
     if brief:
         return "\n".join(lines)
-    lines += ["", "## Claims of the paper", ""] + claims_table(doc)
-    lines += ["", "## Training budget", ""] + budget_tables(doc)
     lines += ["", "NLL: negative log-density of the DDEC charges of each test MOF's first n - 1 atoms under the "
               "predicted Gaussian (the ICML code's convention; = the density on the plane, "
               "`ConstrainedNormal.log_prob`, minus 0.5 log n), summed per MOF and averaged over MOFs. "
               "Ensembles in this column use the ICML code's covariance (S1 + S2)/4.", ""]
+    lines += ["## Claims of the paper", ""] + claims_table(doc)
+    lines += ["", "## Training budget", ""] + budget_tables(doc) + [""]
     ens = [m for m in methods if m.endswith("ensemble")]
     if ens:
         lines += ["## Ensemble NLL: the ICML code's (S1 + S2)/4 against the mixture", ""]
@@ -151,7 +151,8 @@ def _claim_row(claim: Mapping[str, Any], doc: Mapping[str, Any], idx: Mapping, a
     test = next((t for t in doc.get("significance", []) if (t["a"], t["b"], t["metric"]) == (a, b, metric)), None)
     if test is None:
         return [claim["claim"], claim["evidence"], "–", f"undecided (not run; {budget})"]
-    means = f"{_cell(idx.get((a, metric)), spec)} vs {_cell(idx.get((b.partition('#')[0], metric)), spec)}; "
+    b_text = "its first model" if "#" in b else _cell(idx.get((b, metric)), spec)
+    means = f"{_cell(idx.get((a, metric)), spec)} vs {b_text}; "
     here = (f"{means}a < b on {test['wins']}/{test['n']} splits, median a - b {_num(test['median_diff'], '.4g')}, "
             f"p = {_num(test['p'], '.3g')}")
     return [claim["claim"], claim["evidence"], here, _verdict(test, expect, alpha, budget)]
