@@ -135,6 +135,21 @@ def test_member_list_plain_loop_equals_the_vectorised_model():
     assert torch.equal(r1.best_epoch, r2.best_epoch)
 
 
+def test_member_list_merge_copies_the_live_parameters():
+    """A best state merged from the live state_dict must not follow the parameters as training goes on (it did:
+    MemberList's merge returned the live tensors, so 'best-validation' states were the latest ones)."""
+    members = MemberList([nn.Linear(2, 1), nn.Linear(2, 1)])
+    live = {k: v.detach() for k, v in members.state_dict().items()}
+    before = {k: v.clone() for k, v in live.items()}
+    best = members.merge_members({k: torch.zeros_like(v) for k, v in live.items()}, live, torch.tensor([True, False]))
+    with torch.no_grad():
+        for q in members.parameters():
+            q.add_(1.0)
+    for k, v in best.items():
+        expect = before[k] if k.startswith("members.0.") else torch.zeros_like(v)
+        assert torch.equal(v, expect), k
+
+
 # ------------------------------------------------------------------------------------------------ features
 def test_early_stopping_freezes_each_member_with_its_own_patience():
     """Member 1 learns with lr 0 (it never improves after epoch 1) and stops after `patience` more epochs;

@@ -175,7 +175,17 @@ def test_reproduce_quick_end_to_end_and_resume(tmp_path):
             "likelihood ensemble", "variance ensemble"} <= methods
     assert doc["max_abs_prediction_sum"] < 1e-10  # every prediction of every method is neutral
     assert all(math.isfinite(r["mean"]) for r in doc["records"] if r["metric"] == "mad")
-    assert "Paired two-sided Wilcoxon" in (out / "mof.md").read_text()
+    md = (out / "mof.md").read_text()
+    for heading in ("## Test MAD and NLL (paper Table 5)", "## Claims of the paper", "## Training budget",
+                    "## Paired two-sided Wilcoxon"):
+        assert heading in md, heading
+    # every model of every method took the same optimiser steps (the quick preset's 2; none stops earlier)
+    assert {x for v in doc["optimizer_steps"].values() for x in v} == {2}
+    assert len(doc["optimizer_steps"]) == 6 and {t["n"] for t in doc["significance"]} == {2}  # 2 splits x 3 groups
+    verdicts = [line.rsplit("|", 2)[-2].strip() for line in md.split("## Claims of the paper")[1].split("##")[0]
+                .splitlines() if line.startswith("| ") and "verdict" not in line]
+    assert len(verdicts) == len(doc["config"]["claims"])
+    assert all(v == "reproduced" or v.startswith(("refuted (", "undecided (")) for v in verdicts)
     # --resume finds every unit finished and reproduces the same numbers without training
     assert main(args + ["--resume"]) == 0
     doc2 = json.loads((out / "mof.json").read_text())
@@ -187,3 +197,50 @@ def test_missing_pyg_names_the_extra(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "torch_geometric", None)  # import torch_geometric now raises ImportError
     assert main(["reproduce", "mof", "--preset", "quick", "--out", str(tmp_path)]) == 2
     assert 'pip install "hardeq-studies[graphs]"' in capsys.readouterr().err
+
+
+def test_unit_resume_equals_uninterrupted(tmp_path):
+    """A unit interrupted after its second round and resumed from its checkpoint gives the uninterrupted unit's
+    test outputs, histories and step counts bit for bit."""
+    from hardeq_studies.harness import Interrupted
+    from hardeq_studies.mof.data import load_config
+    from hardeq_studies.mof.run import run_unit
+
+    config = load_config()
+    settings = {**config["presets"]["quick"], "steps": 5, "eval_every": 1, "patience": {"likelihood": 3}}
+    kw = dict(config=config, settings=settings, split=0, group="likelihood", threads=1)
+    a = run_unit(**kw, checkpoint_dir=tmp_path / "a", resume=False)
+
+    def crash(rnd, info):
+        if rnd == 2:
+            raise Interrupted("simulated crash after round 2")
+
+    with pytest.raises(Interrupted):
+        run_unit(**kw, checkpoint_dir=tmp_path / "b", resume=False, callback=crash)
+    assert not (tmp_path / "b" / "mof-s0-likelihood.result.pt").exists()
+    b = run_unit(**kw, checkpoint_dir=tmp_path / "b", resume=True)
+    assert torch.equal(a["mu"], b["mu"]) and torch.equal(a["var"], b["var"])
+    assert a["steps"] == b["steps"] and a["best_step"] == b["best_step"] and a["plan"] == b["plan"]
+    for k in a["history"]:
+        torch.testing.assert_close(a["history"][k], b["history"][k], rtol=0, atol=0, equal_nan=True)
+    assert a["plan"]["rounds"] == 5 and all(s <= 5 for s in a["steps"])
+
+
+def test_step_budget_is_equal_across_batch_sizes():
+    """Every group takes the same optimiser steps whatever its batch size; the stream of step batches is the
+    sequence of data epochs however it is cut into rounds."""
+    from hardeq_studies.mof.data import epoch_batches, load_graphs, step_batches
+    from hardeq_studies.mof.run import schedule, steps_taken
+
+    budget = {"steps": 45, "eval_every": 20}
+    small, large = schedule(budget, 32, 1586), schedule(budget, 128, 1586)
+    assert small["steps"] == large["steps"] == 45 and small["rounds"] == large["rounds"] == 3
+    assert (small["steps_per_epoch"], large["steps_per_epoch"]) == (50, 13)
+    assert schedule({"epochs": 3}, 128, 1586) == {"steps": 39, "round": 13, "rounds": 3, "steps_per_epoch": 13}
+    assert steps_taken(small, torch.tensor([0, 1, 3])) == [45, 20, 45]
+    graphs = load_graphs(None, 120).graphs[:30]
+    stream = step_batches(graphs, 8, 3, 0, 3) + step_batches(graphs, 8, 3, 3, 6)  # rounds of 3 and 6 steps
+    epochs = epoch_batches(graphs, 8, 3, 0) + epoch_batches(graphs, 8, 3, 1) + epoch_batches(graphs, 8, 3, 2)
+    assert len(stream) == 9 and all(torch.equal(s.y, e.y) for s, e in zip(stream, epochs[:9]))
+    with pytest.raises(ValueError, match="steps and eval_every"):
+        schedule({"steps": 4, "eval_every": -1}, 8, 30)

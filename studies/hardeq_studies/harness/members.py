@@ -216,6 +216,9 @@ class MemberList(nn.Module):
         return torch.stack([m(x) for m in self.members])
 
     def merge_members(self, dst: Mapping[str, Tensor], src: Mapping[str, Tensor], mask: Tensor) -> dict[str, Tensor]:
-        """Member ``i``'s entries (keys ``members.i.*``) from ``src`` where ``mask[i]``, else from ``dst``."""
+        """Member ``i``'s entries (keys ``members.i.*``) from ``src`` where ``mask[i]``, else from ``dst``.
+
+        The entries taken from ``src`` are copies: ``src`` is often the live ``state_dict`` (whose tensors share
+        storage with the parameters), and a best-validation state that aliased it would follow training."""
         take = {i for i, flag in enumerate(mask.tolist()) if flag}
-        return {k: src[k] if int(k.split(".")[1]) in take else v for k, v in dst.items()}
+        return {k: src[k].detach().clone() if int(k.split(".")[1]) in take else v for k, v in dst.items()}

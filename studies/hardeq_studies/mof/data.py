@@ -22,7 +22,8 @@ from torch import Tensor
 from ..extras import require
 
 __all__ = ["CONFIG_PATH", "DATA_DIR", "MofData", "load_config", "load_graphs", "make_split", "collate",
-           "epoch_batches", "element_means"]
+           "epoch_batches", "epoch_order", "step_batches",
+           "element_means"]
 
 HERE = Path(__file__).resolve().parent
 CONFIG_PATH = HERE / "config.json"
@@ -140,12 +141,39 @@ def collate(graphs: list):
     return pyg().data.Batch.from_data_list(graphs)
 
 
-def epoch_batches(graphs: list, batch_size: int, seed: int, epoch: int) -> list:
-    """The training batches of one epoch: a permutation drawn from ``(seed, epoch)`` (so a resumed run draws
-    the same order), cut into batches of ``batch_size`` graphs (the last one smaller)."""
+def epoch_order(num_graphs: int, seed: int, epoch: int) -> list[int]:
+    """The order of the training graphs in data epoch ``epoch``: a permutation drawn from ``(seed, epoch)``
+    alone (so a resumed run draws the same order)."""
     g = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(epoch))
-    perm = torch.randperm(len(graphs), generator=g).tolist()
+    return torch.randperm(int(num_graphs), generator=g).tolist()
+
+
+def epoch_batches(graphs: list, batch_size: int, seed: int, epoch: int) -> list:
+    """The training batches of one data epoch (:func:`epoch_order`) cut into batches of ``batch_size`` graphs
+    (the last one smaller)."""
+    perm = epoch_order(len(graphs), seed, epoch)
     return [collate([graphs[i] for i in perm[s: s + batch_size]]) for s in range(0, len(graphs), batch_size)]
+
+
+def step_batches(graphs: list, batch_size: int, seed: int, first: int, count: int) -> list:
+    """The batches of optimiser steps ``first, ..., first + count - 1`` of a stream of data epochs.
+
+    Step ``s`` takes batch ``s mod E`` of data epoch ``s div E`` (``E = ceil(len(graphs) / batch_size)``
+    batches per epoch, orders from :func:`epoch_order`), so the stream, cut into rounds of any length,
+    is the sequence of :func:`epoch_batches`. Cost: one permutation per data epoch touched and one
+    ``collate`` per step.
+    """
+    if first < 0 or count < 0:
+        raise ValueError(f"first and count must be non-negative, got first={first}, count={count}.")
+    per_epoch = -(-len(graphs) // int(batch_size))
+    orders: dict[int, list[int]] = {}
+    out = []
+    for s in range(int(first), int(first) + int(count)):
+        e, j = divmod(s, per_epoch)
+        if e not in orders:
+            orders[e] = epoch_order(len(graphs), seed, e)
+        out.append(collate([graphs[i] for i in orders[e][j * batch_size: (j + 1) * batch_size]]))
+    return out
 
 
 def element_means(graphs: list, variance_floor: float) -> tuple[Tensor, Tensor]:

@@ -16,6 +16,7 @@ Per split ``s`` (454 test MOFs in the full data set):
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,7 +27,7 @@ from ..stats import paired_wilcoxon
 from .data import collate, element_means, load_graphs, make_split
 from .metrics import (METHODS, ensemble_nll_moment, ensemble_nll_paper, gsum, mixture_nll, predict, single_nll)
 
-__all__ = ["evaluate_all", "significance", "PAPER_ORDER"]
+__all__ = ["evaluate_all", "significance", "threshold_counts", "PAPER_ORDER"]
 
 #: rows of the table, in the paper's order
 PAPER_ORDER = ["Constant", "Element-mean uniform", "Element-mean variance", "CL", "KKT", "variance", "closed-form",
@@ -155,24 +156,46 @@ def evaluate_all(config: Mapping[str, Any], settings: Mapping[str, Any],
             "curves": _curves(units), "parity": parity,
             "best_epoch": {f"s{s}-{g2}": [int(x) for x in r["best_epoch"]] for (s, g2), r in units.items()},
             "stopped_epoch": {f"s{s}-{g2}": [int(x) for x in r["stopped_epoch"]] for (s, g2), r in units.items()},
+            "optimizer_steps": {f"s{s}-{g2}": [int(x) for x in r["steps"]] for (s, g2), r in units.items()},
+            "best_step": {f"s{s}-{g2}": [int(x) for x in r["best_step"]] for (s, g2), r in units.items()},
+            "plan": {g2: dict(r["plan"]) for (s, g2), r in units.items()},
+            "unit_methods": {g2: list(r["methods"]) for (s, g2), r in units.items()},
             "unit_seconds": {f"s{s}-{g2}": float(r["seconds"]) for (s, g2), r in units.items()}}
+
+
+def _split_value(vals: Mapping[str, Mapping[str, list[float]]], name: str, metric: str) -> float | None:
+    """One split's value of ``name``: the mean over its initialisations, or initialisation ``k`` for
+    ``"method#k"``; ``None`` when the split lacks it."""
+    method, _, k = name.partition("#")
+    v = vals.get(method, {}).get(metric)
+    if not v or (k and int(k) >= len(v)):
+        return None
+    return float(v[int(k)]) if k else sum(v) / len(v)
 
 
 def significance(per_split: Mapping[str, Mapping[str, Mapping[str, list[float]]]],
                  pairs: list[tuple[str, str, str]]) -> list[dict[str, Any]]:
-    """Paired two-sided Wilcoxon tests ``(a, b, metric)``: pairs are (split, initialisation) for single
-    models (two per split) and splits for ensembles; ``wins`` counts pairs with ``a < b``."""
+    """Paired two-sided Wilcoxon tests ``(a, b, metric)`` over the splits: one pair per split, a single
+    method's value being the mean of its initialisations on that split (the two models of a split share
+    their data, so they are not independent pairs) or, for ``"method#k"``, its initialisation ``k`` alone;
+    ``wins`` counts splits with ``a < b``."""
     out = []
     for a, b, metric in pairs:
         xa, xb = [], []
         for vals in per_split.values():
-            if a in vals and b in vals and metric in vals[a] and metric in vals[b]:
-                va, vb = vals[a][metric], vals[b][metric]
-                if len(va) != len(vb):
-                    va, vb = [sum(va) / len(va)], [sum(vb) / len(vb)]
-                xa += va
-                xb += vb
+            va, vb = _split_value(vals, a, metric), _split_value(vals, b, metric)
+            if va is not None and vb is not None:
+                xa.append(va)
+                xb.append(vb)
         if not xa:
             continue
         out.append({"a": a, "b": b, "metric": metric, **paired_wilcoxon(xa, xb)})
     return out
+
+
+def threshold_counts(per_split: Mapping[str, Mapping[str, Mapping[str, list[float]]]], name: str, metric: str,
+                     value: float) -> dict[str, Any]:
+    """How many splits have ``name``'s ``metric`` (mean over initialisations) above ``value``."""
+    xs = [x for x in (_split_value(v, name, metric) for v in per_split.values()) if x is not None]
+    return {"a": name, "metric": metric, "threshold": value, "n": len(xs), "above": sum(x > value for x in xs),
+            "median": statistics.median(xs) if xs else None}

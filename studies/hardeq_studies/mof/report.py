@@ -46,8 +46,9 @@ def render_markdown(doc: Mapping[str, Any], brief: bool = False) -> str:
     methods = [m for m in PAPER_ORDER if (m, "mad") in idx]
     s = doc["config"]["settings"]
     lines = [f"# mof: charge-neutral MOF partial charges (preset `{doc['preset']}`)", "",
-             f"{s['splits']} split(s), at most {s['epochs']} epochs; n = values per row (two initialisations per "
-             "split for single models, one per split for ensembles and baselines). Mean ± std (sample std).", ""]
+             f"{s['splits']} split(s), {_budget_text(s)}.", "", "## Test MAD and NLL (paper Table 5)", "",
+             "n = values per row (two initialisations per split for single models, one per split for ensembles "
+             "and baselines). Mean ± std (sample std).", ""]
     rows = []
     for m in methods:
         mad, nll = idx.get((m, "mad")), idx.get((m, "nll"))
@@ -60,6 +61,8 @@ def render_markdown(doc: Mapping[str, Any], brief: bool = False) -> str:
               "predicted Gaussian (the ICML code's convention; = the density on the plane, "
               "`ConstrainedNormal.log_prob`, minus 0.5 log n), summed per MOF and averaged over MOFs. "
               "Ensembles in this column use the ICML code's covariance (S1 + S2)/4.", ""]
+    lines += ["## Claims of the paper", ""] + claims_table(doc)
+    lines += ["", "## Training budget", ""] + budget_tables(doc) + [""]
     ens = [m for m in methods if m.endswith("ensemble")]
     if ens:
         lines += ["## Ensemble NLL: the ICML code's (S1 + S2)/4 against the mixture", ""]
@@ -81,8 +84,11 @@ def render_markdown(doc: Mapping[str, Any], brief: bool = False) -> str:
     sig = doc.get("significance") or []
     if sig:
         lines += ["", "## Paired two-sided Wilcoxon signed-rank tests", "",
-                  "Pairs: (split, initialisation) for single models, splits for ensembles; "
-                  "wins = pairs with a < b.", ""]
+                  "One pair per split; a single method's value on a split is the mean of its two "
+                  "initialisations (`method#0`: the first alone); wins = splits with a < b. An ensemble's MAD "
+                  "can never exceed the mean of its two members' MADs (|(p1 + p2)/2 - q| <= (|p1 - q| + "
+                  "|p2 - q|)/2 for every atom), so `X ensemble` vs `X` can only come out one way: the claims "
+                  "compare an ensemble with its first member instead.", ""]
         rows = [[t["a"], t["b"], t["metric"], t["n"], t["wins"], _num(t["median_diff"], ".4g"),
                  _num(t["p"], ".3g")] for t in sig]
         lines.append(markdown_table(["a", "b", "metric", "n", "wins (a < b)", "median a - b", "p"], rows))
@@ -99,13 +105,102 @@ def render_markdown(doc: Mapping[str, Any], brief: bool = False) -> str:
               f"atoms per graph (median {data.get('atoms_median')}, max {data.get('atoms_max')}).",
               f"- Split redraws (rejected shuffles): {doc.get('redraws')}; "
               f"test size (graphs, atoms): {doc.get('test_size')}.",
-              f"- Best epochs: {doc.get('best_epoch')}; early-stopped at: {doc.get('stopped_epoch')} (0: never).",
+              f"- Best rounds: {doc.get('best_epoch')}; early-stopped after round: {doc.get('stopped_epoch')} "
+              "(0: never).",
               f"- Wall time {doc.get('timing', {}).get('total_s', float('nan')):.0f} s "
               f"(training {doc.get('timing', {}).get('train_s', float('nan')):.0f} s); device "
               f"{doc['environment'].get('device')}, {s.get('jobs')} process(es) x {s.get('threads')} thread(s); "
               f"git {doc['environment'].get('git', '?')[:10]} (dirty: {doc['environment'].get('dirty')}).",
               f"- Command: `{doc.get('command')}`.", ""]
     return "\n".join(lines)
+
+
+def _budget_text(settings: Mapping[str, Any]) -> str:
+    if settings.get("steps"):
+        return (f"{settings['steps']} optimiser steps per model for every method, validated every "
+                f"{settings.get('eval_every')} steps")
+    return f"at most {settings.get('epochs')} epochs per model"
+
+
+def _verdict(test: Mapping[str, Any] | None, expect: str, alpha: float, budget: str) -> str:
+    """``reproduced`` / ``refuted (...)`` / ``undecided (...)`` of a paired test against the expected sign."""
+    if test is None or test["n"] < 2 or not math.isfinite(test["p"]):
+        return f"undecided (fewer than 2 splits; {budget})"
+    sign = -1 if "<" in expect else 1
+    p = _num(test["p"], ".3g")
+    if test["p"] < alpha and test["median_diff"] * sign > 0:
+        return "reproduced"
+    if test["p"] < alpha:
+        return f"refuted (Wilcoxon over {test['n']} splits, p = {p})"
+    return f"undecided (p = {p} over {test['n']} splits; {budget})"
+
+
+def _claim_row(claim: Mapping[str, Any], doc: Mapping[str, Any], idx: Mapping, alpha: float, budget: str
+               ) -> list[str]:
+    a, metric, expect = claim["a"], claim["metric"], claim["expect"]
+    spec = ".4f" if metric == "mad" else ".1f"
+    if "b" not in claim:  # a threshold
+        t = next((t for t in doc.get("thresholds", []) if t["a"] == a and t["metric"] == metric), None)
+        if t is None or not t["n"]:
+            return [claim["claim"], claim["evidence"], "–", f"undecided (not run; {budget})"]
+        here = (f"{a} {metric} {_cell(idx.get((a, metric)), spec)}; above {t['threshold']:.0e} on "
+                f"{t['above']}/{t['n']} splits")
+        verdict = "reproduced" if t["above"] == t["n"] else f"undecided ({budget})"
+        return [claim["claim"], claim["evidence"], here, verdict]
+    b = claim["b"]
+    test = next((t for t in doc.get("significance", []) if (t["a"], t["b"], t["metric"]) == (a, b, metric)), None)
+    if test is None:
+        return [claim["claim"], claim["evidence"], "–", f"undecided (not run; {budget})"]
+    b_text = "its first model" if "#" in b else _cell(idx.get((b, metric)), spec)
+    means = f"{_cell(idx.get((a, metric)), spec)} vs {b_text}; "
+    here = (f"{means}a < b on {test['wins']}/{test['n']} splits, median a - b {_num(test['median_diff'], '.4g')}, "
+            f"p = {_num(test['p'], '.3g')}")
+    return [claim["claim"], claim["evidence"], here, _verdict(test, expect, alpha, budget)]
+
+
+def claims_table(doc: Mapping[str, Any]) -> list[str]:
+    """The ``Claims of the paper`` lines: each claim of ``config["claims"]`` with its verdict, computed from the
+    paired tests over splits (``reproduced`` / ``refuted`` at ``claims_alpha``, else ``undecided``)."""
+    cfg = doc["config"]
+    idx = {(r["method"], r["metric"]): r for r in doc["records"]}
+    alpha, budget = float(cfg.get("claims_alpha", 0.05)), str(cfg.get("claims_budget", "a larger budget"))
+    rows = [_claim_row(c, doc, idx, alpha, budget) for c in cfg.get("claims", [])]
+    return [f"Paired two-sided Wilcoxon signed-rank tests over splits (level {alpha}); a = the first method named, "
+            "b = the second; values here are mean ± std over the row's values (see the table above). "
+            "`X#0`: the first initialisation alone.", "",
+            markdown_table(["claim (paper)", "paper's evidence", "here", "verdict"], rows)]
+
+
+def budget_tables(doc: Mapping[str, Any]) -> list[str]:
+    """The ``Training budget`` lines: per method group its plan, and per split and method the optimiser steps
+    each model took and the step of its best validation MAD (``steps (best)``; fewer steps = stopped early)."""
+    plans, methods = doc.get("plan", {}), doc.get("unit_methods", {})
+    groups = doc["config"]["groups"]
+    rows = []
+    for g, plan in plans.items():
+        steps = [x for k, v in doc.get("optimizer_steps", {}).items() if k.endswith(f"-{g}") for x in v]
+        stopped = sum(x < plan["steps"] for x in steps)
+        rows.append([g, ", ".join(groups[g]["methods"]), groups[g]["batch_size"], plan["steps_per_epoch"],
+                     plan["steps"], f"{plan['steps'] / plan['steps_per_epoch']:.1f}", plan["round"],
+                     f"{stopped}/{len(steps)}"])
+    out = [markdown_table(["group", "methods", "batch (graphs)", "steps per data epoch", "step budget per model",
+                           "data epochs in the budget", "steps between validations", "models stopped early"], rows),
+           "", "Per split: optimiser steps each model took (the step of its best validation MAD), both "
+           "initialisations of each method.", ""]
+    names = [m for g in plans for m in dict.fromkeys(methods.get(g, []))]
+    splits = sorted({int(k.split("-")[0][1:]) for k in doc.get("optimizer_steps", {})})
+    table = []
+    for s in splits:
+        row = [s]
+        for m in names:
+            g = next(g for g in plans if m in methods.get(g, []))
+            key = f"s{s}-{g}"
+            ix = [i for i, x in enumerate(methods[g]) if x == m]
+            st, bs = doc["optimizer_steps"].get(key), doc["best_step"].get(key)
+            row.append("–" if st is None else ", ".join(f"{st[i]} ({bs[i]})" for i in ix))
+        table.append(row)
+    out.append(markdown_table(["split"] + names, table))
+    return out
 
 
 #: this study's methods drawn in the colours of their closest relatives in :mod:`hardeq_studies.palette`

@@ -6,6 +6,12 @@ MAD), then evaluates each member's best-validation parameters on the test split 
 ``mu`` and ``variance`` (float64). Unit results are saved atomically to ``CKPT/mof-s{split}-{group}.result.pt``
 (with the run's fingerprint); the harness checkpoints each unit every ``checkpoint_every`` epochs, so
 ``--resume`` continues an interrupted unit exactly and skips finished ones.
+
+**Budget** (:func:`schedule`). With ``settings["steps"] = S`` every model of every method takes the same
+``S`` optimiser steps, whatever its batch size (Raza's batch of 32 graphs and our 128 see different numbers
+of epochs), validated every ``eval_every`` steps (a *round*, the harness's epoch); patience counts rounds.
+Without it (the ``paper`` preset) a round is one data epoch of the group's batch size and the budget is
+``epochs`` data epochs, as in the paper.
 """
 
 from __future__ import annotations
@@ -16,13 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from ..harness import LoaderBatches, MemberList, TrainConfig, atomic_torch_save, fingerprint, load_checkpoint, train
-from .data import collate, epoch_batches, load_graphs, make_split
+from .data import collate, load_graphs, make_split, step_batches
 from .models import build_member
 from .task import MofTask, unit_methods
 
-__all__ = ["run_unit", "train_all", "unit_plan"]
+__all__ = ["run_unit", "schedule", "steps_taken", "train_all", "unit_plan"]
 
 
 def unit_plan(config: Mapping[str, Any], settings: Mapping[str, Any]) -> list[tuple[int, str]]:
@@ -32,11 +39,36 @@ def unit_plan(config: Mapping[str, Any], settings: Mapping[str, Any]) -> list[tu
     return [(s, g) for s in range(int(settings["splits"])) for g in groups]
 
 
+def schedule(settings: Mapping[str, Any], batch_size: int, num_train: int) -> dict[str, int]:
+    """The unit's budget: ``{"steps"`` (optimiser steps per model), ``"round"`` (steps between validations),
+    ``"rounds"`` (the harness's epochs), ``"steps_per_epoch"`` (batches in one pass over ``num_train`` graphs)}``.
+
+    ``settings["steps"]`` set: ``S`` steps in rounds of ``eval_every`` (the last round shorter); else
+    ``settings["epochs"]`` data epochs, one round each.
+    """
+    per_epoch = -(-int(num_train) // int(batch_size))
+    if settings.get("steps"):
+        total, every = int(settings["steps"]), int(settings.get("eval_every") or per_epoch)
+        if total < 1 or every < 1:
+            raise ValueError(f"steps and eval_every must be positive, got {total} and {every}.")
+        return {"steps": total, "round": every, "rounds": -(-total // every), "steps_per_epoch": per_epoch}
+    epochs = int(settings["epochs"])
+    return {"steps": epochs * per_epoch, "round": per_epoch, "rounds": epochs, "steps_per_epoch": per_epoch}
+
+
+def steps_taken(plan: Mapping[str, int], rounds: Tensor) -> list[int]:
+    """Optimiser steps after each member's ``rounds`` (``(M,)`` 1-based round counts; 0 means the whole budget)."""
+    return [int(plan["steps"]) if int(r) == 0 else min(int(r) * int(plan["round"]), int(plan["steps"]))
+            for r in rounds]
+
+
 def _unit_id(config: Mapping[str, Any], settings: Mapping[str, Any], split: int, group: str) -> dict[str, Any]:
     g = config["groups"][group]
+    budget = ({"steps": int(settings["steps"]), "eval_every": settings.get("eval_every")} if settings.get("steps")
+              else {"epochs": int(settings["epochs"])})
     return {"study": "mof", "split": split, "group": group, "methods": unit_methods(g), "arch": g["arch"],
             "batch_size": g["batch_size"], "lr": g["lr"], "patience": _patience(settings, group, g),
-            "epochs": int(settings["epochs"]), "graphs": settings.get("graphs"), "split_rule": config["split"],
+            **budget, "graphs": settings.get("graphs"), "split_rule": config["split"],
             "dtype": "float32 network, float64 head"}
 
 
@@ -47,8 +79,11 @@ def _patience(settings: Mapping[str, Any], group: str, g: Mapping[str, Any]) -> 
 
 def run_unit(config: Mapping[str, Any], settings: Mapping[str, Any], split: int, group: str, *,
              checkpoint_dir: Path, resume: bool, device: str = "cpu", threads: int | None = None,
-             progress: bool = False) -> dict[str, Any]:
-    """Train and test one unit (see the module docstring); returns its result (plain containers, tensors)."""
+             progress: bool = False, callback=None) -> dict[str, Any]:
+    """Train and test one unit (see the module docstring); returns its result (plain containers, tensors).
+
+    ``callback(round, info)`` is passed to the harness's ``train`` (called after every round; it may raise
+    :class:`~hardeq_studies.harness.Interrupted`, which the resume test uses to simulate a crash)."""
     if threads:
         torch.set_num_threads(int(threads))
     dev = torch.device(device)
@@ -69,17 +104,20 @@ def run_unit(config: Mapping[str, Any], settings: Mapping[str, Any], split: int,
     seeds = [1000 * split + 10 * list(config["groups"]).index(group) + i for i in range(len(methods))]
     model = MemberList([build_member(g["arch"], s) for s in seeds], per_member_inputs=False).to(dev)
     bs = int(g["batch_size"])
+    plan = schedule(settings, bs, len(train_graphs))
 
-    def make(epoch: int, ctx) -> list:
-        return [b.to(dev) for b in epoch_batches(train_graphs, bs, seed=split, epoch=epoch)]
+    def make(rnd: int, ctx) -> list:
+        first = rnd * plan["round"]
+        count = min(plan["round"], plan["steps"] - first)
+        return [b.to(dev) for b in step_batches(train_graphs, bs, split, first, count)]
 
     source = LoaderBatches(make, None, batch_size_of=lambda b: int(b.num_nodes), num_samples=len(train_graphs))
-    cfg = TrainConfig(epochs=int(settings["epochs"]), batch_size=bs, lr=float(g["lr"]), select_metric="mad",
+    cfg = TrainConfig(epochs=plan["rounds"], batch_size=bs, lr=float(g["lr"]), select_metric="mad",
                       patience=_patience(settings, group, g), checkpoint_every=int(settings.get("checkpoint_every", 1)))
     task = MofTask(methods)
     res = train(model, task, source, [val_batch], cfg, seeds, checkpoint_path=Path(checkpoint_dir) /
                 f"mof-s{split}-{group}.pt", resume=resume, run_id=run_id, progress=progress, desc=f"s{split}-{group}",
-                log_every=1 if progress else 0)
+                log_every=1 if progress else 0, callback=callback)
     model.load_state_dict(res.best_state)
     model.eval()
     with torch.no_grad():
@@ -87,7 +125,8 @@ def run_unit(config: Mapping[str, Any], settings: Mapping[str, Any], split: int,
     out_doc = {
         "fingerprint": fingerprint(run_id), "split": split, "group": group, "methods": methods, "seeds": seeds,
         "mu": out[..., 0].clone(), "var": out[..., 1].clone(),
-        "best_epoch": res.best_epoch, "stopped_epoch": res.stopped_epoch,
+        "best_epoch": res.best_epoch, "stopped_epoch": res.stopped_epoch, "plan": plan,
+        "steps": steps_taken(plan, res.stopped_epoch), "best_step": steps_taken(plan, res.best_epoch),
         "history": {k: v for k, v in res.history.items()}, "redraws": split_ix["redraws"],
         "seconds": time.perf_counter() - t0,
     }

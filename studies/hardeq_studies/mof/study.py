@@ -28,6 +28,11 @@ class MofStudy(Study):
                             help="train only these method groups (default: all)")
         parser.add_argument("--graphs", type=self._graphs, default=None,
                             help=f"use only the first N graphs, at least {self.min_graphs()} (default: the preset's)")
+        parser.add_argument("--steps", type=positive_int, default=None,
+                            help="optimiser steps per model, equal for every method (default: the preset's; "
+                                 "the paper preset counts epochs instead)")
+        parser.add_argument("--eval-every", type=positive_int, default=None,
+                            help="optimiser steps between validations with --steps (default: the preset's)")
         parser.add_argument("--jobs", type=positive_int, default=None,
                             help="parallel processes (default: the preset's)")
         add_run_arguments(parser)
@@ -54,9 +59,9 @@ class MofStudy(Study):
         splits = getattr(args, "splits", None) or getattr(args, "seeds", None)
         if splits:
             s["splits"] = int(splits)
-        if getattr(args, "epochs", None):
-            s["epochs"] = int(args.epochs)
-        for key in ("graphs", "jobs", "threads", "groups"):
+        if getattr(args, "epochs", None):  # a budget in data epochs (unless --steps is given too)
+            s["epochs"], s["steps"] = int(args.epochs), None
+        for key in ("graphs", "jobs", "threads", "groups", "steps", "eval_every"):
             if getattr(args, key, None):
                 s[key] = getattr(args, key)
         if getattr(args, "device", None):
@@ -84,14 +89,16 @@ class MofStudy(Study):
                 "facts": load_graphs(None, s.get("graphs")).facts}
 
     def document(self, run: RunSetup, result: dict[str, Any], wall: float) -> dict[str, Any]:
-        from .evaluate import significance
+        from .evaluate import significance, threshold_counts
 
         ev = dict(result["ev"])
         per_split = ev.pop("per_split")
         sig = significance(per_split, [tuple(p) for p in self.config["significance"]])
+        thresholds = [threshold_counts(per_split, c["a"], c["metric"], float(c["expect"].split(">")[1]))
+                      for c in self.config["claims"] if "b" not in c]
         used = {**self.config, "preset": run.preset, "settings": run.settings, "device_run": str(run.device)}
         return {"config": used, "records": ev.pop("records"), "device": str(run.device), "per_split": per_split,
-                "significance": sig, "data": result["facts"],
+                "significance": sig, "thresholds": thresholds, "data": result["facts"],
                 "timing": {"total_s": wall, "train_s": result["train_s"], **ev.pop("unit_seconds")},
                 "command": run.command, **{k: v for k, v in ev.items() if k not in ("curves", "parity")}}
 
