@@ -164,7 +164,7 @@ def test_preset_settings_and_tables():
     assert cpu["train"]["steps"] == 2000 and cpu["threads"] == 1
     assert [len(tables[k]["variants"]) for k in "34"] == [6, 6]
     cpu_cifar = settings(config, "cpu", "cifar10")
-    assert cpu_cifar["dataset"] == "cifar10" and cpu_cifar["train"]["steps"] == 3000
+    assert cpu_cifar["dataset"] == "cifar10" and cpu_cifar["train"]["steps"] == 2500
     assert cpu_cifar["unet"] == cpu["unet"] and cpu_cifar["sampling"] == cpu["sampling"]
     assert [tables[k]["fid"] for k in "3467"] == [True, True, False, False]
     assert len(tables["6"]["variants"]) == 11 and len(tables["7"]["variants"]) == 7

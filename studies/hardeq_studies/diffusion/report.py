@@ -14,7 +14,7 @@ from torch import Tensor
 from ..figures import save_png
 from ..extras import require
 from ..palette import color
-from ..claims import Claim, claims_section, verdict
+from ..claims import ALPHA, Claim, claims_section, verdict
 from ..results import markdown_table
 
 __all__ = ["render_markdown", "plot_schedules", "plot_training", "save_grids", "claims", "GRID_FILES"]
@@ -103,17 +103,19 @@ def _boot_text(r: Mapping[str, Any]) -> str:
 
 def _boot_verdict(r: Mapping[str, Any] | None, *, not_worse: bool) -> str:
     """The verdict on "``a`` is not worse than ``b``" (``not_worse``) or "``a`` beats ``b``" from a paired bootstrap
-    of ``a - b`` (lower is better): significant when the 95% interval excludes 0."""
+    of ``a - b`` (lower is better): significant when the bootstrap p-value is below :data:`ALPHA` and the 95%
+    interval excludes 0."""
     if r is None:
         return "undecided (not computed in this run)"
     lo, hi = r["ci95"]
-    if lo > 0:
+    significant = r["p"] < ALPHA
+    if significant and lo > 0:
         return f"refuted ({_boot_text(r)}; worse)"
-    if hi < 0:
+    if significant and hi < 0:
         return f"reproduced ({_boot_text(r)}; better)"
     if not_worse:
         return f"consistent (no significant difference; {_boot_text(r)})"
-    return f"undecided ({_boot_text(r)}; more images per row would decide it)"
+    return f"undecided ({_boot_text(r)}; more images per row or bootstrap replicates would decide it)"
 
 
 def _rate(idx: Mapping[tuple[str, str, str], Any], table: str, label: str, metric: str) -> float | None:
@@ -364,9 +366,11 @@ def render_markdown(doc: Mapping[str, Any], out: Path | None = None) -> str:
         lines.append(markdown_table(["check", "n", "FID", "expected"], rows))
     lines += _significance_section(doc)
     lines.append(claims_section(claims(doc), note=(
-        "Tests: Wilcoxon signed-rank over images for the residuals; paired bootstrap over images for FID and "
-        "classifier FD (significant when the 95% interval excludes 0; the FID where this run computed it, else "
-        "the classifier FD). `consistent` = no significant difference, which is what \"not worse\" needs.")))
+        "The pairs here are images, not seeds (one noise seed; every row of a table starts from the same noise): "
+        "Wilcoxon signed-rank over images for the residuals; paired bootstrap over images for FID and classifier "
+        "FD (significant when the bootstrap p, at least 2/(replicates + 1), is below 0.05 and the 95% interval "
+        "excludes 0; the FID where this run computed it, else the classifier FD). `consistent` = no significant "
+        "difference, which is what \"not worse\" needs.")))
 
     def tm(key: str) -> str:
         return _fmt(timing.get(key), ".0f")
