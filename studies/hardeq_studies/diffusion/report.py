@@ -342,7 +342,8 @@ def render_markdown(doc: Mapping[str, Any], out: Path | None = None) -> str:
         lines += [f"## Table {tk}: {meta['title']}", "",
                   f"DDIM {s['sampling']['ddim_steps']} steps, n = {meta['n']} images per row and seed (the first n of "
                   f"the noise stream of Table 4); differences against {meta['baseline']}.", ""]
-        header = ["schedule", "conditioned steps include the last", "violation rate", "paper violation"]
+        header = ["schedule", "conditioned steps include the last", "violation rate", "paper violation",
+                  "8-bit violation rate", "pixels outside [0,1]"]
         if meta["fid"]:
             header += ["FID", "Δ FID 95% CI"]
         header += ["paper FID", "paper IS", "classifier FD", "Δ CFD 95% CI", "classifier score"]
@@ -351,7 +352,8 @@ def render_markdown(doc: Mapping[str, Any], out: Path | None = None) -> str:
         for label in _rows(doc, tk):
             g = {m: idx.get((tk, label, m)) for m in METRICS}.get
             row = [label, {True: "yes", False: "no"}.get(exact.get(label), "–") if "ours" in label else "–",
-                   _cell(g("violation_rate"), ".4g"), _paper(doc, tk, label, "violation_rate", ".4g")]
+                   _cell(g("violation_rate"), ".4g"), _paper(doc, tk, label, "violation_rate", ".4g"),
+                   _cell(g("violation_rate_u8"), ".4g"), _cell(g("out_of_range"), ".2g")]
             if meta["fid"]:
                 row += [_cell(g("fid"), ".2f", boot=True), _ci(g("fid"), ".2f")]
             row += [_paper(doc, tk, label, "fid"), _paper(doc, tk, label, "inception_score"),
