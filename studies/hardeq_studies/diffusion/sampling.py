@@ -21,10 +21,11 @@ the same noise:
   :math:`x_T` of chunk ``j`` is the same for every schedule, and so is the conditioning stream.
 
 A chunk's result keeps, per variant, what the evaluation needs and nothing else: the 8-bit images as a user saves
-them (:func:`hardeq.diffusion.to_uint8_exact` onto the totals for the box rows, plain rounding of the clipped
-image for the others), the per-image, per-channel constraint residuals of the *unclipped* float output (pixel
-units of ``[0, 1]``), the residuals of the saved 8-bit images (grey levels, against ``round(255 k)``) and the
-share of pixels outside ``[0, 1]``.
+them (for the box rows :func:`hardeq.diffusion.to_uint8_exact` onto the totals after a float64
+:func:`~hardeq.diffusion.box_project` onto the ``[0, 1]`` totals, plain rounding of the clipped image for the
+others), the per-image, per-channel constraint residuals of the *unclipped* float output (pixel units of
+``[0, 1]``), the residuals of the saved 8-bit images (grey levels, against ``round(255 k)``) and the share of
+pixels outside ``[0, 1]``.
 """
 
 from __future__ import annotations
@@ -139,10 +140,15 @@ def _summary(y: Tensor, totals: Tensor, *, box: bool = False) -> dict[str, Tenso
     ``images`` (uint8, as saved: :func:`~hardeq.diffusion.to_uint8_exact` onto ``totals`` for a box-exact row,
     else clipped and rounded), ``residual`` (float, unclipped), ``residual_u8`` (of the saved images) and
     ``out_of_range`` (share of pixels outside ``[0, 1]``)."""
-    from hardeq.diffusion import to_uint8_exact
+    from hardeq.diffusion import box_project, to_uint8_exact
 
     x01 = from_model(y.detach().to(torch.float64))
-    images = to_uint8_exact(x01, totals.to(torch.float64)) if box else quantize(y)
+    if box:  # the documented pipeline: float64 box projection onto the [0, 1] totals (moves pixels by round-off
+        # of the float32 output only), so the integer totals round(255 k) are always reachable, then 8 bits
+        k = totals.to(device=x01.device, dtype=torch.float64)
+        images = to_uint8_exact(box_project(x01, k, 1.0, 0.0, 1.0), k)
+    else:
+        images = quantize(y)
     return {"images": images.cpu(), "residual": residuals(y, totals).cpu(),
             "residual_u8": residuals_u8(images, totals.to(images.device)).cpu(),
             "out_of_range": ((x01 < 0) | (x01 > 1)).to(torch.float32).mean((1, 2, 3)).cpu()}
