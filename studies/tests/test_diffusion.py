@@ -26,6 +26,7 @@ from hardeq_studies.diffusion.data import (
 from hardeq_studies.diffusion.metrics import (
     Reference,
     bootstrap_frechet,
+    bootstrap_p,
     classifier_score,
     feature_stats,
     frechet_distance,
@@ -139,6 +140,11 @@ def test_paired_bootstrap_and_classifier_score():
                             replicates=30)
     assert res["same"]["diff_lo"] == 0.0 and res["same"]["diff_hi"] == 0.0  # pairing: identical rows, zero width
     assert res["shifted"]["diff_lo"] > 0 and res["base"]["std"] > 0
+    res = bootstrap_frechet({"base": [a], "same": [a.clone()], "shifted": [a + 1.0]}, ref, baseline="base",
+                            replicates=30, pairs=[("shifted", "base"), ("same", "base")])
+    assert res["same"]["vs"]["base"] == {"diff_lo": 0.0, "diff_hi": 0.0, "p": 1.0}
+    assert res["shifted"]["vs"]["base"]["diff_lo"] > 0 and res["shifted"]["vs"]["base"]["p"] == pytest.approx(2 / 31)
+    assert bootstrap_p(np.array([1.0, -1.0, 2.0])) == 1.0 and bootstrap_p(np.zeros(5)) == 1.0
     assert classifier_score(torch.eye(10)) == pytest.approx(10.0)
     assert classifier_score(torch.full((7, 10), 0.1)) == pytest.approx(1.0)
 
@@ -156,6 +162,10 @@ def test_preset_settings_and_tables():
     tables = tables_of(cpu)
     assert [tables[k]["n"] for k in "3467"] == [200, 600, 200, 200]
     assert cpu["train"]["steps"] == 2000 and cpu["threads"] == 1
+    assert [len(tables[k]["variants"]) for k in "34"] == [6, 6]
+    cpu_cifar = settings(config, "cpu", "cifar10")
+    assert cpu_cifar["dataset"] == "cifar10" and cpu_cifar["train"]["steps"] == 2500
+    assert cpu_cifar["unet"] == cpu["unet"] and cpu_cifar["sampling"] == cpu["sampling"]
     assert [tables[k]["fid"] for k in "3467"] == [True, True, False, False]
     assert len(tables["6"]["variants"]) == 11 and len(tables["7"]["variants"]) == 7
     paper = settings(config, "paper")
@@ -181,10 +191,12 @@ def test_parse_schedule_and_variants():
     assert parse_schedule("EndSpaced(4, 1)") == EndSpaced(4, 1)
     with pytest.raises(ValueError, match="expected"):
         parse_schedule("__import__('os')")
-    exact = {v.label: v.exact for v in ddim_variants(["StartSpaced(4, 1)", "EndSpaced(4, 3)", "StartEnd(3, 1)"], 50)}
+    exact = {v.label: v.exact for v in ddim_variants(["StartSpaced(4, 1)", "EndSpaced(4, 3)", "StartEnd(3, 1)"], 50,
+                                                     "StartEnd(3, 1)")}
     assert exact == {"DDIM": False, "DDIM + projection": True, "DDIM + projection + clip": False,
                      "DDIM + ours (Start 4 Space 1)": False, "DDIM + ours (End 4 Space 3)": True,
-                     "DDIM + ours (Start 3 End 1)": True}
+                     "DDIM + ours (Start 3 End 1)": True, "DDIM + ours (Start 3 End 1, deterministic)": True,
+                     "DDIM + ours + box (Start 3 End 1)": True}
 
 
 def _tiny_unet(channels: int = 1):
@@ -214,15 +226,45 @@ def test_ddpm_last_step_branch_is_the_loops_last_step():
     kw = dict(shape=(1, 32, 32), totals=totals, model_totals=model_totals(totals, 1024), seed=3, betas=betas,
               ddim_steps=4, eta=0.0, deterministic=False, device=torch.device("cpu"))
     res = sample_group(unet, "ddpm", n=3, full=4, **kw)
-    assert set(res) == {"ddpm", "ddpm+ours", "ddpm+project", "ddpm+project+clip"}
+    assert set(res) == {"ddpm", "ddpm+ours", "ddpm+ours+det", "ddpm+ours+box", "ddpm+project", "ddpm+project+clip"}
     assert res["ddpm"]["residual"].min() > 1e-3
     assert res["ddpm+ours"]["residual"].max() < 1e-3 and res["ddpm+project"]["residual"].max() < 1e-3
     assert res["ddpm+project+clip"]["out_of_range"].max() == 0
+    # the deterministic last step is the projection (isotropic variance): equal to round-off
+    assert res["ddpm+ours+det"]["diff_to_projection"].max() < 1e-5
+    # the box-exact row: exact in float, inside [0, 1], and exact as saved (to_uint8_exact); the others are not
+    box = res["ddpm+ours+box"]
+    assert box["residual"].max() < 1e-3 and box["out_of_range"].max() == 0 and box["residual_u8"].max() == 0
+    assert torch.equal(box["images"].to(torch.int64).sum((-2, -1)), (255 * totals).round().to(torch.int64).expand(3, 1))
+    assert res["ddpm+ours"]["residual_u8"].min() > 0 and res["ddpm+project+clip"]["residual_u8"].min() > 0
+    for group in ("ddim@StartEnd(1, 1)+det", "ddim@StartEnd(1, 1)+box"):
+        (out,) = sample_group(unet, group, n=3, full=4, **kw).values()
+        assert out["residual"].max() < 1e-3
+    assert out["residual_u8"].max() == 0 and out["out_of_range"].max() == 0
     assert res["ddpm"]["images"].dtype == torch.uint8 and res["ddpm"]["images"].shape == (3, 1, 32, 32)
     # a shorter chunk pairs with the start of a full one: same x_T, so the same DDIM images
     a = sample_group(unet, "ddim", n=2, full=4, **kw)
     b = sample_group(unet, "ddim", n=4, full=4, **kw)
     assert torch.equal(a["ddim"]["images"], b["ddim"]["images"][:2])
+
+
+def test_deterministic_ddpm_last_step_is_the_orthogonal_projection():
+    """DDPM's own last step returns x0_hat (variance 0), and the conditional mean of N(x0_hat, beta_0 I) given the
+    constraint is the orthogonal projection of x0_hat: from the same noise, the two samplers agree to round-off
+    (so the row decides nothing about a distribution-aware benefit). The sampled conditioned step does not."""
+    from hardeq.diffusion import channel_sum_constraint, ddpm_sample, make_betas, project_onto
+
+    unet = _tiny_unet(3)
+    betas = make_betas(8, 1e-3, 0.2)
+    con = channel_sum_constraint((4, 3, 32, 32), torch.tensor([-100.0, 20.0, 0.0]))
+    kw = dict(betas=betas, noise=torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(2)))
+    plain = ddpm_sample(unet, (4, 3, 32, 32), generator=torch.Generator().manual_seed(9), **kw)
+    det = ddpm_sample(unet, (4, 3, 32, 32), con, deterministic=True, generator=torch.Generator().manual_seed(9), **kw)
+    sampled = ddpm_sample(unet, (4, 3, 32, 32), con, generator=torch.Generator().manual_seed(9), **kw)
+    projected = project_onto(con, plain)
+    diff = float((det - projected).abs().max())
+    assert diff < 1e-5 * float(projected.abs().max())  # round-off of float32
+    assert float((sampled - projected).abs().max()) > 100 * max(diff, 1e-7)  # the sampled step adds noise
 
 
 def test_training_resume_is_bit_exact(tmp_path):
@@ -292,7 +334,7 @@ def test_quick_preset_end_to_end(quick_run):
         assert (out / name).stat().st_size > 0, name
     viol = _by(doc, "violation_rate")
     exact = {(tk, v["label"]): v["exact"] for tk, t in doc["tables"].items() for v in t["variants"]}
-    assert len(viol) == len(exact) == 4 + 4 + 11 + 7
+    assert len(viol) == len(exact) == 6 + 6 + 11 + 7
     for key, r in viol.items():
         assert r["n_seeds"] == 2 and len(r["per_seed"]) == 2 and r["n_samples"] > 0
         if exact[key]:
@@ -307,8 +349,29 @@ def test_quick_preset_end_to_end(quick_run):
     assert ("3", "real images (train split)") in fd
     inc = _by(doc, "inception_score")
     assert inc[("3", "DDPM")]["paper"] == 9.278 and inc[("3", "DDPM")]["mean"] is None
+    v8 = _by(doc, "violation_rate_u8")
+    assert v8[("3", "DDPM + ours + box (last step)")]["mean"] == 0.0
+    assert v8[("4", "DDIM + ours + box (Start 3 End 3)")]["mean"] == 0.0
+    assert v8[("3", "DDPM + ours (last step)")]["mean"] == 1.0  # plain rounding of an exact float image
+    assert _by(doc, "max_abs_diff_to_projection")[("3", "DDPM + ours (last step, deterministic)")]["mean"] < 1e-5
+    sig = {(r["table"], r["a"], r["b"], r["metric"]) for r in doc["significance"]}
+    assert ("4", "DDIM + ours (Start 3 End 3, deterministic)", "DDIM + projection", "classifier_fd") in sig
+    assert ("3", "DDPM + ours + box (last step)", "DDPM + ours (last step)", "residual_u8") in sig
     md = (out / "diffusion.md").read_text()
-    assert "Table 3" in md and "Table 7" in md and "qualitative claims" in md and "does not hold" not in md
+    assert "Table 3" in md and "Table 7" in md and "## Claims of the paper" in md
+    claims = md.split("## Claims of the paper")[1].split("\n## ")[0]
+    rows = [line for line in claims.splitlines() if line.startswith("| ") and "claim (paper)" not in line]
+    assert len(rows) >= 10 and all(r.rstrip(" |").split(" | ")[-1].split(" ")[0] in
+                                   ("reproduced", "refuted", "undecided", "consistent", "by") for r in rows)
+    assert "by construction: equal" in claims
+    for tk, entries in doc["config"]["paper"]["tables"].items():  # every value of the paper is printed
+        section = md.split(f"## Table {tk}:")[1].split("\n## ")[0]
+        for label, values in entries.items():
+            line = next(x for x in section.splitlines() if x.startswith(f"| {label} |"))
+            for v in values.values():
+                for number in (v if isinstance(v, list) else [v]):
+                    if number is not None:
+                        assert f"{number:.3f}" in line or f"{number:.4g}" in line, (tk, label, number)
     (out / "diffusion.md").unlink()
     assert main(["report", "diffusion", "--out", str(out), "--quiet"]) == 0
     assert (out / "diffusion.md").read_text() == md
@@ -322,7 +385,7 @@ def test_quick_rerun_uses_the_cached_denoiser_and_resumes_sampling(quick_run, mo
     first = json.loads((out / "diffusion.json").read_text())
     folder = out / "checkpoints" / "diffusion-mnist-quick-samples"
     files = sorted(folder.glob("*.pt"), key=lambda p: p.stat().st_mtime_ns)
-    assert len(files) == 2 * 17  # 2 seeds x 17 sampling runs x 1 chunk
+    assert len(files) == 2 * 19  # 2 seeds x 19 sampling runs x 1 chunk
     dropped = [torch.load(p, weights_only=True)["key"].split("/")[1] for p in files[-3:]]
     for p in files[-3:]:
         p.unlink()
@@ -337,6 +400,7 @@ def test_quick_rerun_uses_the_cached_denoiser_and_resumes_sampling(quick_run, mo
     assert second["model"]["cached"]
     strip = lambda doc: [{k: v for k, v in r.items()} for r in doc["records"]]  # noqa: E731
     assert strip(second) == strip(first)
+    assert second["significance"] == first["significance"]
 
 
 def _wrap_cached(fn):
@@ -418,7 +482,7 @@ def test_quick_with_the_inception_fid(quick_run, tmp_path):
     doc = json.loads((tmp_path / "out" / "diffusion.json").read_text())
     assert doc["model"]["cached"] and doc["model"]["inception"]["sha1"] == "a16e4d89c0ecbc17a915dd76ea9e41211aa82562"
     fid = _by(doc, "fid")
-    assert {tk for tk, _ in fid} == {"3", "4"} and len(fid) == 10  # 4 variants + real data, two tables
+    assert {tk for tk, _ in fid} == {"3", "4"} and len(fid) == 14  # 6 variants + real data, two tables
     assert all(r["mean"] > 0 for r in fid.values())
     assert fid[("3", "DDPM")]["paper"] == 4.173 and fid[("3", "DDPM + ours (last step)")]["ci95_diff"] is not None
     checks = {c["check"]: c["fid"] for c in doc["checks"]}

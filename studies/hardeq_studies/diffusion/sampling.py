@@ -3,19 +3,29 @@ r"""The sampled variants of the ``diffusion`` study and the sampling of one chun
 Every variant is a sampling-time change of the same trained denoiser, and every variant of a chunk starts from
 the same noise:
 
-* **DDPM group** (paper Table 3): one 1000-step ancestral trajectory per image. Its last step is taken twice
-  from the same :math:`x_1`: unconstrained (``DDPM``) and conditioned on the constraint (``DDPM + ours``, the
+* **DDPM group** (paper Table 3): one 1000-step ancestral trajectory per image. Its last step is taken four
+  times from the same :math:`x_1`: unconstrained (``DDPM``), conditioned on the constraint (``DDPM + ours``, the
   exact last step of :func:`hardeq.diffusion.ddpm_sample`, computed as a one-step ``ddpm_sample`` with
-  ``betas = betas[:1]`` and ``noise = x_1``, which is that loop's last step). The unconstrained output is also
-  repaired after the fact: orthogonal (KKT) projection onto the constraint (``+ projection``), and the
-  projection followed by clipping to the pixel range (``+ projection + clip``).
+  ``betas = betas[:1]`` and ``noise = x_1``, which is that loop's last step), its conditional mean
+  (``deterministic=True``) and the conditional mode in the pixel box (``final="box"``, :func:`~hardeq.diffusion.
+  box_project`). The unconstrained output is also repaired after the fact: orthogonal (KKT) projection onto the
+  constraint (``+ projection``), and the projection followed by clipping to the pixel range
+  (``+ projection + clip``). DDPM's own last step is deterministic (variance 0) and returns :math:`\hat x_0`, and
+  the conditional mean of an isotropic Gaussian given :math:`Ax = k` is the orthogonal projection of its mean, so
+  ``DDPM + ours (deterministic)`` *equals* ``DDPM + projection`` up to round-off (recorded per image as
+  ``diff_to_projection``): that pair decides nothing.
 * **DDIM groups** (Tables 4, 6, 7): ``ddim_sample`` with ``eta = 0`` (deterministic DDIM), unconstrained (with
   the same two repairs) or with the :math:`\hat x_0`-prediction conditioned at the steps of a schedule. The
-  initial noise :math:`x_T` of chunk ``j`` is the same for every schedule, and so is the conditioning stream.
+  headline schedule is also run with ``deterministic=True`` (group suffix ``+det``) and with ``final="box"``
+  (``+box``: the same conditioned steps, the last one replaced by the mode in the box). The initial noise
+  :math:`x_T` of chunk ``j`` is the same for every schedule, and so is the conditioning stream.
 
-A chunk's result keeps, per variant, what the evaluation needs and nothing else: the 8-bit images (what a user
-saves), the per-image, per-channel constraint residuals of the *unclipped* float output (pixel units of
-``[0, 1]``) and the share of pixels outside ``[0, 1]``.
+A chunk's result keeps, per variant, what the evaluation needs and nothing else: the 8-bit images as a user saves
+them (for the box rows :func:`hardeq.diffusion.to_uint8_exact` onto the totals after a float64
+:func:`~hardeq.diffusion.box_project` onto the ``[0, 1]`` totals, plain rounding of the clipped image for the
+others), the per-image, per-channel constraint residuals of the *unclipped* float output (pixel units of
+``[0, 1]``), the residuals of the saved 8-bit images (grey levels, against ``round(255 k)``) and the share of
+pixels outside ``[0, 1]``.
 """
 
 from __future__ import annotations
@@ -27,10 +37,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .data import quantize, residuals
+from .data import from_model, quantize, residuals
 
 __all__ = ["Variant", "parse_schedule", "schedule_label", "ddpm_variants", "ddim_variants", "sample_group",
-           "group_of"]
+           "group_of", "split_group", "residuals_u8", "GROUP_SUFFIXES"]
+
+#: group suffixes of the headline schedule's extra runs: the conditional mean, and the mode in the box
+GROUP_SUFFIXES = ("+det", "+box")
 
 _SCHEDULE = re.compile(r"^\s*(Uniform|StartEnd|StartSpaced|EndSpaced)\(\s*(\d+)\s*(?:,\s*(\d+)\s*)?\)\s*$")
 
@@ -57,8 +70,9 @@ def schedule_label(text: str) -> str:
 @dataclass(frozen=True)
 class Variant:
     """One sampled variant: ``key`` (stable id), ``label`` (printed), ``group`` (the sampling run it comes
-    from), ``post`` (a repair of the group's unconstrained output) and ``exact`` (expected to satisfy the
-    constraint to round-off)."""
+    from), ``post`` (a repair of the group's unconstrained output, or the last step's kind: ``"ours"``,
+    ``"ours_det"``, ``"box"``) and ``exact`` (expected to satisfy the constraint to round-off in floating
+    point)."""
 
     key: str
     label: str
@@ -70,13 +84,16 @@ class Variant:
 def ddpm_variants() -> list[Variant]:
     return [Variant("ddpm", "DDPM", "ddpm", None, False),
             Variant("ddpm+ours", "DDPM + ours (last step)", "ddpm", "ours", True),
+            Variant("ddpm+ours+det", "DDPM + ours (last step, deterministic)", "ddpm", "ours_det", True),
+            Variant("ddpm+ours+box", "DDPM + ours + box (last step)", "ddpm", "box", True),
             Variant("ddpm+project", "DDPM + projection", "ddpm", "project", True),
             Variant("ddpm+project+clip", "DDPM + projection + clip", "ddpm", "project_clip", False)]
 
 
-def ddim_variants(schedules: list[str], num_steps: int) -> list[Variant]:
+def ddim_variants(schedules: list[str], num_steps: int, headline: str | None = None) -> list[Variant]:
     """The unconstrained DDIM run, its two repairs, and one conditioned run per schedule (exact when the
-    schedule conditions the last of the ``num_steps`` steps)."""
+    schedule conditions the last of the ``num_steps`` steps); for the ``headline`` schedule also its
+    deterministic run and its run with the box-exact last step."""
     out = [Variant("ddim", "DDIM", "ddim", None, False),
            Variant("ddim+project", "DDIM + projection", "ddim", "project", True),
            Variant("ddim+project+clip", "DDIM + projection + clip", "ddim", "project_clip", False)]
@@ -84,6 +101,12 @@ def ddim_variants(schedules: list[str], num_steps: int) -> list[Variant]:
         sch = parse_schedule(text)
         key = f"ddim@{sch!r}"
         out.append(Variant(key, f"DDIM + ours ({sch.label})", key, None, sch.includes_last(num_steps)))
+    if headline is not None:
+        sch = parse_schedule(headline)
+        key = f"ddim@{sch!r}"
+        out += [Variant(key + "+det", f"DDIM + ours ({sch.label}, deterministic)", key + "+det", "ours_det",
+                        sch.includes_last(num_steps)),
+                Variant(key + "+box", f"DDIM + ours + box ({sch.label})", key + "+box", "box", True)]
     return out
 
 
@@ -96,9 +119,38 @@ def group_of(key: str) -> str:
     return "ddim"
 
 
-def _summary(y: Tensor, totals: Tensor) -> dict[str, Tensor]:
-    x01 = (y.detach().to(torch.float64) + 1) / 2
-    return {"images": quantize(y).cpu(), "residual": residuals(y, totals).cpu(),
+def split_group(group: str) -> tuple[str, str]:
+    """A DDIM schedule group ``"ddim@Schedule(...)[+det|+box]"`` as ``(schedule text, suffix)``."""
+    body = group[len("ddim@"):]
+    for suffix in GROUP_SUFFIXES:
+        if body.endswith(suffix):
+            return body[:-len(suffix)], suffix
+    return body, ""
+
+
+def residuals_u8(images: Tensor, totals: Tensor) -> Tensor:
+    """``|sum_c u - round(255 k_c)|`` per image and channel in grey levels, ``(N, C)`` float64: the error of the
+    saved 8-bit images ``u`` against the nearest integer total an 8-bit image can have (0 = exact as saved)."""
+    target = (255 * totals.to(torch.float64)).round()
+    return (images.to(torch.int64).sum((-2, -1)).to(torch.float64) - target).abs()
+
+
+def _summary(y: Tensor, totals: Tensor, *, box: bool = False) -> dict[str, Tensor]:
+    """What the evaluation keeps of the float output ``y`` ``(n, C, H, W)`` in ``[-1, 1]`` of a variant:
+    ``images`` (uint8, as saved: :func:`~hardeq.diffusion.to_uint8_exact` onto ``totals`` for a box-exact row,
+    else clipped and rounded), ``residual`` (float, unclipped), ``residual_u8`` (of the saved images) and
+    ``out_of_range`` (share of pixels outside ``[0, 1]``)."""
+    from hardeq.diffusion import box_project, to_uint8_exact
+
+    x01 = from_model(y.detach().to(torch.float64))
+    if box:  # the documented pipeline: float64 box projection onto the [0, 1] totals (moves pixels by round-off
+        # of the float32 output only), so the integer totals round(255 k) are always reachable, then 8 bits
+        k = totals.to(device=x01.device, dtype=torch.float64)
+        images = to_uint8_exact(box_project(x01, k, 1.0, 0.0, 1.0), k)
+    else:
+        images = quantize(y)
+    return {"images": images.cpu(), "residual": residuals(y, totals).cpu(),
+            "residual_u8": residuals_u8(images, totals.to(images.device)).cpu(),
             "out_of_range": ((x01 < 0) | (x01 > 1)).to(torch.float32).mean((1, 2, 3)).cpu()}
 
 
@@ -112,7 +164,9 @@ def sample_group(model: nn.Module, group: str, *, shape: tuple[int, int, int], n
     shorter chunk pairs image by image with a full one of another group. ``totals`` are the channel sums in
     ``[0, 1]`` units, ``model_totals`` in the model's ``[-1, 1]`` space.
 
-    Returns ``{variant key: {"images", "residual", "out_of_range"}}`` for the group's variants."""
+    Returns ``{variant key: {"images", "residual", "residual_u8", "out_of_range"}}`` for the group's variants
+    (the DDPM group's deterministic row also ``"diff_to_projection"``: per image the largest absolute difference
+    to ``DDPM + projection`` in the model's units)."""
     from hardeq import diffusion
 
     C, H, W = shape
@@ -131,9 +185,13 @@ def sample_group(model: nn.Module, group: str, *, shape: tuple[int, int, int], n
         step_gen = torch.Generator(device=device).manual_seed(int(seed) + 2)
         y = diffusion.ddpm_sample(model, (n, C, H, W), betas=betas, noise=x_T, generator=step_gen,
                                   callback=keep_x1, device=device)
-        ours = diffusion.ddpm_sample(model, (n, C, H, W), con, betas=betas[:1], noise=captured["x1"],
-                                     condition_generator=cond_gen, deterministic=deterministic, device=device)
-        outs = {"ddpm": y, "ddpm+ours": ours}
+
+        def last(**kw: Any) -> Tensor:
+            return diffusion.ddpm_sample(model, (n, C, H, W), con, betas=betas[:1], noise=captured["x1"],
+                                         device=device, **kw)
+
+        outs = {"ddpm": y, "ddpm+ours": last(condition_generator=cond_gen, deterministic=deterministic),
+                "ddpm+ours+det": last(deterministic=True), "ddpm+ours+box": last(final="box")}
         base = "ddpm"
     elif group == "ddim":
         y = diffusion.ddim_sample(model, (n, C, H, W), ddim_steps, betas=betas, eta=eta, noise=x_T,
@@ -141,16 +199,21 @@ def sample_group(model: nn.Module, group: str, *, shape: tuple[int, int, int], n
         outs = {"ddim": y}
         base = "ddim"
     elif group.startswith("ddim@"):
-        sch = parse_schedule(group[len("ddim@"):])
-        y = diffusion.ddim_sample(model, (n, C, H, W), ddim_steps, con, sch, betas=betas, eta=eta, noise=x_T,
-                                  generator=gen, condition_generator=cond_gen, deterministic=deterministic,
-                                  device=device)
-        return {group: _summary(y, totals)}
+        text, suffix = split_group(group)
+        y = diffusion.ddim_sample(model, (n, C, H, W), ddim_steps, con, parse_schedule(text), betas=betas, eta=eta,
+                                  noise=x_T, generator=gen, condition_generator=cond_gen,
+                                  deterministic=deterministic or suffix == "+det",
+                                  final="box" if suffix == "+box" else None, device=device)
+        return {group: _summary(y, totals, box=suffix == "+box")}
     else:
         raise ValueError(f"unknown sampling group {group!r}.")
     outs[f"{base}+project"] = diffusion.project_onto(con, outs[base])
     outs[f"{base}+project+clip"] = diffusion.project_and_clip(con, outs[base], -1.0, 1.0)
-    return {k: _summary(v, totals) for k, v in outs.items()}
+    res = {k: _summary(v, totals, box=k.endswith("+box")) for k, v in outs.items()}
+    if base == "ddpm":
+        diff = (outs["ddpm+ours+det"].double() - outs["ddpm+project"].double()).abs()
+        res["ddpm+ours+det"]["diff_to_projection"] = diff.flatten(1).max(1).values.cpu()
+    return res
 
 
 def describe_variants(variants: list[Variant]) -> list[dict[str, Any]]:

@@ -86,7 +86,8 @@ class DiffusionStudy(Study):
         config = res["config"]
         used = {"settings": run.settings, "paper": config["paper"], "source": config["source"],
                 "preset": run.preset}
-        return {"config": used, "records": res["records"], "device": run.device, "tables": res["tables"],
+        return {"config": used, "records": res["records"], "significance": res["significance"],
+                "device": run.device, "tables": res["tables"],
                 "checks": res["checks"], "data": res["data"], "model": res["model"], "timing": res["timing"],
                 "group_sizes": res["group_sizes"]}
 
