@@ -182,8 +182,11 @@ def check_page(path: Path, root: Path = ROOT) -> list[str]:
     names (``hardeq reproduce NAME``), or the Markdown files a bullet links when it names no study."""
     path = Path(path)
     text = path.read_text()
-    problems = [f"{path.name}: generated block {b} is stale; run `python -m hardeq_studies.docs_sync`"
-                for b in sync_text(text, root)[1]]
+    try:
+        problems = [f"{path.name}: generated block {b} is stale; run `python -m hardeq_studies.docs_sync`"
+                    for b in sync_text(text, root)[1]]
+    except (KeyError, FileNotFoundError, ValueError) as exc:
+        problems = [f"{path.name}: {exc.args[0] if exc.args else exc}"]
     cache: dict[str, str] = {}
     page_reports = [p for p in sorted(_page_reports(text)) if (root / p).is_file()]
     bullet_reports: list[str] = []
@@ -220,7 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     for page in pages(args.root):
         text = page.read_text()
         if not args.check:
-            new, changed = sync_text(text, args.root)
+            try:
+                new, changed = sync_text(text, args.root)
+            except (KeyError, FileNotFoundError, ValueError):
+                changed = []  # check_page below names the problem
             if changed:
                 page.write_text(new)
                 print(f"{page.relative_to(args.root)}: rewrote {', '.join(changed)}")

@@ -84,12 +84,13 @@ def test_blocks_must_end_and_must_not_nest():
 def test_numbers_in_results_prose_must_come_from_the_report(tmp_path):
     page = _page("## Results (see results/s.md)\n\nours reaches 88.25, a gap of 13.5 nats (p = 0.002); "
                  "ours is 42.0% better, `1.234` in code\n\n```\n9.99\n```\n\n### Claims\n\nrefuted at 7.25\n\n"
-                 "## Discussion\n\nfree prose 3.14")
+                 "## Design notes\n\nfree prose 3.14\n\n## Discussion\n\nchecked 2.71")
     doc = _tree(tmp_path, page)
     problems = check_page(doc, tmp_path)
-    assert len(problems) == 2, problems
+    assert len(problems) == 3, problems
     assert "'42.0%'" in problems[0] and "results/s.md" in problems[0]
     assert "'7.25'" in problems[1] and "Claims" in problems[1]
+    assert "'2.71'" in problems[2] and "Discussion" in problems[2]
 
 
 def test_readme_bullets_are_checked_against_the_study_they_name(tmp_path):
@@ -117,3 +118,12 @@ def test_main_rewrites_and_check_reports(tmp_path, capsys):
     assert main(["--root", str(tmp_path)]) == 0
     assert "gap 13.5 nats" in (tmp_path / "docs" / "s.md").read_text()
     assert main(["--check", "--root", str(tmp_path)]) == 0
+
+
+def test_a_block_naming_a_missing_section_or_report_is_a_problem_not_a_crash(tmp_path):
+    page = _page('## Results\n\n<!-- BEGIN generated: results/s.md "Nope" -->\n<!-- END generated -->')
+    doc = _tree(tmp_path, page)
+    problems = check_page(doc, tmp_path)
+    assert len(problems) == 1 and "no section 'Nope'" in problems[0]
+    doc.write_text(_page('<!-- BEGIN generated: results/gone.md "Results" -->\n<!-- END generated -->'))
+    assert "results/gone.md: no such report" in check_page(doc, tmp_path)[0]
