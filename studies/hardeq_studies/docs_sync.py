@@ -16,8 +16,8 @@ two ways:
 * **Checked prose.** Outside generated blocks, code fences and inline code, a section whose heading starts
   with "Results", "Claims", "Findings" or "Discussion" may state a decimal number (``1.27``, ``0.002``,
   ``8e-5``, ``34%``) only if the same text occurs in one of the reports that the page draws from (the
-  ``results/*.md`` files its generated blocks or links name; for README's "Results" section, the report of the study each bullet
-  names through ``hardeq reproduce NAME``).
+  ``results/*.md`` files its generated blocks or links name; for README's "Results" section, the report of the
+  study each bullet names through ``hardeq reproduce NAME``).
 
 :func:`check_page` returns the problems of one page; the tests run it over README.md and docs/*.md.
 """
