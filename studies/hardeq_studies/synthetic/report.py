@@ -13,7 +13,7 @@ from ..results import markdown_table
 from ..stats import paired_wilcoxon
 from .data import FAMILY_NAMES, order_key
 
-__all__ = ["render_markdown", "claims", "plot", "METRICS", "LABELS"]
+__all__ = ["render_markdown", "claims", "summary_tables", "plot", "METRICS", "LABELS"]
 
 METRICS = ("bias", "variance", "average_error")  # the paper's three; the config adds diagnostics
 LABELS = {"bias": "bias", "variance": "variance", "average_error": "average error",
@@ -94,6 +94,46 @@ def claims(records: list[dict]) -> str:
     return claims_section(rows, note) if rows else ""
 
 
+def _column(group: tuple) -> str:
+    return f"{group[1]} {group[2].upper()} {group[3]}" if group[0] == "gaussian" else f"{group[2].upper()} {group[3]}"
+
+
+def summary_tables(records: list[dict]) -> str:
+    """``## Average error per setting`` (estimator x setting, one table per family, 3 significant digits) and
+    ``## Paired comparisons``: pathwise against Marginal Expectation (Gaussian) and Marginal Expectation
+    against its best rival (Poisson), per setting: the mean ± standard error over the parameter sets of the
+    per-set difference of average errors, the sets where the first is lower, and the Wilcoxon p."""
+    idx = _index(records)
+    lines = ["## Average error per setting", "",
+             "Mean over the parameter sets of the average error (1 = uninformative, 2 = pointing backwards).", ""]
+    for family in dict.fromkeys(g[0] for g in _groups(records)):
+        groups = [g for g in _groups(records) if g[0] == family]
+        methods = sorted({m for g in groups for m in _methods(records, g)}, key=order_key)
+        rows = [[m] + [f"{idx[g + (m, 'average_error')]['mean']:.3g}" if g + (m, "average_error") in idx else ""
+                       for g in groups] for m in methods]
+        lines += [f"### {FAMILY_NAMES.get(family, family)}", "",
+                  markdown_table(["estimator"] + [_column(g) for g in groups], rows)]
+    lines += ["## Paired comparisons", "",
+              "Per-set difference of average errors (first minus second), mean ± standard error over the sets; "
+              "sets where the first is lower; two-sided Wilcoxon signed-rank p over the sets.", ""]
+    rows = []
+    for group in _groups(records):
+        pairs = [("pathwise", "marginal_expectation")] if group[0] == "gaussian" else \
+            [("marginal_expectation", m) for m in ("unconstrained_marginal", "constrained_marginal", "random")]
+        for a, b in pairs:
+            if group + (a, "average_error") not in idx or group + (b, "average_error") not in idx:
+                continue
+            x, y = idx[group + (a, "average_error")]["values"], idx[group + (b, "average_error")]["values"]
+            d = [u - v for u, v in zip(x, y)]
+            mean = sum(d) / len(d)
+            se = math.sqrt(sum((v - mean) ** 2 for v in d) / (len(d) - 1) / len(d)) if len(d) > 1 else float("nan")
+            test = paired_wilcoxon(x, y)
+            rows.append([_setting(group), f"{a} - {b}", f"{mean:.2g} ± {se:.2g}", f"{test['wins']}/{test['n']}",
+                         f"{test['p']:.2g}"])
+    lines.append(markdown_table(["setting", "difference", "mean ± s.e.", "first lower", "p"], rows))
+    return "\n".join(lines)
+
+
 def render_markdown(doc: dict, command: str | None = None) -> str:
     """``synthetic.md``: protocol summary, one table per family and constraint case, the winners."""
     cfg, records = doc["config"], doc["records"]
@@ -151,6 +191,7 @@ def render_markdown(doc: dict, command: str | None = None) -> str:
             row.append(", ".join(m for m, v in vals.items() if v <= best + 1e-12))
         rows.append(row)
     lines.append(markdown_table(["family", "case", "loss", "target"] + [f"lowest {LABELS[m]}" for m in METRICS], rows))
+    lines.append(summary_tables(records))
     lines.append(claims(records))
     if doc.get("figures"):
         lines += ["## Figures", ""] + [f"![{Path(f).stem}]({Path(f).name})" for f in doc["figures"]] + [""]

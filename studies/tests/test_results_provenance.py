@@ -1,0 +1,41 @@
+"""Every committed result names a clean commit of this repository's history (honest reproduction)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hardeq_studies import available
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "results"
+
+
+def _documents() -> list[Path]:
+    names = set(available())
+    return sorted(p for p in RESULTS.rglob("*.json")
+                  if p.stem in names and "quick" not in p.relative_to(RESULTS).parts) if RESULTS.is_dir() else []
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.parametrize("path", _documents(), ids=lambda p: str(p.relative_to(RESULTS)))
+def test_result_comes_from_a_clean_commit_on_this_history(path):
+    env = json.loads(path.read_text())["environment"]
+    assert env.get("dirty") is False, f"{path.name}: computed from a tree with uncommitted changes"
+    assert "allow_dirty" not in env
+    commit = env.get("git")
+    assert commit and len(commit) == 40, f"{path.name}: no commit recorded ({commit!r})"
+    if _git("rev-parse", "--is-inside-work-tree").returncode != 0:
+        pytest.skip("not a git checkout")
+    known = _git("cat-file", "-e", f"{commit}^{{commit}}")
+    if known.returncode != 0 and _git("rev-parse", "--is-shallow-repository").stdout.strip() == "true":
+        pytest.skip("a shallow clone: the commit's history is not here")
+    assert known.returncode == 0, f"{path.name}: commit {commit[:12]} is not in this repository"
+    ancestor = _git("merge-base", "--is-ancestor", commit, "HEAD")
+    assert ancestor.returncode == 0, f"{path.name}: commit {commit[:12]} is not an ancestor of HEAD"
