@@ -118,14 +118,22 @@ def _read_report(root: Path, path: str, cache: dict[str, str]) -> str:
     return cache[path]
 
 
-def sync_text(text: str, root: Path = ROOT) -> tuple[str, list[str]]:
+def sync_text(text: str, root: Path = ROOT, errors: list[str] | None = None) -> tuple[str, list[str]]:
     """``text`` with every generated block rewritten from its report under ``root``, and the list of the blocks
-    that changed (``'results/NAME.md "Section"'``)."""
+    that changed (``'results/NAME.md "Section"'``). A block whose report or section does not exist is left as it
+    is and its problem appended to ``errors`` (raised, as ``KeyError`` / ``FileNotFoundError``, when ``errors``
+    is None)."""
     lines = text.splitlines()
     cache: dict[str, str] = {}
     changed = []
     for block in reversed(find_blocks(text)):
-        fresh = report_section(_read_report(root, block.path, cache), block.section)
+        try:
+            fresh = report_section(_read_report(root, block.path, cache), block.section)
+        except (KeyError, FileNotFoundError) as exc:
+            if errors is None:
+                raise
+            errors.append(f"{block.path}: {exc.args[0] if exc.args else exc}")
+            continue
         if fresh != block.body:
             changed.append(f'{block.path} "{block.section}"')
         lines[block.begin + 1:block.end] = fresh.splitlines()
@@ -182,11 +190,13 @@ def check_page(path: Path, root: Path = ROOT) -> list[str]:
     names (``hardeq reproduce NAME``), or the Markdown files a bullet links when it names no study."""
     path = Path(path)
     text = path.read_text()
+    errors: list[str] = []
     try:
         problems = [f"{path.name}: generated block {b} is stale; run `python -m hardeq_studies.docs_sync`"
-                    for b in sync_text(text, root)[1]]
-    except (KeyError, FileNotFoundError, ValueError) as exc:
-        problems = [f"{path.name}: {exc.args[0] if exc.args else exc}"]
+                    for b in sync_text(text, root, errors)[1]]
+    except ValueError as exc:
+        problems = [f"{path.name}: {exc}"]
+    problems += [f"{path.name}: {e}" for e in errors[::-1]]
     cache: dict[str, str] = {}
     page_reports = [p for p in sorted(_page_reports(text)) if (root / p).is_file()]
     bullet_reports: list[str] = []
@@ -224,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         text = page.read_text()
         if not args.check:
             try:
-                new, changed = sync_text(text, args.root)
-            except (KeyError, FileNotFoundError, ValueError):
+                new, changed = sync_text(text, args.root, errors=[])
+            except ValueError:
                 changed = []  # check_page below names the problem
             if changed:
                 page.write_text(new)
