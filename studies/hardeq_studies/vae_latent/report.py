@@ -376,15 +376,18 @@ def gap_rows(doc: dict[str, Any], c: str) -> list[list[str]]:
     return rows
 
 
-def plot_gap(doc: dict[str, Any], out: Path) -> Path:
+def plot_gap(doc: dict[str, Any], out: Path) -> Path | None:
     """The paired test-NELBO gap Marginal Expectation - pathwise per epoch: every trial (thin) and the mean
-    with its 95% t-interval over trials (band), one panel per constraint."""
+    with its 95% t-interval over trials (band), one panel per constraint; ``None`` (no file) when the run
+    recorded no per-epoch gap."""
+    cs = [c for c in doc["config"]["constraints_run"] if gap_rows(doc, c)]
+    if not cs:
+        return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cs = [c for c in doc["config"]["constraints_run"] if gap_rows(doc, c)]
     fig, axes = plt.subplots(1, max(len(cs), 1), figsize=(5.5 * max(len(cs), 1), 3.8), squeeze=False)
     for ax, c in zip(axes[0], cs):
         g = doc["curves"][c]["marginal_expectation"]["paired_gap_to_pathwise"]
