@@ -35,6 +35,17 @@ def batch_mv(matrix: Tensor, vec: Tensor) -> Tensor:
     return out.reshape(sample_shape + out.shape[1:])
 
 
+def stale_without_graph(cached: Tensor | None, *sources: Tensor) -> bool:
+    """Whether a lazily cached tensor must be (re)computed: it is missing, or it was computed under
+    ``torch.no_grad()`` (no autograd graph) while a source requires grad and grad is enabled now. Without this,
+    a first use inside ``no_grad`` (a detached sample) would freeze the cache and silently cut every later
+    gradient through it."""
+    if cached is None:
+        return True
+    return (cached.grad_fn is None and not cached.requires_grad and torch.is_grad_enabled()
+            and any(s.requires_grad for s in sources))
+
+
 def validate_default(validate_args: bool | None) -> bool:
     """Resolve ``validate_args=None`` to torch.distributions' global default."""
     if validate_args is None:

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 from torch.distributions import constraints
 
-from .._utils import batch_mv, check_same_dtype_device, check_tensor
+from .._utils import batch_mv, check_same_dtype_device, check_tensor, stale_without_graph
 from ..ops import gram_from_pairs, row_pairs
 from .triangular import tri_solve_vec
 
@@ -217,8 +217,9 @@ class DiagonalCovariance(Covariance):
 
     @property
     def variance(self) -> Tensor:
-        r""":math:`\sigma^2`, ``(*batch, n)``, computed on first use."""
-        if self._variance is None:
+        r""":math:`\sigma^2`, ``(*batch, n)``, computed on first use (again when that use was under
+        ``no_grad`` and a gradient is needed now)."""
+        if stale_without_graph(self._variance, self.scale):
             self._variance = self.scale * self.scale
         return self._variance
 
@@ -412,8 +413,9 @@ class LowRankCovariance(Covariance):
 
     @property
     def capacitance_tril(self) -> Tensor:
-        r"""Cholesky factor of :math:`C = I + W^\top D^{-1} W` (``r x r``), computed once."""
-        if self._cap_tril is None:
+        r"""Cholesky factor of :math:`C = I + W^\top D^{-1} W` (``r x r``), computed once (again when that was
+        under ``no_grad`` and a gradient is needed now)."""
+        if stale_without_graph(self._cap_tril, self.cov_factor, self.scale):
             W = self.cov_factor
             cap = (W.mT / self.cov_diag.unsqueeze(-2)) @ W
             cap = cap + torch.eye(self.rank, dtype=W.dtype, device=W.device)
