@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hardeq_studies.docs_sync import check_page, checked_numbers, find_blocks, main, report_section, sync_text
+from hardeq_studies.docs_sync import (check_page, checked_numbers, find_blocks, main, pages, report_section,
+                                     sync_text)
 
 REPORT = """# Study
 
@@ -127,3 +128,10 @@ def test_a_block_naming_a_missing_section_or_report_is_a_problem_not_a_crash(tmp
     assert len(problems) == 1 and "no section 'Nope'" in problems[0]
     doc.write_text(_page('<!-- BEGIN generated: results/gone.md "Results" -->\n<!-- END generated -->'))
     assert "results/gone.md: no such report" in check_page(doc, tmp_path)[0]
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: p.name)
+def test_committed_docs_quote_only_what_the_reports_state(page):
+    """README.md and docs/*.md: every generated block equals its report's section, and every decimal number in
+    a Results / Claims / Findings / Discussion section occurs in the reports the page draws from."""
+    assert check_page(page) == []
