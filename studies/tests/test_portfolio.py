@@ -234,9 +234,9 @@ def test_ours_starts_from_the_shared_network_with_unequal_variances():
 def test_claim_verdicts():
     from hardeq_studies.portfolio.report import verdict
 
-    assert verdict({"p": 0.002, "n": 10, "median_diff": 0.2}) == "reproduced"
-    assert verdict({"p": 0.002, "n": 10, "median_diff": -0.2}) == "refuted (Wilcoxon, p = 0.0020)"
-    assert verdict({"p": 0.3, "n": 10, "median_diff": 0.2}).startswith("undecided (p = 0.3000")
+    assert verdict({"p": 0.002, "n": 10, "median_diff": 0.2}) == "reproduced (Wilcoxon, n = 10, p = 0.002)"
+    assert verdict({"p": 0.002, "n": 10, "median_diff": -0.2}) == "refuted (Wilcoxon, n = 10, p = 0.002)"
+    assert verdict({"p": 0.3, "n": 10, "median_diff": 0.2}).startswith("undecided (Wilcoxon, n = 10, p = 0.3;")
     assert verdict({"p": float("nan"), "n": 1, "median_diff": 0.2}).startswith("undecided")
 
 
@@ -308,7 +308,7 @@ def test_quick_preset_end_to_end_through_the_cli(tmp_path):
     md = (tmp_path / "portfolio.md").read_text()
     assert "Table 9" in md and "Wilcoxon" in md and "## Claims of the paper" in md
     claims = md.split("## Claims of the paper")[1].split("\n## ")[0]
-    assert claims.count("| ours beats") == 3 * 2 and claims.count("undecided (p = ") == 3 * 2  # 2 runs decide nothing
+    assert claims.count("| ours beats") == 3 * 2 and claims.count("undecided (Wilcoxon, n = 2") == 3 * 2  # 2 runs decide nothing
     (tmp_path / "portfolio.md").unlink()
     assert main(["report", "portfolio", "--out", str(tmp_path), "--quiet"]) == 0
     assert (tmp_path / "portfolio.md").read_text() == md

@@ -12,6 +12,7 @@ from ..figures import save_png
 from ..extras import require
 from ..palette import color as palette_color
 from ..palette import integer_epochs
+from ..claims import verdict as claims_verdict
 from ..results import markdown_table
 from .evaluate import PAPER_ORDER
 
@@ -123,16 +124,10 @@ def _budget_text(settings: Mapping[str, Any]) -> str:
 
 
 def _verdict(test: Mapping[str, Any] | None, expect: str, alpha: float, budget: str) -> str:
-    """``reproduced`` / ``refuted (...)`` / ``undecided (...)`` of a paired test against the expected sign."""
-    if test is None or test["n"] < 2 or not math.isfinite(test["p"]):
-        return f"undecided (fewer than 2 splits; {budget})"
-    sign = -1 if "<" in expect else 1
-    p = _num(test["p"], ".3g")
-    if test["p"] < alpha and test["median_diff"] * sign > 0:
-        return "reproduced"
-    if test["p"] < alpha:
-        return f"refuted (Wilcoxon over {test['n']} splits, p = {p})"
-    return f"undecided (p = {p} over {test['n']} splits; {budget})"
+    """:func:`hardeq_studies.claims.verdict` of a paired test against the expected sign (``"<"``: a lower)."""
+    if test is None:
+        return f"undecided (not run; {budget})"
+    return claims_verdict(test, lower_is_better="<" in expect, alpha=alpha, budget=budget)
 
 
 def _claim_row(claim: Mapping[str, Any], doc: Mapping[str, Any], idx: Mapping, alpha: float, budget: str
@@ -145,7 +140,7 @@ def _claim_row(claim: Mapping[str, Any], doc: Mapping[str, Any], idx: Mapping, a
             return [claim["claim"], claim["evidence"], "–", f"undecided (not run; {budget})"]
         here = (f"{a} {metric} {_cell(idx.get((a, metric)), spec)}; above {t['threshold']:.0e} on "
                 f"{t['above']}/{t['n']} splits")
-        verdict = "reproduced" if t["above"] == t["n"] else f"undecided ({budget})"
+        verdict = "reproduced (on every split)" if t["above"] == t["n"] else f"undecided ({budget})"
         return [claim["claim"], claim["evidence"], here, verdict]
     b = claim["b"]
     test = next((t for t in doc.get("significance", []) if (t["a"], t["b"], t["metric"]) == (a, b, metric)), None)

@@ -11,6 +11,7 @@ import torch
 
 from ..figures import save_png
 from ..palette import color, linestyle
+from ..claims import verdict as claims_verdict
 from ..results import markdown_table
 from ..stats import paired_wilcoxon
 from .classical import CLASSICAL
@@ -180,17 +181,10 @@ def _degenerate(doc: dict[str, Any], universe: str, method: str = "ours") -> boo
 
 
 def verdict(test: dict[str, Any], alpha: float = ALPHA) -> str:
-    """The claim "a beats b" from the paired test ``test``: ``reproduced`` (p < alpha, a higher),
-    ``refuted (Wilcoxon, p = ...)`` (p < alpha, a lower), else ``undecided (...)``."""
-    p, n = test["p"], test["n"]
-    if p is None or math.isnan(p):
-        return f"undecided (only {n} run(s); needs at least 6 paired runs for p < {alpha})"
-    if p < alpha and test["median_diff"] > 0:
-        return "reproduced"
-    if p < alpha:
-        return f"refuted (Wilcoxon, p = {_p(p)})"
-    return (f"undecided (p = {_p(p)} over {n} runs; more runs, or the paper preset's full StemGNN and all 471 "
-            "stocks, would decide it)")
+    """The claim "a beats b" (a higher Sharpe) from the paired Wilcoxon test ``test`` of ``a - b``
+    (:func:`hardeq_studies.claims.verdict`)."""
+    return claims_verdict(test, lower_is_better=False, alpha=alpha,
+                          budget="more runs, or the paper preset's full StemGNN and all 471 stocks")
 
 
 def claims_rows(doc: dict[str, Any]) -> list[list[str]]:
