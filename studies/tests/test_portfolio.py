@@ -308,7 +308,8 @@ def test_quick_preset_end_to_end_through_the_cli(tmp_path):
     md = (tmp_path / "portfolio.md").read_text()
     assert "Table 9" in md and "Wilcoxon" in md and "## Claims of the paper" in md
     claims = md.split("## Claims of the paper")[1].split("\n## ")[0]
-    assert claims.count("| ours beats") == 3 * 2 and claims.count("undecided (Wilcoxon, n = 2") == 3 * 2  # 2 runs decide nothing
+    # 2 runs decide nothing
+    assert claims.count("| ours beats") == 3 * 2 and claims.count("undecided (Wilcoxon, n = 2") == 3 * 2
     (tmp_path / "portfolio.md").unlink()
     assert main(["report", "portfolio", "--out", str(tmp_path), "--quiet"]) == 0
     assert (tmp_path / "portfolio.md").read_text() == md
