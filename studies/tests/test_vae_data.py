@@ -175,7 +175,10 @@ def test_verdicts_come_from_the_paired_tests_either_way():
     doc = {"config": {"trials": [0, 1, 2], "epochs": 10}}
     better, worse = paired_ttest([3.0, 3.1, 2.9], [1.0, 1.0, 1.1]), paired_ttest([1.0, 1.0, 1.1], [3.0, 3.1, 2.9])
     noise = paired_ttest([1.0, 2.0, 0.5], [1.5, 0.9, 1.2])
-    assert verdict(better, True, doc) == "reproduced" and verdict(worse, False, doc) == "reproduced"
-    assert verdict(worse, True, doc).startswith("refuted (paired t-test, p = ")
-    assert verdict(noise, True, doc).startswith("undecided (paired t-test over 3 trial(s) of 10 epoch(s)")
-    assert verdict(None, True, doc, "undecided (x)") == "undecided (x)"
+    assert verdict(better, True, doc).startswith("reproduced (paired t, n = 3, p = ")
+    assert verdict(worse, False, doc).startswith("reproduced (paired t, n = 3, p = ")
+    assert verdict(worse, True, doc).startswith("refuted (paired t, n = 3, p = ")
+    assert verdict(noise, True, doc).startswith("undecided (paired t, n = 3, p = ")
+    assert "3 trial(s) of 10 epoch(s)" in verdict(noise, True, doc)
+    assert verdict(noise, True, doc, "x").endswith("; x)")
+    assert verdict(None, True, doc, "x") == "undecided (no test; x)"

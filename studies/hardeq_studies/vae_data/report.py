@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from ..claims import verdict as claims_verdict
 from ..figures import save_png
 from ..palette import color
 from ..results import markdown_table
@@ -52,7 +53,6 @@ EXTRA = (("ours-pathwise", "ours-me", "rl"), ("ours-pathwise", "ours-me", "ll_un
          ("ours-me", "ours", "ll_unit"), ("ours-me", "ours", "rl"))
 #: Table 10's claim: the conditioning adds less than this factor to an epoch (paper: 1.057-1.078)
 TIME_FACTOR = 1.10
-ALPHA = 0.05
 
 
 def _density_on(v: str) -> str:
@@ -129,20 +129,18 @@ def _fmt(r: dict[str, Any] | None, digits: int = 2) -> str:
     return "" if r is None else f"{r['mean']:.{digits}f} ± {r['std']:.{digits}f}"
 
 
-def _undecided(doc: dict[str, Any]) -> str:
+def _budget(doc: dict[str, Any]) -> str:
     cfg = doc["config"]
-    return (f"undecided (paired t-test over {len(cfg['trials'])} trial(s) of {cfg['epochs']} epoch(s); the paper's 5 "
-            f"trials of 1000 epochs (`--preset paper`) would decide it)")
+    return (f"{len(cfg['trials'])} trial(s) of {cfg['epochs']} epoch(s); the paper's 5 trials of 1000 epochs "
+            f"(`--preset paper`) would decide it")
 
 
-def verdict(t: dict[str, Any] | None, higher_is_better: bool, doc: dict[str, Any], undecided: str | None = None
-            ) -> str:
-    """``reproduced`` / ``refuted (paired t-test, p = ...)`` / ``undecided (...)`` from a paired t-test of a - b
-    (the claim: a better than b), at level :data:`ALPHA`; ``undecided`` replaces the default undecided text."""
-    if t is not None and np.isfinite(t["p"]) and t["p"] < ALPHA:
-        better = (t["mean_diff"] > 0) == higher_is_better and t["mean_diff"] != 0
-        return "reproduced" if better else f"refuted (paired t-test, p = {t['p']:.2g})"
-    return undecided or _undecided(doc)
+def verdict(t: dict[str, Any] | None, higher_is_better: bool, doc: dict[str, Any], budget: str | None = None) -> str:
+    """The verdict on "a is better than b" from the paired t-test of ``a - b``
+    (:func:`hardeq_studies.claims.verdict`); ``budget`` says what would decide an undecided claim."""
+    if t is None:
+        return f"undecided (no test; {budget or _budget(doc)})"
+    return claims_verdict(t, lower_is_better=not higher_is_better, budget=budget or _budget(doc))
 
 
 def _paper_value(doc: dict[str, Any], model: str, row: str, col: str) -> str:
@@ -187,8 +185,8 @@ def claims(doc: dict[str, Any], model: str) -> list[list[str]]:
                      f"Table 10: {100 * (pt[1] / pt[0] - 1):+.1f}%" if pt else "-",
                      f"{100 * (ratio - 1):+.1f}% (median epoch, 1 thread), p = {t['p']:.2g} vs "
                      f"{TIME_FACTOR} x unconstrained",
-                     verdict(t, False, doc, "undecided (per-trial epoch times on a shared machine; more trials on a "
-                                            "dedicated one would decide it)")])
+                     verdict(t, False, doc, "per-trial epoch times on a shared machine; more trials on a dedicated one "
+                                            "would decide it")])
     return rows
 
 
