@@ -137,3 +137,24 @@ def test_claim_verdicts_follow_the_tests():
     assert rows["Unconstrained and Constrained Marginal tie"].startswith("refuted")
     assert rows["Unconstrained and Constrained Marginal beat Random"].startswith("refuted")
     assert rows["Constrained Reparametrization trails Marginal Expectation"].startswith("reproduced")
+
+
+def test_time_table_has_the_ratio_column_only_when_the_unconstrained_vae_ran():
+    import copy
+    import json
+    import math
+    from pathlib import Path
+
+    from hardeq_studies.vae_latent.report import render_markdown
+
+    committed = Path(__file__).resolve().parents[2] / "results" / "vae-latent.json"
+    doc = json.loads(committed.read_text())
+    ratios = doc["timing"]["ratio_to_unconstrained"]
+    without = copy.deepcopy(doc)
+    without["timing"]["ratio_to_unconstrained"] = {m: math.nan for m in ratios}
+    table = render_markdown(without).split("## Time per epoch")[1]
+    assert "ratio to unconstrained" not in table and "nan" not in table
+    with_ratio = copy.deepcopy(doc)
+    with_ratio["timing"]["ratio_to_unconstrained"] = {m: 1.25 for m in ratios}
+    table = render_markdown(with_ratio).split("## Time per epoch")[1]
+    assert "ratio to unconstrained" in table and "| 1.25 |" in table
