@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import numbers
 
 import torch
 from torch import Tensor
@@ -88,22 +89,39 @@ class ConstrainedNormal(Distribution):
     The covariance is one object (:class:`~hardeq.DiagonalCovariance`, :class:`~hardeq.FullCovariance`,
     :class:`~hardeq.LowRankCovariance`), passed as ``covariance=``; the keyword shortcuts build it:
 
-    * ``scale`` alone: diagonal :math:`\Sigma = \mathrm{diag}(\mathrm{scale}^2)`;
+    * ``scale`` alone: diagonal :math:`\Sigma = \mathrm{diag}(\mathrm{scale}^2)`; a Python number or a tensor
+      that broadcasts to ``loc`` (last dimension 1 or ``n``), as in ``torch.distributions.Normal``;
     * ``scale_tril``: full :math:`\Sigma = LL^\top`;
+    * ``covariance_matrix``: full :math:`\Sigma`, factorised once (one Cholesky, :math:`n^3/3` flops);
+    * ``precision_matrix``: full :math:`\Sigma = P^{-1}`, as ``torch.distributions.MultivariateNormal`` does it:
+      :math:`JPJ = L_f L_f^\top` (:math:`J` reverses the order) gives :math:`P = UU^\top` with
+      :math:`U = JL_fJ` upper triangular, so :math:`\Sigma = U^{-\top}U^{-1}` and the lower factor is
+      :math:`L = U^{-\top}`: one Cholesky and one triangular solve against the identity (:math:`2n^3/3` flops,
+      :math:`O(n^2)` memory); :math:`\Sigma` itself is never formed;
     * ``cov_factor`` with ``scale``: :math:`\Sigma = WW^\top + \mathrm{diag}(\mathrm{scale}^2)`.
+
+    Exactly one form is given (as ``MultivariateNormal`` takes exactly one of ``covariance_matrix``,
+    ``precision_matrix`` and ``scale_tril``); several, or none, is a ``ValueError`` naming them. Note the
+    keyword ``covariance_matrix`` is the *unconditioned* :math:`\Sigma`, while the attribute
+    :attr:`covariance_matrix` is the conditional covariance (as ``loc`` is the unconditioned mean and
+    :attr:`mean` the conditional one).
 
     The distribution factorises :math:`A\Sigma A^\top` once, lazily, into its :attr:`conditioner`; the
     mean, variances, samples of every estimator, densities and KL all reuse it.
 
     Cost: diagonal :math:`\Sigma` with a dense ``A``: O(n a^2 + a^3) time, O(n + a^2) memory per batch
-    element; with a :class:`~hardeq.SumConstraint`: O(n). Nothing ``n x n`` is formed unless ``scale_tril``
-    is given (or :attr:`covariance_matrix` is asked for).
+    element; with a :class:`~hardeq.SumConstraint`: O(n). Nothing ``n x n`` is formed unless ``scale_tril``,
+    ``covariance_matrix`` or ``precision_matrix`` is given (or :attr:`covariance_matrix` is asked for).
 
     Args:
         loc (Tensor): :math:`\mu`, shape ``(*batch, n)``.
-        scale (Tensor, optional): standard deviations, ``(*batch, n)``.
+        scale (Tensor or float, optional): standard deviations, ``(*batch, n)``, or anything that broadcasts to
+            it along the last dimension (a number, ``()``, ``(*batch, 1)``); a number takes ``loc``'s dtype and
+            device.
         covariance (Covariance, optional): the covariance object (instead of the shortcuts).
         scale_tril (Tensor, optional): lower Cholesky factor of :math:`\Sigma`, ``(*batch, n, n)``.
+        covariance_matrix (Tensor, optional): :math:`\Sigma`, symmetric positive definite, ``(*batch, n, n)``.
+        precision_matrix (Tensor, optional): :math:`\Sigma^{-1}`, symmetric positive definite, ``(*batch, n, n)``.
         cov_factor (Tensor, optional): :math:`W`, ``(*batch, n, r)``.
         constraint (EqualityConstraint): :class:`~hardeq.LinearConstraint` or :class:`~hardeq.SumConstraint`;
             its batch dims broadcast with the parameters'.
@@ -123,11 +141,13 @@ class ConstrainedNormal(Distribution):
     def __init__(
         self,
         loc: Tensor,
-        scale: Tensor | None = None,
+        scale: Tensor | float | None = None,
         *,
         covariance: Covariance | None = None,
         scale_tril: Tensor | None = None,
         cov_factor: Tensor | None = None,
+        covariance_matrix: Tensor | None = None,
+        precision_matrix: Tensor | None = None,
         constraint: EqualityConstraint,
         validate_args: bool | None = None,
     ) -> None:
@@ -138,8 +158,13 @@ class ConstrainedNormal(Distribution):
                 f"{type(constraint).__name__}."
             )
         n = loc.shape[-1]
-        covariance = _build_covariance(n, scale, covariance, scale_tril, cov_factor)
-        given = {"scale": scale, "scale_tril": scale_tril, "cov_factor": cov_factor}
+        if isinstance(scale, numbers.Number) and not isinstance(scale, bool):  # as torch.distributions.Normal
+            scale = torch.tensor(float(scale), dtype=loc.dtype, device=loc.device)
+        validate = Distribution._validate_args if validate_args is None else validate_args
+        covariance = _build_covariance(n, scale, covariance, scale_tril, cov_factor, covariance_matrix,
+                                       precision_matrix, validate)
+        given = {"scale": scale, "scale_tril": scale_tril, "cov_factor": cov_factor,
+                 "covariance_matrix": covariance_matrix, "precision_matrix": precision_matrix}
         given = {name: t for name, t in given.items() if t is not None} or {"covariance": covariance.tensors()[0]}
         check_same_dtype_device(loc=loc, **given, constraint=constraint.k)
         if constraint.event_size != n:
@@ -452,8 +477,18 @@ def _sample_shape(sample_shape: object, name: str = "sample_shape") -> torch.Siz
 
 
 def _build_covariance(n: int, scale: Tensor | None, covariance: Covariance | None, scale_tril: Tensor | None,
-                      cov_factor: Tensor | None) -> Covariance:
+                      cov_factor: Tensor | None, covariance_matrix: Tensor | None = None,
+                      precision_matrix: Tensor | None = None, validate: bool = False) -> Covariance:
     """The covariance object from ``covariance=`` or the keyword shortcuts (exactly one form), shape-checked."""
+    forms = {"scale": scale, "scale_tril": scale_tril, "covariance_matrix": covariance_matrix,
+             "precision_matrix": precision_matrix}
+    given = [name for name, t in forms.items() if t is not None]
+    if covariance is None and len(given) > 1:
+        raise ValueError(f"pass exactly one of scale (alone or with cov_factor), scale_tril, covariance_matrix, "
+                         f"precision_matrix and covariance, got {' and '.join(given)}.")
+    if covariance is None and cov_factor is not None and scale is None:
+        raise ValueError("cov_factor needs scale too (Sigma = W W^T + diag(scale^2)); got cov_factor without scale"
+                         + (f" (with {given[0]})." if given else "."))
     if covariance is not None:
         if scale is not None or scale_tril is not None or cov_factor is not None:
             raise ValueError("pass covariance= alone, or one of the shortcuts (scale, scale_tril, cov_factor with "
@@ -469,10 +504,15 @@ def _build_covariance(n: int, scale: Tensor | None, covariance: Covariance | Non
             raise ValueError(f"scale_tril must have shape (..., n, n) with n = loc.shape[-1] = {n}, got "
                              f"{tuple(scale_tril.shape)}.")
         covariance = FullCovariance(scale_tril)
+    elif covariance_matrix is not None or precision_matrix is not None:
+        covariance = FullCovariance(_scale_tril_from(n, covariance_matrix, precision_matrix, validate))
     elif scale is not None:
-        check_tensor("scale", scale, min_dim=1)
+        check_tensor("scale", scale)
+        if scale.dim() == 0 or scale.shape[-1] == 1:  # broadcast along the event, as torch.distributions.Normal
+            scale = scale.expand(scale.shape[:-1] + (n,))
         if scale.shape[-1] != n:
-            raise ValueError(f"scale must have shape (..., n) with n = loc.shape[-1] = {n}, got {tuple(scale.shape)}.")
+            raise ValueError(f"scale must have shape (..., n) with n = loc.shape[-1] = {n}, got {tuple(scale.shape)}; "
+                             "a number, or a tensor whose last dimension is 1, broadcasts along it.")
         if cov_factor is not None:
             check_tensor("cov_factor", cov_factor, min_dim=2)
             if cov_factor.shape[-2] != n:
@@ -482,7 +522,40 @@ def _build_covariance(n: int, scale: Tensor | None, covariance: Covariance | Non
         else:
             covariance = DiagonalCovariance(scale)
     else:
-        raise ValueError("one of scale, scale_tril (cov_factor needs scale too) or covariance must be given.")
+        raise ValueError("one of scale, scale_tril, covariance_matrix, precision_matrix (cov_factor needs scale too) "
+                         "or covariance must be given.")
     if covariance.event_size != n:
         raise ValueError(f"covariance has event size {covariance.event_size}, but loc has size n = {n}.")
     return covariance
+
+
+def _scale_tril_from(n: int, covariance_matrix: Tensor | None, precision_matrix: Tensor | None,
+                     validate: bool) -> Tensor:
+    r"""Lower Cholesky factor :math:`L` (:math:`LL^\top = \Sigma`) of ``covariance_matrix``, or of the inverse of
+    ``precision_matrix`` without forming it: :math:`JPJ = L_fL_f^\top` gives :math:`P = UU^\top`,
+    :math:`U = JL_fJ` upper, so :math:`L = U^{-\top}` (one Cholesky and one triangular solve, :math:`2n^3/3`
+    flops). ``ValueError`` naming the argument for a wrong shape, an asymmetric matrix (with ``validate``) or one
+    that is not positive definite."""
+    name, M = ("covariance_matrix", covariance_matrix) if covariance_matrix is not None else \
+        ("precision_matrix", precision_matrix)
+    check_tensor(name, M, min_dim=2)
+    if M.shape[-2:] != (n, n):
+        raise ValueError(f"{name} must have shape (..., n, n) with n = loc.shape[-1] = {n}, got {tuple(M.shape)}.")
+    if validate:
+        check_finite(name, M)
+        if not bool(torch.isclose(M, M.mT, rtol=1e-5, atol=1e-8).all()):
+            raise ValueError(f"{name} (shape {tuple(M.shape)}) must be symmetric; its largest asymmetry "
+                             f"|M - M^T| is {(M - M.mT).abs().max().item():.3g}.")
+    flipped = M if name == "covariance_matrix" else M.flip(-2, -1)
+    factor, info = torch.linalg.cholesky_ex(flipped)
+    if not is_tracing() and bool((info != 0).any()):
+        where = tuple(int(i) for i in (info != 0).nonzero()[0]) if info.dim() else ()
+        order = int(info[where])
+        raise ValueError(f"{name} must be positive definite, but its Cholesky factorisation fails"
+                         f"{f' at batch index {where}' if where else ''} (leading minor of order {order}"
+                         f"{' of the reversed matrix' if name == 'precision_matrix' else ''} is not positive).")
+    if name == "covariance_matrix":
+        return factor
+    lower_t = factor.flip(-2, -1).mT  # U^T, lower triangular
+    eye = torch.eye(n, dtype=M.dtype, device=M.device)
+    return torch.linalg.solve_triangular(lower_t, eye, upper=False)  # (U^T)^{-1} = U^{-T}
