@@ -121,7 +121,7 @@ def bench_batch(b, g: torch.Generator, repeats: int, rows: dict, diffs: dict) ->
 
     def grouped_nll():
         mu, v = leaf()
-        (-graph_normal(mu, v, batch, num_graphs=G).log_prob(y)).backward()
+        (-graph_normal(mu, v, batch, num_graphs=G).log_prob(y).sum()).backward()  # per graph, (G,)
         return mu.grad
 
     def looped_nll():

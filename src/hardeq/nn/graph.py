@@ -16,8 +16,10 @@ For this diagonal covariance the conditional is, per graph (:math:`V_g = \sum_{i
 
 which is the *variance-weighted charge correction* of Raza et al. (J. Phys. Chem. C 2020); the uniform
 correction :math:`\mu_i - (M_g - t_g)/n_g` is the same formula with equal variances (the orthogonal
-projection). :func:`per_graph_log_prob` gives the exact log-density on each graph's
-:math:`(n_g - 1)`-dimensional plane.
+projection). The returned :class:`GraphNormal` is a :class:`~hardeq.ConstrainedNormal` over all nodes whose
+:meth:`~GraphNormal.log_prob` and :meth:`~GraphNormal.entropy` are per graph, shape ``(num_graphs,)`` (the joint
+values are their sums): the exact log-density on each graph's :math:`(n_g - 1)`-dimensional plane, as
+:func:`per_graph_log_prob`.
 
 PyG is not needed here: any GNN that yields node features and a ``batch`` vector can use the head.
 """
@@ -30,10 +32,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..constraints import SumConstraint
-from ..distributions.normal import ConstrainedNormal
+from torch.distributions.utils import lazy_property
 
-__all__ = ["GraphGaussianHead", "graph_normal", "per_graph_log_prob", "variance_weighted_correction"]
+from .._utils import LOG_2PI, is_tracing
+from ..constraints import SumConstraint
+from ..distributions.normal import HALF_DTYPES, ConstrainedNormal
+
+__all__ = ["GraphGaussianHead", "GraphNormal", "graph_normal", "per_graph_log_prob", "variance_weighted_correction"]
 
 
 def _check_nodes(loc: Tensor, variance: Tensor, batch: Tensor, total: Tensor | float | None,
@@ -56,37 +61,130 @@ def _check_nodes(loc: Tensor, variance: Tensor, batch: Tensor, total: Tensor | f
         raise ValueError(f"{owner}: num_graphs must be a positive int, got {num_graphs!r}.")
     if total is None:
         total = torch.zeros(num_graphs, dtype=loc.dtype, device=loc.device)
-    elif isinstance(total, (int, float)):
+    elif isinstance(total, (int, float)) and not isinstance(total, bool):
         total = torch.full((num_graphs,), float(total), dtype=loc.dtype, device=loc.device)
-    elif not isinstance(total, Tensor):
-        raise TypeError(f"{owner}: total must be a Tensor, a number or None, got {type(total).__name__}.")
+    elif not isinstance(total, Tensor) or total.dtype == torch.bool or total.is_complex():
+        what = total.dtype if isinstance(total, Tensor) else type(total).__name__
+        raise TypeError(f"{owner}: total must be a floating / integer Tensor, a number or None, got {what}.")
     else:
-        if total.shape != (num_graphs,):
-            raise ValueError(f"{owner}: total must have shape (num_graphs,) = ({num_graphs},), got "
-                             f"{tuple(total.shape)}.")
-        total = total.to(loc.dtype)
+        try:
+            ok = torch.broadcast_shapes(total.shape, (num_graphs,)) == (num_graphs,)
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"{owner}: total must have shape (num_graphs,) = ({num_graphs},), or broadcast to it "
+                             f"(a number, () or (1,)), got {tuple(total.shape)}.")
+        if total.device != loc.device:
+            raise ValueError(f"{owner}: total is on device {total.device} but loc is on {loc.device}.")
+        total = total.to(loc.dtype).expand(num_graphs)
     return total, num_graphs
 
 
+class GraphNormal(ConstrainedNormal):
+    r""":math:`\mathcal N(\mathrm{loc}, \mathrm{diag}\,\mathrm{variance})` over the nodes of a batch of graphs,
+    given :math:`\sum_{i \in g} z_i = t_g` for every graph :math:`g`, with per-graph densities.
+
+    A :class:`~hardeq.ConstrainedNormal` with ``event_shape = (N,)`` (nodes) and one
+    :class:`~hardeq.SumConstraint` over ``batch``: ``.mean``, ``.variance``, ``.rsample``, ``.expected_l1(y)`` and
+    ``kl_divergence`` are those of the joint law (per node, or the batch total for the KL). Because the graphs are
+    independent given their totals, the joint log-density is a sum over graphs, and :meth:`log_prob` and
+    :meth:`entropy` return the terms, **one per graph**, shape ``(*sample, *batch, num_graphs)``: the per-graph
+    NLL of a PyG mini-batch is ``-dist.log_prob(y)`` and the joint value its ``.sum(-1)``.
+
+    Args:
+        loc: ``(N,)`` per-node means.
+        variance: ``(N,)`` per-node variances (positive).
+        batch: ``(N,)`` LongTensor, graph id of each node (PyG's ``batch``; every graph non-empty).
+        total: ``(G,)`` per-graph totals, or anything that broadcasts to it (a number, ``()``, ``(1,)``), or
+            ``None`` for 0.
+        num_graphs: ``G`` (default ``batch.max() + 1``; pass it to avoid a device sync).
+        validate_args: as in ``torch.distributions``.
+    """
+
+    def __init__(self, loc: Tensor, variance: Tensor, batch: Tensor, total: Tensor | float | None = None, *,
+                 num_graphs: int | None = None, validate_args: bool | None = None) -> None:
+        total, G = _check_nodes(loc, variance, batch, total, num_graphs, "graph_normal")
+        super().__init__(loc, variance.sqrt(), constraint=SumConstraint(batch, total, validate_args=validate_args),
+                         validate_args=validate_args)
+        #: graph id of each node, ``(N,)``, and the number of graphs ``G``
+        self.graph_index, self.num_graphs = batch, G
+        self._node_variance = variance.to(torch.float32) if variance.dtype in HALF_DTYPES else variance
+
+    def expand(self, batch_shape: torch.Size | tuple, _instance=None) -> GraphNormal:
+        new = self._get_checked_instance(GraphNormal, _instance)
+        new = super().expand(batch_shape, _instance=new)
+        new.graph_index, new.num_graphs, new._node_variance = self.graph_index, self.num_graphs, self._node_variance
+        return new
+
+    def _graph_sum(self, x: Tensor) -> Tensor:
+        """``(..., N) -> (..., G)``: the sum over each graph's nodes."""
+        return x.new_zeros(x.shape[:-1] + (self.num_graphs,)).index_add_(-1, self.graph_index, x)
+
+    @lazy_property
+    def _graph_log_normaliser(self) -> Tensor:
+        r""":math:`-\tfrac12[(n_g - 1)\log 2\pi + \sum_{i\in g}\log v_i - \log V_g + \log n_g]`, ``(G,)``."""
+        v = self._node_variance
+        n_g = self._graph_sum(torch.ones_like(v))
+        out = -0.5 * ((n_g - 1) * LOG_2PI + self._graph_sum(v.log()) - self._graph_sum(v).log() + n_g.log())
+        if not is_tracing() and not bool(torch.isfinite(out).all()):
+            bad = (~torch.isfinite(out)).nonzero().flatten()[:4].tolist()
+            raise ValueError(f"variance must be positive and finite for log_prob and entropy, but the log-normaliser "
+                             f"of graph(s) {bad} is not finite (a zero variance?).")
+        return out
+
+    def log_prob(self, value: Tensor) -> Tensor:
+        r"""Log-density of ``value`` on each graph's plane, shape ``(*sample, *batch, num_graphs)``; the joint
+        log-density (:meth:`ConstrainedNormal.log_prob <hardeq.ConstrainedNormal.log_prob>`) is its sum.
+
+        .. math::
+            \log p_g(z) = -\tfrac12\Big[(n_g - 1)\log 2\pi + \sum_{i\in g}\log v_i - \log V_g + \log n_g
+            + \sum_{i \in g} (z_i - \bar\mu_i)^2 / v_i\Big],
+
+        w.r.t. the :math:`(n_g - 1)`-dimensional Lebesgue measure on the plane (counting measure for a one-node
+        graph, whose value is pinned: :math:`\log p_g = 0` there). :math:`z - \bar\mu` is formed as
+        :math:`(z - \mu) - v\,(t - M)/V` with :math:`t_g - M_g` accumulated in float64, so a mean far from
+        the plane loses nothing in float32. ``value``: ``(..., N)``, checked as in
+        :meth:`ConstrainedNormal.log_prob <hardeq.ConstrainedNormal.log_prob>` (off the planes a ``ValueError``
+        with validation on). Cost: O(N) per sample.
+        """
+        original = value
+        value = self._as_event("value", value)
+        if self._validate_args:
+            self._validate_sample(original)
+        loc, v = self._unbroadcasted_loc, self._node_variance
+        wide = torch.float64 if loc.dtype in (torch.float16, torch.bfloat16, torch.float32) else loc.dtype
+        r = (self.constraint.k.to(wide) - self._graph_sum(loc.to(wide))).to(loc.dtype)  # t - M, (*batch, G)
+        d = (value - loc) - v * (r / self._graph_sum(v)).index_select(-1, self.graph_index)
+        out = self._graph_log_normaliser - 0.5 * self._graph_sum(d * d / v)
+        return self._out(out)
+
+    def entropy(self) -> Tensor:
+        r"""Per-graph entropy :math:`\tfrac{n_g - 1}{2} - \log` (the normaliser of :meth:`log_prob`), shape
+        ``(*batch, num_graphs)``; 0 for a one-node graph. The joint entropy is its sum."""
+        out = 0.5 * (self._graph_sum(torch.ones_like(self._node_variance)) - 1) - self._graph_log_normaliser
+        return self._out(out).expand(self.batch_shape + (self.num_graphs,))
+
+    def __repr__(self) -> str:
+        return f"GraphNormal(num_nodes={self.event_shape[0]}, num_graphs={self.num_graphs})"
+
+
 def graph_normal(loc: Tensor, variance: Tensor, batch: Tensor, total: Tensor | float | None = None, *,
-                 num_graphs: int | None = None, validate_args: bool | None = None) -> ConstrainedNormal:
+                 num_graphs: int | None = None, validate_args: bool | None = None) -> GraphNormal:
     r""":math:`\mathcal N(\mathrm{loc}, \mathrm{diag}\,\mathrm{variance})` given :math:`\sum_{i \in g} z_i = t_g`.
 
     Args:
         loc: ``(N,)`` per-node means.
         variance: ``(N,)`` per-node variances (positive).
         batch: ``(N,)`` LongTensor, graph id of each node (PyG's ``batch``; every graph non-empty).
-        total: ``(G,)`` per-graph totals, a number for all graphs, or ``None`` for 0.
+        total: ``(G,)`` per-graph totals (or broadcastable to it: a number, ``()``, ``(1,)``), or ``None`` for 0.
         num_graphs: ``G`` (default ``batch.max() + 1``; pass it to avoid a device sync).
 
     Returns:
-        a :class:`~hardeq.ConstrainedNormal` with ``event_shape = (N,)``: ``.mean`` (the variance-weighted
-        correction), ``.variance`` (:math:`v_i - v_i^2/V_g`), ``.rsample``, ``.expected_l1(y)``,
-        ``.log_prob(y)`` (the sum over graphs of :func:`per_graph_log_prob`).
+        a :class:`GraphNormal` (a :class:`~hardeq.ConstrainedNormal` with ``event_shape = (N,)``): ``.mean`` (the
+        variance-weighted correction), ``.variance`` (:math:`v_i - v_i^2/V_g`), ``.rsample``, ``.expected_l1(y)``,
+        and ``.log_prob(y)`` / ``.entropy()`` per graph, shape ``(G,)`` (their sums are the joint values).
     """
-    total, _ = _check_nodes(loc, variance, batch, total, num_graphs, "graph_normal")
-    return ConstrainedNormal(loc, variance.sqrt(), constraint=SumConstraint(batch, total, validate_args=validate_args),
-                             validate_args=validate_args)
+    return GraphNormal(loc, variance, batch, total, num_graphs=num_graphs, validate_args=validate_args)
 
 
 def variance_weighted_correction(loc: Tensor, variance: Tensor, batch: Tensor, total: Tensor | float | None = None,
@@ -142,20 +240,28 @@ class GraphGaussianHead(nn.Module):
 
     Two linear maps give :math:`\mu_i = w_\mu^\top h_i + b_\mu` and
     :math:`v_i = \mathrm{softplus}(w_v^\top h_i + b_v) + v_{\min}` (a *variance*, as in Raza et al.); the
-    result is :func:`graph_normal` over the batch. Train with ``dist.expected_l1(y).mean()`` (closed form per
-    node) or ``-dist.log_prob(y)`` (exact NLL on the planes); predict with ``dist.mean``.
+    result is :func:`graph_normal` over the batch, a :class:`GraphNormal`. Train with ``dist.expected_l1(y).mean()``
+    (closed form per node) or ``-dist.log_prob(y).mean()`` (exact NLL on the planes, one value per graph);
+    predict with ``dist.mean``.
+
+    The per-graph totals are given per call or fixed at construction (a call's value wins; neither means 0): a
+    Python number, or a floating / integer tensor that broadcasts to ``(num_graphs,)`` (``()``, ``(1,)`` or
+    ``(G,)``), as :class:`~hardeq.nn.ConstrainedGaussianHead` takes its ``constraint_value``.
 
     Args:
         in_features: size of the node features.
+        total: a fixed total for every call that passes none (e.g. ``0.0`` for neutral molecules); a tensor is
+            stored as a buffer.
         min_variance: :math:`v_{\min} \ge 0` added to every variance (0 reproduces Raza et al.'s head).
         dtype: dtype in which the softplus and the conditioning are computed (e.g. ``torch.float64`` for a
             float32 network; the softplus of a very negative input underflows in float32). ``None``: the
             features' dtype.
 
     Shapes:
-        ``h``: ``(N, in_features)``; ``batch``: ``(N,)``; ``total``: ``(G,)``, a number, or ``None`` (0).
-        :meth:`forward` returns a distribution with ``event_shape = (N,)``; :meth:`moments` returns
-        ``(loc, variance)``, each ``(N,)``.
+        ``h``: ``(N, in_features)``; ``batch``: ``(N,)``; ``total``: ``(G,)`` or broadcastable to it, a number, or
+        ``None`` (the fixed total, else 0). :meth:`forward` returns a :class:`GraphNormal` with
+        ``event_shape = (N,)`` whose ``log_prob`` is ``(G,)``; :meth:`moments` returns ``(loc, variance)``, each
+        ``(N,)``.
 
     Example:
         >>> head = GraphGaussianHead(8)
@@ -164,9 +270,12 @@ class GraphGaussianHead(nn.Module):
         >>> sums = torch.zeros(2).index_add_(0, batch, dist.mean.detach())
         >>> bool(torch.allclose(sums, torch.tensor([1.0, -2.0]), atol=1e-6)), dist.event_shape
         (True, torch.Size([5]))
+        >>> dist.log_prob(dist.sample()).shape  # one log-density per graph
+        torch.Size([2])
     """
 
-    def __init__(self, in_features: int, *, min_variance: float = 0.0, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, in_features: int, *, total: Tensor | float | None = None, min_variance: float = 0.0,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         if not isinstance(in_features, int) or in_features < 1:
             raise ValueError(f"in_features must be a positive int, got {in_features!r}.")
@@ -175,6 +284,17 @@ class GraphGaussianHead(nn.Module):
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}.")
         self.in_features, self.min_variance, self.dtype = in_features, float(min_variance), dtype
+        if total is not None:
+            if isinstance(total, (int, float)) and not isinstance(total, bool):
+                total = torch.tensor(float(total))
+            elif not isinstance(total, Tensor) or total.dtype == torch.bool or total.is_complex():
+                what = total.dtype if isinstance(total, Tensor) else type(total).__name__
+                raise TypeError(f"total must be a floating / integer Tensor, a number or None, got {what}.")
+            elif total.dim() > 1:
+                raise ValueError(f"total must have shape (), (1,) or (num_graphs,), got {tuple(total.shape)}.")
+            else:
+                total = total.detach().clone()
+        self.register_buffer("total", total)
         self.mean = nn.Linear(in_features, 1)
         self.var = nn.Linear(in_features, 1)
 
@@ -190,9 +310,11 @@ class GraphGaussianHead(nn.Module):
         return loc, F.softplus(raw) + self.min_variance
 
     def forward(self, h: Tensor, batch: Tensor, total: Tensor | float | None = None, *,
-                num_graphs: int | None = None) -> ConstrainedNormal:
+                num_graphs: int | None = None) -> GraphNormal:
         loc, variance = self.moments(h)
-        return graph_normal(loc, variance, batch, total, num_graphs=num_graphs)
+        total = self.total if total is None else total
+        return GraphNormal(loc, variance, batch, total, num_graphs=num_graphs)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, min_variance={self.min_variance}, dtype={self.dtype}"
+        fixed = "" if self.total is None else f", total={tuple(self.total.shape)}"
+        return f"in_features={self.in_features}, min_variance={self.min_variance}, dtype={self.dtype}{fixed}"

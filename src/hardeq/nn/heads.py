@@ -2,6 +2,8 @@ r"""Regression heads that return a :class:`~hardeq.ConstrainedNormal`."""
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -17,9 +19,17 @@ class ConstrainedGaussianHead(nn.Module):
 
     A linear layer predicts a mean and a pre-activation of the scale for each of ``out_features`` outputs,
     :math:`\sigma = \mathrm{softplus}(\cdot) + \sigma_{\min}`; the Gaussian is conditioned on the constraint
-    with the right-hand side given per call (e.g. ``k = b - B x`` from the inputs). Train with
+    with the right-hand side :math:`k` given per call (e.g. ``k = b - B x`` from the inputs) or fixed at
+    construction (``constraint_value=1.0`` for a portfolio whose weights sum to one). Train with
     ``dist.expected_l2(y)`` / ``dist.expected_l1(y)`` (closed forms) or ``-dist.log_prob(y)``; predict with
     ``dist.mean``, which satisfies the constraint exactly.
+
+    The right-hand side, at construction or per call (a call's value wins), is a Python number or a tensor
+    (floating or integer) of any shape that broadcasts to ``(*batch, a)``: a number, ``()`` or a last
+    dimension of 1 is shared by all ``a`` rows, and batch dimensions broadcast with the features'. The last
+    dimension is always the row index: one value per sample for a one-row constraint is ``(*batch, 1)``
+    (``k.unsqueeze(-1)``), not ``(*batch,)``. Neither given, or shapes that do not broadcast, is a
+    ``ValueError`` naming ``constraint_value`` and the shapes.
 
     Mixed precision: under ``torch.autocast`` the distribution takes the widest dtype of the layer's output and
     ``constraint_value``; a bfloat16 / float16 distribution is computed in float32 and returned in its dtype.
@@ -32,21 +42,28 @@ class ConstrainedGaussianHead(nn.Module):
         out_features (int): ``n``, the size of the constrained output.
         constraint_matrix (Tensor, optional): ``A``.
         index (LongTensor, optional): group id per output coordinate.
+        constraint_value (Tensor or float, optional): a fixed :math:`k` (stored as a buffer), used when a call
+            passes none.
         min_scale (float): floor :math:`\sigma_{\min}` added to every scale.
 
     Shapes:
-        features: ``(*batch, in_features)``; constraint_value: ``(*batch, a)`` (or broadcastable);
-        returns a distribution with ``batch_shape = broadcast(*batch)`` and ``event_shape = (n,)``.
+        features: ``(*batch, in_features)``; constraint_value: broadcastable to ``(*batch, a)``;
+        returns a distribution with ``batch_shape = broadcast(*batch, constraint_value.shape[:-1])`` and
+        ``event_shape = (n,)``.
 
     Example:
         >>> head = ConstrainedGaussianHead(8, 4, constraint_matrix=torch.ones(1, 4))
         >>> dist = head(torch.randn(16, 8), torch.ones(16, 1))
         >>> dist.batch_shape, bool(torch.allclose(dist.mean.sum(-1), torch.ones(16)))
         (torch.Size([16]), True)
+        >>> portfolio = ConstrainedGaussianHead(8, 4, constraint_matrix=torch.ones(1, 4), constraint_value=1.0)
+        >>> bool(torch.allclose(portfolio(torch.randn(16, 8)).mean.sum(-1), torch.ones(16)))
+        True
     """
 
     def __init__(self, in_features: int, out_features: int, *, constraint_matrix: Tensor | None = None,
-                 index: Tensor | None = None, min_scale: float = 1e-4) -> None:
+                 index: Tensor | None = None, constraint_value: Tensor | float | None = None,
+                 min_scale: float = 1e-4) -> None:
         super().__init__()
         if (constraint_matrix is None) == (index is None):
             raise ValueError("pass exactly one of constraint_matrix (dense A) and index (group sums).")
@@ -69,6 +86,12 @@ class ConstrainedGaussianHead(nn.Module):
             self.register_buffer("index", index.clone())
             self.constraint_matrix = None
         self.in_features, self.out_features, self.min_scale = in_features, out_features, min_scale
+        if constraint_value is not None:  # checked now against (a,); a number is kept as a 0-dim tensor
+            _right_hand_side(constraint_value, self.num_constraints, torch.Size(), torch.float64, None,
+                             "at construction")
+            constraint_value = (constraint_value.detach().clone() if isinstance(constraint_value, Tensor)
+                                else torch.tensor(float(constraint_value)))
+        self.register_buffer("constraint_value", constraint_value)
         self.linear = nn.Linear(in_features, 2 * out_features)
 
     @property
@@ -77,27 +100,74 @@ class ConstrainedGaussianHead(nn.Module):
             return self.constraint_matrix.shape[-2]
         return int(self.index.max()) + 1
 
-    def constraint(self, constraint_value: Tensor) -> EqualityConstraint:
-        """The constraint object for right-hand side ``constraint_value``."""
+    def constraint(self, constraint_value: Tensor | float | None = None) -> EqualityConstraint:
+        """The constraint object for right-hand side ``constraint_value`` (default: the fixed one), broadcast to
+        ``(..., a)``."""
+        k = self._resolve(constraint_value, torch.Size())
         if self.constraint_matrix is not None:
-            return LinearConstraint(self.constraint_matrix.to(constraint_value.dtype), constraint_value,
-                                    validate_args=False)
-        return SumConstraint(self.index, constraint_value, validate_args=False)
+            return LinearConstraint(self.constraint_matrix.to(k.dtype), k, validate_args=False)
+        return SumConstraint(self.index, k, validate_args=False)
 
-    def forward(self, features: Tensor, constraint_value: Tensor) -> ConstrainedNormal:
-        if features.shape[-1] != self.in_features:
-            raise ValueError(f"features must have shape (..., {self.in_features}), got {tuple(features.shape)}.")
-        if constraint_value.shape[-1] != self.num_constraints:
-            raise ValueError(f"constraint_value must have shape (..., {self.num_constraints}), got "
-                             f"{tuple(constraint_value.shape)}.")
+    def _resolve(self, constraint_value: Tensor | float | None, batch: torch.Size,
+                 dtype: torch.dtype | None = None, device: torch.device | None = None) -> Tensor:
+        """``k`` from the call or the buffer, as a tensor ``(..., a)`` that broadcasts with ``batch``."""
+        if constraint_value is None:
+            constraint_value = self.constraint_value
+            if constraint_value is None:
+                raise ValueError("constraint_value (the right-hand side k) must be given: pass it per call, "
+                                 "head(features, k), or fix it at construction, ConstrainedGaussianHead(..., "
+                                 "constraint_value=k).")
+        if dtype is None:
+            dtype = constraint_value.dtype if isinstance(constraint_value, Tensor) and \
+                constraint_value.is_floating_point() else torch.get_default_dtype()
+        return _right_hand_side(constraint_value, self.num_constraints, batch, dtype, device, "")
+
+    def forward(self, features: Tensor, constraint_value: Tensor | float | None = None) -> ConstrainedNormal:
+        if not isinstance(features, Tensor) or features.dim() < 1 or features.shape[-1] != self.in_features:
+            shape = tuple(features.shape) if isinstance(features, Tensor) else type(features).__name__
+            raise ValueError(f"features must have shape (..., {self.in_features}), got {shape}.")
         loc, raw_scale = self.linear(features).chunk(2, dim=-1)
         scale = F.softplus(raw_scale) + self.min_scale
         # under torch.autocast the layer returns bfloat16 / float16: promote to the widest of the three, so a
         # float32 right-hand side gives a float32 distribution (half-precision ones compute in float32 anyway)
-        dtype = torch.promote_types(torch.promote_types(loc.dtype, scale.dtype), constraint_value.dtype)
-        return ConstrainedNormal(loc.to(dtype), scale.to(dtype), constraint=self.constraint(constraint_value.to(dtype)))
+        dtype = torch.promote_types(loc.dtype, scale.dtype)
+        given = constraint_value if constraint_value is not None else self.constraint_value
+        if isinstance(given, Tensor) and given.is_floating_point():
+            dtype = torch.promote_types(dtype, given.dtype)
+        k = self._resolve(constraint_value, features.shape[:-1], dtype, loc.device)
+        return ConstrainedNormal(loc.to(dtype), scale.to(dtype), constraint=self.constraint(k))
 
     def extra_repr(self) -> str:
         kind = "dense" if self.constraint_matrix is not None else "sum"
+        fixed = "" if self.constraint_value is None else f", constraint_value={tuple(self.constraint_value.shape)}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"a={self.num_constraints}, constraint={kind}")
+                f"a={self.num_constraints}, constraint={kind}{fixed}")
+
+
+def _right_hand_side(value: object, a: int, batch: torch.Size, dtype: torch.dtype, device: torch.device | None,
+                     when: str) -> Tensor:
+    """``value`` (a number or a floating / integer tensor) as a tensor ``(..., a)`` in ``dtype`` on ``device``:
+    a number, ``()`` or a last dimension of 1 is repeated over the ``a`` rows; its batch dimensions must
+    broadcast with ``batch``. ``TypeError`` / ``ValueError`` naming ``constraint_value`` and the shapes."""
+    if isinstance(value, numbers.Number) and not isinstance(value, bool):
+        return torch.full((a,), float(value), dtype=dtype, device=device)
+    if not isinstance(value, Tensor) or value.dtype == torch.bool or value.is_complex():
+        what = value.dtype if isinstance(value, Tensor) else type(value).__name__
+        raise TypeError(f"constraint_value must be a Python number or a floating / integer torch.Tensor, got {what}.")
+    if device is not None and value.device != device:
+        raise ValueError(f"constraint_value is on device {value.device} but the features are on {device}.")
+    shape = tuple(value.shape)
+    if value.dim() == 0 or value.shape[-1] == 1:
+        value = value.expand(value.shape[:-1] + (a,))
+    try:
+        ok = value.shape[-1] == a and bool(torch.broadcast_shapes(value.shape[:-1], batch) is not None)
+    except RuntimeError:
+        ok = False
+    if not ok:
+        hint = (" (for one value per sample of a one-row constraint pass shape (*batch, 1), e.g. k.unsqueeze(-1))"
+                if a == 1 else "")
+        at = f" {when}" if when else ""
+        raise ValueError(f"constraint_value must have shape (..., {a}), got {shape}{at}: it must broadcast to "
+                         f"(*batch, a) with the features' batch shape {tuple(batch)} and a = {a} rows (a number, () "
+                         f"or a last dimension of 1 is shared by the rows){hint}.")
+    return value.to(dtype)

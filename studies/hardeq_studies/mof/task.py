@@ -49,7 +49,7 @@ class MofTask(Task):
             return dist.expected_l1(y), (dist.mean - y).abs()
         if method == "likelihood":
             dist = graph_normal(mu, var, batch.batch, num_graphs=G, validate_args=False)
-            nll = -dist.log_prob(y)
+            nll = -dist.log_prob(y).sum()  # log_prob is per graph, (G,)
             return nll.expand(y.shape) / y.shape[0], (dist.mean - y).abs()
         err = (predict(method, mu, var, batch.batch, G) - y).abs()
         return err, err
