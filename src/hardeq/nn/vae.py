@@ -20,6 +20,7 @@ observation layer built with a constraint, see :class:`ConstrainedGaussianObserv
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from torch import Tensor, nn
@@ -51,18 +52,25 @@ class ConstrainedGaussianLatent(nn.Module):
     same constraint (``prior_scale`` :math:`s`). With ``constraint=None`` both are ordinary diagonal Gaussians
     (``Independent(Normal)``), the unconstrained VAE.
 
+    Per-sample planes (a conditional VAE): ``forward(features, constraint_value=k)`` replaces the right-hand side
+    of the layer's constraint for this call by ``k`` (a number or a tensor broadcastable to ``(*batch, a)``, e.g.
+    one row per example, ``(B, a)``), and ``forward(features, constraint=c)`` uses another constraint
+    altogether (any batch shape that broadcasts with the features'). The posterior then has one plane per
+    example, and :meth:`prior` / :meth:`kl` given that posterior put the prior on the *same* planes
+    (``layer.prior(q)`` for importance weights), so the KL stays finite and exact.
+
     Args:
         in_features (int): size of the encoder features.
         latent_features (int): ``n``, the size of :math:`z`.
-        constraint (EqualityConstraint, optional): :math:`Az = k` on the latent, batch shape ``()`` (one plane for
-            every input), e.g. ``SumConstraint(torch.zeros(n, dtype=torch.long), torch.zeros(1))`` for
-            :math:`\sum_i z_i = 0`.
+        constraint (EqualityConstraint, optional): :math:`Az = k` on the latent, e.g.
+            ``SumConstraint(torch.zeros(n, dtype=torch.long), torch.zeros(1))`` for :math:`\sum_i z_i = 0`; batch
+            shape ``()`` (one plane for every input) or one that broadcasts with the features' batch shape.
         prior_scale (float): :math:`s`.
         max_log_var (float): bound on :math:`|\log\sigma^2|` (keeps early training finite).
 
     Shapes:
-        features ``(*batch, in_features)`` -> posterior with ``batch_shape = batch``, ``event_shape = (n,)``;
-        :meth:`kl` -> ``(*batch,)``.
+        features ``(*batch, in_features)``, constraint_value ``(*batch, a)`` (broadcastable) -> posterior with
+        ``batch_shape = broadcast(batch, k batch)``, ``event_shape = (n,)``; :meth:`kl` -> that batch shape.
 
     Example:
         >>> from hardeq import SumConstraint
@@ -71,15 +79,15 @@ class ConstrainedGaussianLatent(nn.Module):
         >>> z = q.rsample(estimator="pathwise")
         >>> z.shape, bool(z.sum(-1).abs().max() < 1e-5), layer.kl(q).shape
         (torch.Size([8, 4]), True, torch.Size([8]))
+        >>> q = layer(torch.randn(8, 16), constraint_value=torch.arange(8.0).unsqueeze(-1))  # sum z = 0, 1, ..., 7
+        >>> torch.allclose(q.rsample().sum(-1), torch.arange(8.0), atol=1e-5), layer.kl(q).shape
+        (True, torch.Size([8]))
     """
 
     def __init__(self, in_features: int, latent_features: int, constraint: EqualityConstraint | None = None, *,
                  prior_scale: float = 1.0, max_log_var: float = 20.0) -> None:
         super().__init__()
         _check_constraint(constraint, latent_features, "latent_features")
-        if constraint is not None and constraint.batch_shape != torch.Size():
-            raise ValueError(f"constraint must have batch shape () (one plane for all inputs), got "
-                             f"{tuple(constraint.batch_shape)}.")
         if not prior_scale > 0:
             raise ValueError(f"prior_scale must be positive, got {prior_scale}.")
         self.in_features, self.latent_features = in_features, latent_features
@@ -87,33 +95,78 @@ class ConstrainedGaussianLatent(nn.Module):
         self.mean = nn.Linear(in_features, latent_features)
         self.log_var = nn.Linear(in_features, latent_features)
 
-    def _constraint(self, like: Tensor) -> EqualityConstraint | None:
+    def _constraint(self, like: Tensor, constraint_value: Tensor | float | None = None,
+                    constraint: EqualityConstraint | None = None) -> EqualityConstraint | None:
+        """The plane of this call in ``like``'s dtype / device: ``constraint``, else the layer's constraint with
+        ``constraint_value`` as its right-hand side (if given), else the layer's constraint (or None)."""
+        if constraint is not None:
+            if constraint_value is not None:
+                raise ValueError("pass constraint_value (a new k for the layer's constraint) or constraint (a whole "
+                                 "new constraint), not both.")
+            _check_constraint(constraint, self.latent_features, "latent_features")
+            return constraint.to(like.device, like.dtype)
         c = self.constraint
-        return None if c is None else c.to(like.device, like.dtype)
+        if c is None:
+            if constraint_value is not None:
+                raise ValueError("constraint_value needs a layer built with a constraint (its A); this layer has "
+                                 "constraint=None. Pass constraint= (a whole constraint) instead.")
+            return None
+        c = c.to(like.device, like.dtype)
+        if constraint_value is None:
+            return c
+        return c.with_k(_as_right_hand_side(constraint_value, c.num_constraints, like))
 
-    def forward(self, features: Tensor) -> Distribution:
+    def forward(self, features: Tensor, constraint_value: Tensor | float | None = None, *,
+                constraint: EqualityConstraint | None = None) -> Distribution:
+        """The posterior for ``features`` ``(*batch, in_features)``, on the layer's plane, on the layer's ``A`` with
+        right-hand side ``constraint_value``, or on ``constraint``."""
         if features.shape[-1] != self.in_features:
             raise ValueError(f"features must have shape (..., {self.in_features}), got {tuple(features.shape)}.")
         loc = self.mean(features)
         scale = (0.5 * self.log_var(features).clamp(-self.max_log_var, self.max_log_var)).exp()
-        c = self._constraint(loc)
+        c = self._constraint(loc, constraint_value, constraint)
         if c is None:
             return Independent(Normal(loc, scale), 1)
+        try:
+            torch.broadcast_shapes(loc.shape[:-1], c.batch_shape)
+        except RuntimeError:
+            raise ValueError(f"the constraint's batch shape {tuple(c.batch_shape)} (from its k, shape "
+                             f"{tuple(c.k.shape)}) does not broadcast with the features' batch shape "
+                             f"{tuple(loc.shape[:-1])}; pass one right-hand side per example, (*batch, a).") from None
         return ConstrainedNormal(loc, scale, constraint=c)
 
-    def prior(self, like: Tensor | None = None) -> Distribution:
-        """:math:`p(z)`, batch shape ``()``, in ``like``'s dtype/device (default: the layer's parameters')."""
+    def prior(self, like: Tensor | Distribution | None = None, *, constraint_value: Tensor | float | None = None,
+              constraint: EqualityConstraint | None = None) -> Distribution:
+        r""":math:`p(z) = \mathcal N(0, s^2 I)` conditioned on the plane of a posterior, of a right-hand side or of
+        the layer.
+
+        Args:
+            like: a posterior returned by :meth:`forward` (the prior takes its planes, batch shape included, and
+                its dtype / device), or a tensor whose dtype / device to use (default: the layer's parameters').
+            constraint_value, constraint: as in :meth:`forward` (not with a posterior ``like``).
+
+        Returns:
+            batch shape ``()`` on the layer's plane, else that of the planes.
+        """
+        if isinstance(like, ConstrainedNormal):
+            if constraint_value is not None or constraint is not None:
+                raise ValueError("prior(posterior) takes the posterior's planes; do not pass constraint_value or "
+                                 "constraint with it.")
+            constraint, like = like.constraint, like.mean
+        elif isinstance(like, Distribution):
+            like = like.mean
         like = self.mean.weight if like is None else like
         loc = torch.zeros(self.latent_features, dtype=like.dtype, device=like.device)
         scale = torch.full_like(loc, self.prior_scale)
-        c = self._constraint(loc)
+        c = self._constraint(loc, constraint_value, constraint)
         if c is None:
             return Independent(Normal(loc, scale), 1)
         return ConstrainedNormal(loc, scale, constraint=c)
 
     def kl(self, posterior: Distribution) -> Tensor:
-        r""":math:`\mathrm{KL}(q(z\mid x)\Vert p(z))` in closed form, ``(*batch,)``."""
-        return kl_divergence(posterior, self.prior(posterior.mean))
+        r""":math:`\mathrm{KL}(q(z\mid x)\Vert p(z))` in closed form, ``(*batch,)``, with the prior on the
+        posterior's planes (per example when the posterior has per-example planes)."""
+        return kl_divergence(posterior, self.prior(posterior))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, latent_features={self.latent_features}, "
@@ -133,6 +186,11 @@ class ConstrainedGaussianObservation(nn.Module):
     same layer serves an unconstrained model (``constraint=None``) and lets a model trained unconstrained be
     conditioned at evaluation time (build it with the constraint, train with ``condition=False``, evaluate with
     ``condition=True``).
+
+    The data are flat vectors: the last dimension is the data size ``n`` that the constraint acts on. Images
+    ``(B, C, H, W)`` are flattened first, ``mean.flatten(1)``, ``log_var.flatten(1)`` and ``x.flatten(1)`` for
+    ``log_prob`` (``ValueError`` with that hint, naming the shape received, when the trailing dimensions
+    multiply to ``n`` but the last one is not ``n``).
 
     Args:
         constraint (EqualityConstraint, optional): :math:`Ax = k` on the data, batch shape ``()`` or the batch's.
@@ -163,6 +221,8 @@ class ConstrainedGaussianObservation(nn.Module):
         if mean.shape != log_var.shape:
             raise ValueError(f"mean and log_var must have the same shape, got {tuple(mean.shape)} and "
                              f"{tuple(log_var.shape)}.")
+        if self.constraint is not None:
+            _check_flat(mean, self.constraint.event_size)
         scale = (0.5 * log_var.clamp(self.min_log_var, self.max_log_var)).exp()
         if not condition or self.constraint is None:
             return Independent(Normal(mean, scale), 1)
@@ -171,6 +231,42 @@ class ConstrainedGaussianObservation(nn.Module):
 
     def extra_repr(self) -> str:
         return f"constraint={'none' if self.constraint is None else type(self.constraint).__name__}"
+
+
+def _as_right_hand_side(value: object, a: int, like: Tensor) -> Tensor:
+    """``constraint_value`` (a number or a floating / integer tensor) as ``(..., a)`` in ``like``'s dtype / device;
+    a number, ``()`` or a last dimension of 1 is shared by the ``a`` rows."""
+    if isinstance(value, numbers.Number) and not isinstance(value, bool):
+        return torch.full((a,), float(value), dtype=like.dtype, device=like.device)
+    if not isinstance(value, Tensor) or value.dtype == torch.bool or value.is_complex():
+        what = value.dtype if isinstance(value, Tensor) else type(value).__name__
+        raise TypeError(f"constraint_value must be a Python number or a floating / integer torch.Tensor, got {what}.")
+    if value.device != like.device:
+        raise ValueError(f"constraint_value is on device {value.device} but the features are on {like.device}.")
+    shape = tuple(value.shape)
+    if value.dim() == 0 or value.shape[-1] == 1:
+        value = value.expand(value.shape[:-1] + (a,))
+    if value.shape[-1] != a:
+        hint = " (one value per example of a one-row constraint is (*batch, 1), e.g. k.unsqueeze(-1))" if a == 1 else ""
+        raise ValueError(f"constraint_value must have shape (..., {a}) (a = {a} rows of the layer's constraint; a "
+                         f"number, () or a last dimension of 1 is shared by the rows), got {shape}{hint}.")
+    return value.to(like.dtype)
+
+
+def _check_flat(data: Tensor, n: int) -> None:
+    """``ValueError`` for data whose last dimension is not the constraint's size ``n``, with a flattening hint."""
+    if data.dim() >= 1 and data.shape[-1] == n:
+        return
+    shape = tuple(data.shape)
+    start = next((s for s in range(len(shape)) if math.prod(shape[s:]) == n), None)
+    if start is not None:
+        dims = " x ".join(str(d) for d in shape[start:])
+        hint = (f"the trailing dimensions {dims} hold the {n} values the constraint acts on: flatten them, "
+                f"mean.flatten({start}) and log_var.flatten({start}) (and x.flatten({start}) for log_prob)")
+    else:
+        hint = "flatten image-shaped data to (*batch, n) first (e.g. x.flatten(1))"
+    raise ValueError(f"mean must have shape (*batch, n) with n = {n} (the constraint acts on vectors of size {n}), got "
+                     f"{shape} (last dimension {shape[-1] if shape else None}); {hint}.")
 
 
 def importance_log_likelihood(log_weights: Tensor, dim: int = 0) -> Tensor:
