@@ -162,7 +162,7 @@ def test_graph_head_totals_per_call_and_fixed(total, expected):
 def test_graph_head_total_errors():
     batch, *_ = _graphs()
     head = GraphGaussianHead(4)
-    with pytest.raises(ValueError, match=r"total must have shape \(num_graphs,\) = \(4,\), or broadcast to it.*got \(3,\)"):
+    with pytest.raises(ValueError, match=r"total must have shape \(num_graphs,\) = \(4,\), or broadcast .*got \(3,\)"):
         head(torch.randn(len(batch), 4), batch, torch.zeros(3))
     with pytest.raises(TypeError, match=r"total must be a floating / integer Tensor, a number or None, got str"):
         head(torch.randn(len(batch), 4), batch, "0")

@@ -91,7 +91,7 @@ def test_kl_gradcheck_in_k():
 def test_per_example_planes_errors():
     layer = _layer(torch.float32, SumConstraint(torch.zeros(N, dtype=torch.long), torch.zeros(1)))
     feats = torch.randn(B, 7)
-    with pytest.raises(ValueError, match=r"batch shape \(3,\) .* does not broadcast with the features' batch shape \(5,\)"):
+    with pytest.raises(ValueError, match=r"batch shape \(3,\) .* does not broadcast with the features' .*\(5,\)"):
         layer(feats, constraint_value=torch.ones(3, 1))
     with pytest.raises(ValueError, match=r"constraint_value must have shape \(\.\.\., 1\).*got \(5,\).*unsqueeze"):
         layer(feats, constraint_value=torch.ones(B))
