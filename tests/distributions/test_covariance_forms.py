@@ -129,7 +129,7 @@ BAD = [
      r"got covariance_matrix and precision_matrix"),
     (dict(scale_tril=torch.eye(4, dtype=torch.float64), precision_matrix=S4), ValueError,
      r"got scale_tril and precision_matrix"),
-    (dict(), ValueError, r"one of scale, scale_tril, covariance_matrix, precision_matrix .* must be given"),
+    (dict(), ValueError, r"one of scale, scale_tril / covariance_matrix / precision_matrix, or covariance must be"),
     (dict(cov_factor=torch.ones(4, 1, dtype=torch.float64)), ValueError, r"cov_factor needs scale too"),
     (dict(covariance_matrix=torch.eye(3, dtype=torch.float64)), ValueError,
      r"covariance_matrix must have shape \(\.\.\., n, n\) with n = loc.shape\[-1\] = 4, got \(3, 3\)"),

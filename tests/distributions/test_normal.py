@@ -405,7 +405,7 @@ def _c(n=4, dtype=torch.float32):
      TypeError, "dtype"),
     (lambda: hardeq.ConstrainedNormal(torch.zeros(4), constraint=_c()), ValueError, "one of scale"),
     (lambda: hardeq.ConstrainedNormal(torch.zeros(4), torch.ones(4), scale_tril=torch.eye(4), constraint=_c()),
-     ValueError, "either"),
+     ValueError, "exactly one of .* got scale and scale_tril"),
     (lambda: hardeq.ConstrainedNormal(torch.zeros(4), scale_tril=torch.eye(3), constraint=_c()), ValueError,
      r"\(\.\.\., n, n\)"),
     (lambda: hardeq.ConstrainedNormal(torch.zeros(4), scale_tril=-torch.eye(4), constraint=_c()), ValueError,

@@ -522,8 +522,8 @@ def _build_covariance(n: int, scale: Tensor | None, covariance: Covariance | Non
         else:
             covariance = DiagonalCovariance(scale)
     else:
-        raise ValueError("one of scale, scale_tril, covariance_matrix, precision_matrix (cov_factor needs scale too) "
-                         "or covariance must be given.")
+        raise ValueError("one of scale, scale_tril / covariance_matrix / precision_matrix, or covariance must be "
+                         "given (cov_factor needs scale too).")
     if covariance.event_size != n:
         raise ValueError(f"covariance has event size {covariance.event_size}, but loc has size n = {n}.")
     return covariance
