@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.distributions import MultivariateNormal
 
-from hardeq import ConstrainedNormal, LinearConstraint, SumConstraint
+from hardeq import ConstrainedNormal, DiagonalCovariance, LinearConstraint, SumConstraint
 from hardeq.testing import dense_conditional, random_spd
 
 DTYPES = [torch.float32, torch.float64]
@@ -138,6 +138,8 @@ BAD = [
      r"precision_matrix must be positive definite, but its Cholesky factorisation fails at batch index \(1,\)"),
     (dict(covariance_matrix=S4 + torch.triu(torch.ones(4, 4, dtype=torch.float64), 1)), ValueError,
      r"covariance_matrix \(shape \(4, 4\)\) must be symmetric"),
+    (dict(covariance=DiagonalCovariance(torch.ones(4, dtype=torch.float64)), precision_matrix=S4), ValueError,
+     r"pass covariance= alone.*got covariance and precision_matrix"),
     (dict(covariance_matrix=S4.float()), TypeError, r"covariance_matrix has dtype torch.float32 but loc"),
     (dict(precision_matrix=S4.long()), TypeError, r"precision_matrix must be a floating-point tensor"),
     (dict(scale=True), TypeError, r"scale must be a torch.Tensor, got bool"),
@@ -157,3 +159,16 @@ def test_negative_number_scale_is_rejected_when_validated():
     c = LinearConstraint(torch.ones(1, 4), torch.ones(1))
     with pytest.raises(ValueError, match="scale .* must be positive"):
         ConstrainedNormal(torch.zeros(4), -1.0, constraint=c, validate_args=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("form", ["covariance_matrix", "precision_matrix"])
+def test_matrix_forms_in_half_precision_compute_in_float32(dtype, form):
+    A, k, loc, S = _problem(torch.float64)
+    arg = S if form == "covariance_matrix" else torch.linalg.inv(S)
+    d = ConstrainedNormal(loc.to(dtype), constraint=LinearConstraint(A.to(dtype), k.to(dtype)),
+                          **{form: arg.to(dtype)})
+    A32, k32 = A.to(dtype).float(), k.to(dtype).float()
+    ref = ConstrainedNormal(loc.to(dtype).float(), constraint=LinearConstraint(A32, k32), **{form: arg.to(dtype).float()})
+    assert d.mean.dtype == dtype and d.sample((2,)).dtype == dtype
+    torch.testing.assert_close(d.mean, ref.mean.to(dtype))

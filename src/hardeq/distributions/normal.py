@@ -486,6 +486,9 @@ def _build_covariance(n: int, scale: Tensor | None, covariance: Covariance | Non
     if covariance is None and len(given) > 1:
         raise ValueError(f"pass exactly one of scale (alone or with cov_factor), scale_tril, covariance_matrix, "
                          f"precision_matrix and covariance, got {' and '.join(given)}.")
+    if covariance is not None and (covariance_matrix is not None or precision_matrix is not None):
+        raise ValueError("pass covariance= alone, or one of the shortcuts, not both; got covariance and "
+                         f"{'covariance_matrix' if covariance_matrix is not None else 'precision_matrix'}.")
     if covariance is None and cov_factor is not None and scale is None:
         raise ValueError("cov_factor needs scale too (Sigma = W W^T + diag(scale^2)); got cov_factor without scale"
                          + (f" (with {given[0]})." if given else "."))
@@ -546,6 +549,8 @@ def _scale_tril_from(n: int, covariance_matrix: Tensor | None, precision_matrix:
         if not bool(torch.isclose(M, M.mT, rtol=1e-5, atol=1e-8).all()):
             raise ValueError(f"{name} (shape {tuple(M.shape)}) must be symmetric; its largest asymmetry "
                              f"|M - M^T| is {(M - M.mT).abs().max().item():.3g}.")
+    if M.dtype in HALF_DTYPES:  # factorised in float32, the precision half-precision distributions compute in
+        M = M.to(torch.float32)
     flipped = M if name == "covariance_matrix" else M.flip(-2, -1)
     factor, info = torch.linalg.cholesky_ex(flipped)
     if not is_tracing() and bool((info != 0).any()):
