@@ -169,6 +169,7 @@ def test_matrix_forms_in_half_precision_compute_in_float32(dtype, form):
     d = ConstrainedNormal(loc.to(dtype), constraint=LinearConstraint(A.to(dtype), k.to(dtype)),
                           **{form: arg.to(dtype)})
     A32, k32 = A.to(dtype).float(), k.to(dtype).float()
-    ref = ConstrainedNormal(loc.to(dtype).float(), constraint=LinearConstraint(A32, k32), **{form: arg.to(dtype).float()})
+    ref = ConstrainedNormal(loc.to(dtype).float(), constraint=LinearConstraint(A32, k32),
+                            **{form: arg.to(dtype).float()})
     assert d.mean.dtype == dtype and d.sample((2,)).dtype == dtype
     torch.testing.assert_close(d.mean, ref.mean.to(dtype))
