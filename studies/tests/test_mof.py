@@ -185,7 +185,9 @@ def test_reproduce_quick_end_to_end_and_resume(tmp_path):
     verdicts = [line.rsplit("|", 2)[-2].strip() for line in md.split("## Claims of the paper")[1].split("##")[0]
                 .splitlines() if line.startswith("| ") and "verdict" not in line]
     assert len(verdicts) == len(doc["config"]["claims"])
-    assert all(v.startswith(("reproduced (", "refuted (", "undecided (")) for v in verdicts)
+    from hardeq_studies.claims import REFUTED, VERDICTS
+
+    assert all(v.startswith(VERDICTS) and not v.startswith(REFUTED) for v in verdicts)
     # --resume finds every unit finished and reproduces the same numbers without training
     assert main(args + ["--resume"]) == 0
     doc2 = json.loads((out / "mof.json").read_text())
