@@ -416,8 +416,10 @@ def plot_weights(doc: dict[str, Any], out: Path) -> Path:
         ax.set_yscale("log")
         ax.set_title(u, fontsize=9)
         ax.set_xlabel("N x weight (1 = equal weight; values beyond the axis are counted at its ends)")
-        ax.set_ylabel("fraction of weights")
-        ax.legend(fontsize=7, ncol=2)
+        ax.set_ylabel("fraction of weights (log scale)")
+        # below the panel, off the data (the range of N x weight of each method in brackets)
+        ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)
+    fig.set_figheight(fig.get_figheight() + 1.2)
     fig.tight_layout()
     path = Path(out) / "portfolio_weights.png"
     save_png(fig, path, dpi=120)

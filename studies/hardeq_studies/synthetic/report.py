@@ -283,6 +283,7 @@ def plot(doc: dict, out: Path) -> list[Path]:
             ax.set_xticks(range(len(METRICS)), [LABELS[m] for m in METRICS])
             ax.set_title(f"{group[1]} constraint, gradient w.r.t. {group[3]}", fontsize=10)
             ax.grid(axis="y", alpha=0.3, which="both")
+            ax.set_ylabel("metric of 1 - cos\n(unitless, log scale)", fontsize=8)
         fig.suptitle(f"Gradient estimators, {FAMILY_NAMES.get(family, family)}, {loss.upper()} loss: "
                      f"{doc['config']['n_sets']} sets x {doc['config']['n_estimates']} estimates, "
                      f"mean ± std over sets (log scale; lower is better)", fontsize=11)

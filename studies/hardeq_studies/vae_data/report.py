@@ -276,22 +276,56 @@ def plot_images(doc: dict[str, Any], out: Path) -> list[Path]:
     ``vae-data_reconstructions.png``: the data and each variant's reconstruction, per model (first trial)."""
     import torch
 
-    from ..images import load_mnist, save_grid
+    from ..images import load_mnist
 
     out = Path(out)
     filled = torch.tensor(doc["images"]["originals"]).reshape(-1, 28, 28)
     raw, _ = load_mnist("test")
     raw = raw[: filled.shape[0]].to(torch.float32) / 255.0
-    p1 = save_grid(torch.cat([raw, filled]), out / "vae-data_data.png", nrow=filled.shape[0], scale=3)
-    rows, labels = [filled], ["data"]
+    p1 = _labelled_grid([raw, filled], ["MNIST test image", "water-filled to sum 100"], out / "vae-data_data.png",
+                        "MNIST test images and their water-filled\nversions (pixel sum 100)")
+    rows, labels = [filled], ["data (water-filled)"]
     for model, by_v in doc["images"]["reconstructions"].items():
         for v in ORDER:
             if v in by_v:
                 rows.append(torch.tensor(by_v[v]).reshape(-1, 28, 28))
-                labels.append(f"{model}/{v}")
-    p2 = save_grid(torch.cat(rows), out / "vae-data_reconstructions.png", nrow=filled.shape[0], scale=2)
+                labels.append(f"{MODEL_LABELS.get(model, model)}: {v}")
+    p2 = _labelled_grid(rows, labels, out / "vae-data_reconstructions.png",
+                        "Reconstructions (observation mean), first trial;\nrows: the data, then one variant each")
     (out / "vae-data_reconstructions.txt").write_text("rows, top to bottom:\n" + "\n".join(labels) + "\n")
     return [p1, p2]
+
+
+def _labelled_grid(rows: list[Any], labels: list[str], path: Path, title: str) -> Path:
+    """A grid of grey images in [0, 1], one row per entry of ``rows`` (each ``(n, 28, 28)``), each row labelled
+    on the left; pixel intensity 0 (black) .. 1 (white)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pad, h = 2, rows[0].shape[-2]
+    n = max(r.shape[0] for r in rows)
+    grid = np.ones((len(rows) * (h + pad) + pad, n * (h + pad) + pad))
+    for i, r in enumerate(rows):
+        for j, img in enumerate(np.clip(np.asarray(r, dtype=np.float64), 0.0, 1.0)):
+            grid[pad + i * (h + pad): pad + i * (h + pad) + h, pad + j * (h + pad): pad + j * (h + pad) + h] = img
+    label_in = 0.075 * max(len(lb) for lb in labels) + 0.3  # inches for the row labels at 8 pt
+    per_px = 0.42 / (h + pad)  # inches per grid pixel: one 28-pixel image and its gap in 0.42 in
+    img_w, img_h = grid.shape[1] * per_px, grid.shape[0] * per_px
+    width, height = label_in + img_w + 0.15, img_h + 0.75
+    fig = plt.figure(figsize=(width, height))
+    ax = fig.add_axes((label_in / width, 0.1 / height, img_w / width, img_h / height))
+    ax.imshow(grid, cmap="gray", vmin=0.0, vmax=1.0, interpolation="nearest", aspect="auto")
+    ax.set_yticks([pad + i * (h + pad) + h / 2 for i in range(len(rows))], labels, fontsize=8)
+    ax.set_xticks([])
+    ax.tick_params(length=0)
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+    fig.text(0.5, 1 - 0.1 / height, title, ha="center", va="top", fontsize=9, wrap=True)
+    save_png(fig, path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def plot_curves(doc: dict[str, Any], out: Path) -> Path:

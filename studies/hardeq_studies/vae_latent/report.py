@@ -224,11 +224,13 @@ def plot_metrics(doc: dict[str, Any], out: Path) -> Path:
             lo, hi = 0.9 * float(np.nanmin(means)), 1.6 * float(np.nanmedian(means))  # diverged runs: off scale
             ax.set_ylim(lo, hi)
             for pos, v in enumerate(means):
-                if v > hi:
-                    ax.text(pos, hi, f"{v:.0f}↑", ha="center", va="top", fontsize=7)
+                if v > hi:  # off scale: the value in a box inside the axes, clear of the frame
+                    ax.text(pos, lo + 0.9 * (hi - lo), f"{v:.0f}\n(off\nscale)", ha="center", va="top", fontsize=7,
+                            zorder=5, bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "0.6"})
             ax.set_xticks(range(len(methods)), [LABELS.get(m, m) for m in methods], rotation=60, ha="right",
                           fontsize=7)
-            ax.set_title(f"{c}: {label}", fontsize=9)
+            ax.set_ylabel(f"{label} (nats per image,\nlower is better)", fontsize=8)
+            ax.set_title(f"{c}: {label}, mean ± std over {len(cfg['trials'])} trials", fontsize=9)
     return _save(fig, out, "vae-latent.png")
 
 
