@@ -274,9 +274,10 @@ def plot_curves(curves: Mapping[str, Mapping[str, list]], out: Path) -> Path:
     """``mof_curves.png``: training and validation MAD, validation NLL and mean log-variance per epoch."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    panels = [("val_mad", "validation MAD (solid), training MAD (dotted)", True),
-              ("val_nll", "validation NLL per MOF", False), ("val_log_var", "mean log-variance of the head", False)]
-    for ax, (key, title, log) in zip(axes, panels):
+    panels = [("val_mad", "validation MAD (solid), training MAD (dotted)", True, "MAD (e per atom, log scale)"),
+              ("val_nll", "validation NLL per MOF", False, "NLL per MOF (nats, symlog scale)"),
+              ("val_log_var", "mean log-variance of the head", False, "mean log-variance (log e^2)")]
+    for ax, (key, title, log, ylabel) in zip(axes, panels):
         for m, c in curves.items():
             ys = c.get(key)
             if not ys:
@@ -288,7 +289,8 @@ def plot_curves(curves: Mapping[str, Mapping[str, list]], out: Path) -> Path:
                 ax.plot([i + 1 for i, v in enumerate(t) if v is not None], [v for v in t if v is not None],
                         color=color(m), ls=":")
         ax.set_title(title, fontsize=9)
-        ax.set_xlabel("epoch")
+        ax.set_xlabel("epoch (a harness round: one validation)")
+        ax.set_ylabel(ylabel, fontsize=8)
         integer_epochs(ax)
         if log:
             ax.set_yscale("log")

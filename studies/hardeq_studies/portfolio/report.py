@@ -385,13 +385,15 @@ def plot_cumulative(doc: dict[str, Any], out: Path) -> Path:
                 sd = y.std(0, ddof=1)
                 ax.fill_between(days, y.mean(0) - sd, y.mean(0) + sd, color=_color(m), alpha=0.12, lw=0)
         ax.set_ylabel("cumulative return (%)")
+        ax.set_xlabel("date (test period)")
         ax.set_title(f"{u}: test windows of {doc['data'][u]['horizon']} days in sequence ({doc['preset']})",
                      fontsize=9)
-        ax.legend(fontsize=7, ncol=2)
+        ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)  # off the data
         ax.grid(alpha=0.3)
         for label in ax.get_xticklabels():
             label.set_rotation(30)
             label.set_ha("right")
+    fig.set_figheight(fig.get_figheight() + 0.9)
     fig.tight_layout()
     path = Path(out) / "portfolio_cumulative.png"
     save_png(fig, path, dpi=120)
