@@ -171,9 +171,9 @@ def claims(doc: Mapping[str, Any]) -> list[Claim]:
     budget = str(cfg.get("claims_budget", "a larger budget"))
     at_end, late, total = best_step_summary(doc)
     s = cfg.get("settings", {})
-    differs = (f"every model gets {s.get('steps')} optimiser steps, far short of {budget.split('up to ')[-1]}, and "
-               f"{at_end} of {total} models have their best validation at the last step: still improving"
-               ) if s.get("steps") else f"the budget is smaller than the paper's ({budget})"
+    differs = (f"every model gets {s.get('steps')} optimiser steps, far short of {budget.split('up to ')[-1]}"
+               + (f", and {at_end} of {total} models have their best validation at the last step: still improving"
+                  if at_end else "")) if s.get("steps") else f"the budget is smaller than the paper's ({budget})"
     mixed = confound(doc)
     out = []
     for c in cfg.get("claims", []):
@@ -215,7 +215,8 @@ def claims_table(doc: Mapping[str, Any]) -> list[str]:
     intro = ("Paired two-sided Wilcoxon signed-rank tests over splits; a = the first method named, b = the second; "
              "values here are mean ± std over the row's values (see the table above). `X#0`: the first "
              f"initialisation alone. {at_end} of {total} models have their best validation MAD at the last step of "
-             f"the budget and {late} of {total} at one of the last two validations: the models are still improving."
+             f"the budget and {late} of {total} at one of the last two validations"
+             + (": the models are still improving." if at_end else ".")
              + (f" **Confound:** {mixed}; a comparison across groups therefore cannot be reproduced or refuted by "
                 "this run." if mixed else ""))
     text = claims_section(claims(doc), intro=intro)
