@@ -28,7 +28,8 @@ COLORS: dict[str, str] = {
     # synthetic: gradient estimators
     "pathwise": "#1f77b4", "marginal_expectation": "#d62728", "constrained_marginal": "#ff7f0e",
     "unconstrained_marginal": "#2ca02c", "constrained_layer": "#9467bd", "constrained_layer_independent": "#c5b0d5",
-    "constrained_reparam_independent": "#8c564b", "random": "#7f7f7f",
+    "constrained_reparam_independent": "#8c564b", "cr-independent": "#8c564b", "cr_independent": "#8c564b",
+    "constrained_reparam": "#17becf", "random": "#7f7f7f",
 }
 
 

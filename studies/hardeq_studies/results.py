@@ -18,13 +18,13 @@ import os
 import platform
 import subprocess
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["environment", "git_state", "write_json", "atomic_write_text", "markdown_table", "RECORD_KEYS",
+__all__ = ["wall_time", "environment", "git_state", "write_json", "atomic_write_text", "markdown_table", "RECORD_KEYS",
            "COMMITTED_PRESETS", "allow_dirty", "dirty_refusal"]
 
 #: keys every record carries
@@ -130,3 +130,21 @@ def markdown_table(header: list[str], rows: Iterable[list[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+def wall_time(doc: Mapping[str, Any], last_leg_seconds: float | None) -> tuple[float | None, str]:
+    """The wall time a report prints: ``(seconds, label)``.
+
+    A run document that records ``wall_seconds_total`` (top level or under ``timing``; the sum over every leg of
+    a resumed run) gives that total, labelled with the number of legs when ``resumed_legs`` is there too.
+    Otherwise the study's own key (``last_leg_seconds``) is all the document has: labelled "last leg" when the
+    command ran with ``--resume`` (it then counts only the last leg), else "total".
+    """
+    timing = doc.get("timing") if isinstance(doc.get("timing"), Mapping) else {}
+    total = doc.get("wall_seconds_total", timing.get("wall_seconds_total"))
+    if total is not None:
+        legs = doc.get("resumed_legs", timing.get("resumed_legs"))
+        return float(total), "total across all legs of a resumed run" if legs else "total"
+    resumed = "--resume" in str(doc.get("command", ""))
+    return (None if last_leg_seconds is None else float(last_leg_seconds),
+            "last leg: run with --resume, and earlier legs, if any, are not recorded" if resumed else "total")

@@ -185,7 +185,9 @@ def test_reproduce_quick_end_to_end_and_resume(tmp_path):
     verdicts = [line.rsplit("|", 2)[-2].strip() for line in md.split("## Claims of the paper")[1].split("##")[0]
                 .splitlines() if line.startswith("| ") and "verdict" not in line]
     assert len(verdicts) == len(doc["config"]["claims"])
-    assert all(v.startswith(("reproduced (", "refuted (", "undecided (")) for v in verdicts)
+    from hardeq_studies.claims import REFUTED, VERDICTS
+
+    assert all(v.startswith(VERDICTS) and not v.startswith(REFUTED) for v in verdicts)
     # --resume finds every unit finished and reproduces the same numbers without training
     assert main(args + ["--resume"]) == 0
     doc2 = json.loads((out / "mof.json").read_text())
@@ -244,3 +246,38 @@ def test_step_budget_is_equal_across_batch_sizes():
     assert len(stream) == 9 and all(torch.equal(s.y, e.y) for s, e in zip(stream, epochs[:9]))
     with pytest.raises(ValueError, match="steps and eval_every"):
         schedule({"steps": 4, "eval_every": -1}, 8, 30)
+
+
+def _claims_doc(batch_b: int, hidden_b: int, best: int):
+    """A minimal results document: groups "a" (method A) and "b" (method B), one significant test B < A."""
+    groups = {"a": {"methods": ["A"], "batch_size": 32, "arch": {"embedding": 10, "hidden": 30}},
+              "b": {"methods": ["B"], "batch_size": batch_b, "arch": {"embedding": 10, "hidden": hidden_b}}}
+    plan = {"a": {"steps": 200, "round": 20, "steps_per_epoch": 50},
+            "b": {"steps": 200, "round": 20, "steps_per_epoch": 50 * 32 // batch_b}}
+    tests = [{"a": "B", "b": "A", "metric": "mad", "n": 10, "wins": 10, "median_diff": -0.01, "p": 0.002},
+             {"a": "A", "b": "B", "metric": "mad", "n": 10, "wins": 0, "median_diff": 0.01, "p": 0.002}]
+    claims = [{"claim": "B beats A", "evidence": "x", "a": "B", "b": "A", "metric": "mad", "expect": "a < b"},
+              {"claim": "A beats B", "evidence": "x", "a": "A", "b": "B", "metric": "mad", "expect": "a < b"}]
+    return {"config": {"groups": groups, "claims": claims, "claims_budget": "more steps, up to 3000 epochs",
+                       "settings": {"steps": 200}},
+            "plan": plan, "best_step": {"s0-a": [best], "s0-b": [best]}, "significance": tests,
+            "records": [{"method": m, "metric": "mad", "mean": 0.05, "std": 0.01} for m in "AB"]}
+
+
+def test_claims_across_confounded_groups_are_never_reproduced_or_refuted():
+    from hardeq_studies.claims import decide
+    from hardeq_studies.mof.report import claims, confound
+
+    doc = _claims_doc(batch_b=128, hidden_b=50, best=200)
+    assert "B: batch 128, embedding 10 / hidden 50, 16.7 data epochs" in confound(doc)
+    win, loss = (d.verdict for d in decide(claims(doc)))
+    assert win.startswith("undecided (Wilcoxon, n = 10; significant the paper's way, but the confound")
+    assert loss.startswith("not reproduced at this budget (Wilcoxon, n = 10; significant the other way, but every "
+                           "model gets 200 optimiser steps, far short of 3000 epochs, and 2 of 2 models")
+    # the same batch and network for both groups: no confound, so a significant win is reproduced
+    doc = _claims_doc(batch_b=32, hidden_b=30, best=120)
+    assert confound(doc) == ""
+    win, loss = (d.verdict for d in decide(claims(doc)))
+    assert win == "reproduced (Wilcoxon, n = 10)"
+    assert loss == "not reproduced at this budget (Wilcoxon, n = 10; significant the other way, but every model " \
+                   "gets 200 optimiser steps, far short of 3000 epochs)"

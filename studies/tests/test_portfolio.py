@@ -232,12 +232,23 @@ def test_ours_starts_from_the_shared_network_with_unequal_variances():
 
 
 def test_claim_verdicts():
-    from hardeq_studies.portfolio.report import verdict
+    from hardeq_studies.claims import decide
+    from hardeq_studies.portfolio.report import claims
 
-    assert verdict({"p": 0.002, "n": 10, "median_diff": 0.2}) == "reproduced (Wilcoxon, n = 10, p = 0.002)"
-    assert verdict({"p": 0.002, "n": 10, "median_diff": -0.2}) == "refuted (Wilcoxon, n = 10, p = 0.002)"
-    assert verdict({"p": 0.3, "n": 10, "median_diff": 0.2}).startswith("undecided (Wilcoxon, n = 10, p = 0.3;")
-    assert verdict({"p": float("nan"), "n": 1, "median_diff": 0.2}).startswith("undecided")
+    def doc(p, diff):
+        tests = [{"universe": "u", "a": "ours", "b": b, "p": p, "n": 10, "median_diff": diff, "a_higher": 8}
+                 for b in ("StemGNN", "StemGNN-KKThPINN", "StemGNN-CL")]
+        values = {m: (1.0, 0.1) for m in ("ours", "StemGNN", "StemGNN-KKThPINN", "StemGNN-CL")}
+        return {"universes": ["u"], "significance": tests, "config": {"paper": {"values": values}},
+                "per_run": {"u": {"ours": {"max_gap_to_projection": [1.0]}}}, "data": {"u": {"num_assets": 5}}}
+
+    verdicts = [d.verdict for d in decide(claims(doc(0.002, 0.2)))]
+    assert verdicts == ["reproduced (Wilcoxon, n = 10)"] * 3  # Holm over 3: 0.006 < 0.05
+    # against the paper: the universes and StemGNN differ from the paper's, so never "refuted"
+    assert all(v.startswith("not reproduced at this budget (Wilcoxon, n = 10; significant the other way, but the "
+                            "universes") for v in (d.verdict for d in decide(claims(doc(0.002, -0.2)))))
+    assert all(d.verdict.startswith("undecided (Wilcoxon, n = 10; more runs") for d in decide(claims(doc(0.3, 0.2))))
+    assert decide(claims(doc(0.02, 0.2)))[0].p_holm == pytest.approx(0.06)
 
 
 # -------------------------------------------------------------------------------------- classical
@@ -306,10 +317,10 @@ def test_quick_preset_end_to_end_through_the_cli(tmp_path):
         assert (tmp_path / name).stat().st_size > 0
     assert not (tmp_path / "checkpoints").exists()
     md = (tmp_path / "portfolio.md").read_text()
-    assert "Table 9" in md and "Wilcoxon" in md and "## Claims of the paper" in md
+    assert "Table 7" in md and "Table 9" not in md and "Wilcoxon" in md and "## Claims of the paper" in md
     claims = md.split("## Claims of the paper")[1].split("\n## ")[0]
     # 2 runs decide nothing
-    assert claims.count("| ours beats") == 3 * 2 and claims.count("undecided (Wilcoxon, n = 2") == 3 * 2
+    assert claims.count(": ours beats") == 3 * 2 and claims.count("undecided (Wilcoxon, n = 2") == 3 * 2
     (tmp_path / "portfolio.md").unlink()
     assert main(["report", "portfolio", "--out", str(tmp_path), "--quiet"]) == 0
     assert (tmp_path / "portfolio.md").read_text() == md

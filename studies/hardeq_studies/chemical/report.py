@@ -12,8 +12,8 @@ import numpy as np
 
 from ..figures import save_png
 from ..palette import color, integer_epochs, linestyle, mark_off_scale
-from ..claims import Claim, claims_section, verdict
-from ..results import markdown_table
+from ..claims import Claim, claims_section
+from ..results import markdown_table, wall_time
 from ..stats import paired_wilcoxon
 
 __all__ = ["summarize", "significance", "significance_table", "claims", "plot_curves", "render_markdown"]
@@ -23,6 +23,12 @@ PAPER_METHOD = "ours"
 PAPER_RIVALS = ("KKT-hPINN", "NN", "PINN", "ECNN", "CL")
 #: hard methods meet the balances to float32 round-off: |Ay - b| below this (scaled units; coefficients ~100)
 ROUND_OFF = 1e-4
+
+
+def _wall(doc: Mapping[str, Any], seconds: float | None) -> str:
+    """The run's wall time in seconds with its label (:func:`hardeq_studies.results.wall_time`)."""
+    total, label = wall_time(doc, seconds)
+    return f"{total:.0f} s ({label})" if total is not None else "not recorded"
 
 
 def _fmt(mean: float | None, std: float | None, unit: float = 1e-4) -> str:
@@ -111,6 +117,11 @@ def significance_table(rows: Sequence[Mapping[str, Any]]) -> str:
             + markdown_table(["method"] + datasets, out))
 
 
+#: how this study's comparison of ours with the baselines differs from the paper's in a way that could decide it
+PROTOCOL_DIFFERS = ("ours's variance head is this study's reading of the paper, whose code is not public, and the "
+                    "docs show that choice decides the result (ours-sg ties KKT-hPINN)")
+
+
 def claims(doc: Mapping[str, Any]) -> str:
     """``## Claims of the paper``: per data set, "ours has a lower test MSE than each baseline" (paired
     Wilcoxon over seeds), and "every hard method meets the balances" (largest mean |violation| against
@@ -131,15 +142,20 @@ def claims(doc: Mapping[str, Any]) -> str:
                      if mine.get("paper") is not None and theirs.get("paper") is not None else "–")
             rows.append(Claim(f"{dataset}: ours beats {rival} (test MSE)", paper,
                               f"{_fmt(mine['mean'], mine['std'])} vs {_fmt(theirs['mean'], theirs['std'])}; "
-                              f"lower in {test['wins']}/{test['n']} seeds", verdict(test)))
+                              f"lower in {test['wins']}/{test['n']} seeds", test=test, differs=PROTOCOL_DIFFERS))
     hard = [m for m in doc["config"]["methods_run"] if m not in ("NN", "PINN")]
     for dataset in per_seed:
         worst = max((idx[(dataset, m, "violation")]["mean"], m) for m in hard if (dataset, m, "violation") in idx)
         nn = idx.get((dataset, "NN", "violation"))
         here = f"largest {worst[0]:.1e} ({worst[1]})" + (f"; NN {nn['mean']:.1e}" if nn else "")
-        rows.append(Claim(f"{dataset}: hard methods meet the balances", "exact by construction", here,
-                          f"reproduced (below the float32 round-off bound {ROUND_OFF:g})" if worst[0] < ROUND_OFF
-                          else f"refuted ({worst[1]} violates by more than {ROUND_OFF:g})"))
+        if worst[0] < ROUND_OFF:
+            rows.append(Claim(f"{dataset}: hard methods meet the balances", "exact by construction", here,
+                              construction=f"exact conditioning; measured below the float32 round-off bound "
+                                           f"{ROUND_OFF:g}"))
+        else:  # a hard method off its balances is a defect of this implementation, not evidence about the paper
+            rows.append(Claim(f"{dataset}: hard methods meet the balances", "exact by construction", here,
+                              budget=f"{worst[1]} violates by more than the round-off bound {ROUND_OFF:g}: a defect "
+                                     "to fix before this row can be read"))
     note = ("Test MSE x 1e-4 on the scaled outputs, mean ± std over seeds. \"ours\" is the paper's method (expected "
             "L2 loss); the variants `ours-*` are this study's additions and are tested against KKT-hPINN above.")
     return claims_section(rows, note) if rows else ""
@@ -229,7 +245,7 @@ def render_markdown(doc: Mapping[str, Any]) -> str:
                f"Command: `hardeq reproduce chemical --{doc['preset']}` (reconstructed: this results file "
                f"predates recorded commands)\n\n")
             + f"{len(cfg['seeds'])} seeds x {cfg['epochs']} epochs, dtype {cfg['dtype_run']}, world size "
-            f"{cfg['world_size']}; wall time {timing.get('total_s', float('nan')):.0f} s "
+            f"{cfg['world_size']}; wall time {_wall(doc, timing.get('total_s'))} "
             f"({', '.join(f'{k} {v:.0f} s' for k, v in units.items())}; CPU time "
             f"{', '.join(f'{k} {v:.0f} s' for k, v in cpu.items())}). Environment: torch {env['torch']}, "
             f"{env['device']}, {env['threads']} threads, {git}.\n\n"

@@ -47,8 +47,8 @@ __all__ = ["settings", "tables_of", "comparisons", "run", "TABLE_TITLES"]
 
 TABLE_TITLES = {"3": "DDPM and the constrained last step (paper Table 3)",
                 "4": "DDIM and conditioned x0-predictions (paper Table 4)",
-                "6": "conditioning schedules of DDIM (paper Table 6)",
-                "7": "Start N End N (paper Table 7)"}
+                "6": "conditioning schedules of DDIM (paper Table 9)",
+                "7": "Start N End N (paper Table 10)"}
 REAL = "real images (train split)"
 
 

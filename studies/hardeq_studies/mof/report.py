@@ -12,8 +12,8 @@ from ..figures import save_png
 from ..extras import require
 from ..palette import color as palette_color
 from ..palette import integer_epochs
-from ..claims import verdict as claims_verdict
-from ..results import markdown_table
+from ..claims import Claim, claims_section
+from ..results import markdown_table, wall_time
 from .evaluate import PAPER_ORDER
 
 __all__ = ["render_markdown", "plot_curves", "plot_parity"]
@@ -108,12 +108,17 @@ def render_markdown(doc: Mapping[str, Any], brief: bool = False) -> str:
               f"test size (graphs, atoms): {doc.get('test_size')}.",
               f"- Best rounds: {doc.get('best_epoch')}; early-stopped after round: {doc.get('stopped_epoch')} "
               "(0: never).",
-              f"- Wall time {doc.get('timing', {}).get('total_s', float('nan')):.0f} s "
+              f"- Wall time {_wall(doc)} "
               f"(training {doc.get('timing', {}).get('train_s', float('nan')):.0f} s); device "
               f"{doc['environment'].get('device')}, {s.get('jobs')} process(es) x {s.get('threads')} thread(s); "
               f"git {doc['environment'].get('git', '?')[:10]} (dirty: {doc['environment'].get('dirty')}).",
               f"- Command: `{doc.get('command')}`.", ""]
     return "\n".join(lines)
+
+
+def _wall(doc: Mapping[str, Any]) -> str:
+    seconds, label = wall_time(doc, doc.get("timing", {}).get("total_s"))
+    return f"{seconds if seconds is not None else float('nan'):.0f} s ({label})"
 
 
 def _budget_text(settings: Mapping[str, Any]) -> str:
@@ -123,47 +128,99 @@ def _budget_text(settings: Mapping[str, Any]) -> str:
     return f"at most {settings.get('epochs')} epochs per model"
 
 
-def _verdict(test: Mapping[str, Any] | None, expect: str, alpha: float, budget: str) -> str:
-    """:func:`hardeq_studies.claims.verdict` of a paired test against the expected sign (``"<"``: a lower)."""
-    if test is None:
-        return f"undecided (not run; {budget})"
-    return claims_verdict(test, lower_is_better="<" in expect, alpha=alpha, budget=budget)
+def _group_of(doc: Mapping[str, Any], method: str) -> str | None:
+    base = method.split("#")[0].removesuffix(" ensemble")
+    return next((g for g, meta in doc["config"]["groups"].items() if base in meta["methods"]), None)
 
 
-def _claim_row(claim: Mapping[str, Any], doc: Mapping[str, Any], idx: Mapping, alpha: float, budget: str
-               ) -> list[str]:
-    a, metric, expect = claim["a"], claim["metric"], claim["expect"]
-    spec = ".4f" if metric == "mad" else ".1f"
-    if "b" not in claim:  # a threshold
-        t = next((t for t in doc.get("thresholds", []) if t["a"] == a and t["metric"] == metric), None)
-        if t is None or not t["n"]:
-            return [claim["claim"], claim["evidence"], "–", f"undecided (not run; {budget})"]
-        here = (f"{a} {metric} {_cell(idx.get((a, metric)), spec)}; above {t['threshold']:.0e} on "
-                f"{t['above']}/{t['n']} splits")
-        verdict = "reproduced (on every split)" if t["above"] == t["n"] else f"undecided ({budget})"
-        return [claim["claim"], claim["evidence"], here, verdict]
-    b = claim["b"]
-    test = next((t for t in doc.get("significance", []) if (t["a"], t["b"], t["metric"]) == (a, b, metric)), None)
-    if test is None:
-        return [claim["claim"], claim["evidence"], "–", f"undecided (not run; {budget})"]
-    b_text = "its first model" if "#" in b else _cell(idx.get((b, metric)), spec)
-    means = f"{_cell(idx.get((a, metric)), spec)} vs {b_text}; "
-    here = (f"{means}a < b on {test['wins']}/{test['n']} splits, median a - b {_num(test['median_diff'], '.4g')}, "
-            f"p = {_num(test['p'], '.3g')}")
-    return [claim["claim"], claim["evidence"], here, _verdict(test, expect, alpha, budget)]
+def best_step_summary(doc: Mapping[str, Any]) -> tuple[int, int, int]:
+    """``(at_end, late, total)``: of every model trained, how many had their best validation MAD at the last
+    step of the budget, and how many at one of the last two validations."""
+    plans = doc.get("plan", {})
+    at_end = late = total = 0
+    for key, best in doc.get("best_step", {}).items():
+        plan = plans.get(key.split("-", 1)[1], {})
+        budget, every = plan.get("steps"), plan.get("round")
+        for b in best:
+            total += 1
+            at_end += budget is not None and b >= budget
+            late += budget is not None and every is not None and b >= budget - every
+    return at_end, late, total
+
+
+def confound(doc: Mapping[str, Any]) -> str:
+    """What differs between the method groups of this run besides the method (batch size, network, data epochs
+    in the step budget), read from the document; "" when every group has the same batch, network and budget."""
+    groups, plans = doc["config"]["groups"], doc.get("plan", {})
+    facts = {g: (meta["batch_size"], meta["arch"].get("embedding"), meta["arch"].get("hidden"),
+                 plans.get(g, {}).get("steps", 0) / max(plans.get(g, {}).get("steps_per_epoch", 1), 1))
+             for g, meta in groups.items()}
+    if len({f[:3] for f in facts.values()}) == 1 and len({round(f[3], 1) for f in facts.values()}) == 1:
+        return ""
+    return "the method groups differ in more than the method: " + "; ".join(
+        f"{'/'.join(groups[g]['methods'])}: batch {b}, embedding {e} / hidden {h}, {ep:.1f} data epochs"
+        for g, (b, e, h, ep) in facts.items())
+
+
+def claims(doc: Mapping[str, Any]) -> list[Claim]:
+    """Each claim of ``config["claims"]`` as a :class:`~hardeq_studies.claims.Claim`: the paired Wilcoxon test
+    over splits, what differs from the paper's protocol (the step budget, models still improving) and, for a
+    comparison across method groups, the confound of batch size, network and data epochs."""
+    cfg = doc["config"]
+    idx = {(r["method"], r["metric"]): r for r in doc["records"]}
+    budget = str(cfg.get("claims_budget", "a larger budget"))
+    at_end, late, total = best_step_summary(doc)
+    s = cfg.get("settings", {})
+    differs = (f"every model gets {s.get('steps')} optimiser steps, far short of {budget.split('up to ')[-1]}"
+               + (f", and {at_end} of {total} models have their best validation at the last step: still improving"
+                  if at_end else "")) if s.get("steps") else f"the budget is smaller than the paper's ({budget})"
+    mixed = confound(doc)
+    out = []
+    for c in cfg.get("claims", []):
+        a, metric = c["a"], c["metric"]
+        spec = ".4f" if metric == "mad" else ".1f"
+        if "b" not in c:  # a threshold
+            t = next((t for t in doc.get("thresholds", []) if t["a"] == a and t["metric"] == metric), None)
+            if t is None or not t["n"]:
+                out.append(Claim(c["claim"], c["evidence"], "–", budget=f"not run; {budget}"))
+                continue
+            here = (f"{a} {metric} {_cell(idx.get((a, metric)), spec)}; above {t['threshold']:.0e} on "
+                    f"{t['above']}/{t['n']} splits")
+            out.append(Claim(c["claim"], c["evidence"], here, outcome="for" if t["above"] == t["n"] else "against",
+                             differs=differs))
+            continue
+        b = c["b"]
+        test = next((t for t in doc.get("significance", []) if (t["a"], t["b"], t["metric"]) == (a, b, metric)),
+                    None)
+        if test is None:
+            out.append(Claim(c["claim"], c["evidence"], "–", budget=f"not run; {budget}"))
+            continue
+        b_text = "its first model" if "#" in b else _cell(idx.get((b, metric)), spec)
+        here = (f"{_cell(idx.get((a, metric)), spec)} vs {b_text}; a < b on {test['wins']}/{test['n']} splits, "
+                f"median a - b {_num(test['median_diff'], '.4g')}")
+        across = mixed and _group_of(doc, a) != _group_of(doc, b)
+        out.append(Claim(c["claim"], c["evidence"], here, test=test, lower_is_better="<" in c["expect"],
+                         differs=differs + (f"; {mixed}" if across else ""),
+                         favours=(f"the confound ({a}'s group sees more data per step and has a larger network)"
+                                  if across else ""),
+                         budget=budget))
+    return out
 
 
 def claims_table(doc: Mapping[str, Any]) -> list[str]:
-    """The ``Claims of the paper`` lines: each claim of ``config["claims"]`` with its verdict, computed from the
-    paired tests over splits (``reproduced`` / ``refuted`` at ``claims_alpha``, else ``undecided``)."""
-    cfg = doc["config"]
-    idx = {(r["method"], r["metric"]): r for r in doc["records"]}
-    alpha, budget = float(cfg.get("claims_alpha", 0.05)), str(cfg.get("claims_budget", "a larger budget"))
-    rows = [_claim_row(c, doc, idx, alpha, budget) for c in cfg.get("claims", [])]
-    return [f"Paired two-sided Wilcoxon signed-rank tests over splits (level {alpha}); a = the first method named, "
-            "b = the second; values here are mean ± std over the row's values (see the table above). "
-            "`X#0`: the first initialisation alone.", "",
-            markdown_table(["claim (paper)", "paper's evidence", "here", "verdict"], rows)]
+    """The ``Claims of the paper`` lines (without the heading): how the groups' protocols differ, and each
+    claim of ``config["claims"]`` with its raw and Holm-adjusted p and its verdict."""
+    at_end, late, total = best_step_summary(doc)
+    mixed = confound(doc)
+    intro = ("Paired two-sided Wilcoxon signed-rank tests over splits; a = the first method named, b = the second; "
+             "values here are mean ± std over the row's values (see the table above). `X#0`: the first "
+             f"initialisation alone. {at_end} of {total} models have their best validation MAD at the last step of "
+             f"the budget and {late} of {total} at one of the last two validations"
+             + (": the models are still improving." if at_end else ".")
+             + (f" **Confound:** {mixed}; a comparison across groups therefore cannot be reproduced or refuted by "
+                "this run." if mixed else ""))
+    text = claims_section(claims(doc), intro=intro)
+    return text.split("\n", 2)[2].splitlines()
 
 
 def budget_tables(doc: Mapping[str, Any]) -> list[str]:
@@ -218,9 +275,10 @@ def plot_curves(curves: Mapping[str, Mapping[str, list]], out: Path) -> Path:
     """``mof_curves.png``: training and validation MAD, validation NLL and mean log-variance per epoch."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    panels = [("val_mad", "validation MAD (solid), training MAD (dotted)", True),
-              ("val_nll", "validation NLL per MOF", False), ("val_log_var", "mean log-variance of the head", False)]
-    for ax, (key, title, log) in zip(axes, panels):
+    panels = [("val_mad", "validation MAD (solid), training MAD (dotted)", True, "MAD (e per atom, log scale)"),
+              ("val_nll", "validation NLL per MOF", False, "NLL per MOF (nats, symlog scale)"),
+              ("val_log_var", "mean log-variance of the head", False, "mean log-variance (log e^2)")]
+    for ax, (key, title, log, ylabel) in zip(axes, panels):
         for m, c in curves.items():
             ys = c.get(key)
             if not ys:
@@ -232,7 +290,8 @@ def plot_curves(curves: Mapping[str, Mapping[str, list]], out: Path) -> Path:
                 ax.plot([i + 1 for i, v in enumerate(t) if v is not None], [v for v in t if v is not None],
                         color=color(m), ls=":")
         ax.set_title(title, fontsize=9)
-        ax.set_xlabel("epoch")
+        ax.set_xlabel("epoch (a harness round: one validation)")
+        ax.set_ylabel(ylabel, fontsize=8)
         integer_epochs(ax)
         if log:
             ax.set_yscale("log")

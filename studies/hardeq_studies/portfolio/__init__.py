@@ -1,1 +1,1 @@
-"""The ``portfolio`` study: StemGNN allocations whose weights sum to one (paper Table 9; docs/portfolio.md)."""
+"""The ``portfolio`` study: StemGNN allocations whose weights sum to one (paper Table 7; docs/portfolio.md)."""

@@ -1,0 +1,19 @@
+"""The wall time a report prints (hardeq_studies.results.wall_time): the total across legs where the run document
+records it, else the study's own key, labelled "last leg" when the run was resumed."""
+
+from __future__ import annotations
+
+from hardeq_studies.results import wall_time
+
+
+def test_total_across_legs_when_recorded_top_level_or_under_timing():
+    assert wall_time({"wall_seconds_total": 5520.0, "resumed_legs": 2, "command": "x --resume"}, 1621.0) == \
+        (5520.0, "total across all legs of a resumed run")
+    assert wall_time({"timing": {"wall_seconds_total": 90.0}, "command": "x"}, 80.0) == (90.0, "total")
+
+
+def test_falls_back_to_the_study_key_and_says_when_it_is_only_the_last_leg():
+    seconds, label = wall_time({"command": "hardeq reproduce mof --preset cpu --resume"}, 1620.75)
+    assert seconds == 1620.75 and label.startswith("last leg")
+    assert wall_time({"command": "hardeq reproduce mof --preset cpu"}, 10.0) == (10.0, "total")
+    assert wall_time({}, None) == (None, "total")
