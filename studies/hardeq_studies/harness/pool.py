@@ -1,8 +1,8 @@
 """Independent units of a study in parallel worker processes that stop when the run is asked to stop.
 
 :func:`run_units` runs ``fn(**kwargs)`` for every unit in ``jobs`` spawned processes (each unit in one
-process, in the order given: put the costliest first) and returns the results in that order. Unlike a
-``concurrent.futures`` pool it stops cleanly:
+process, handed out in the order given as workers become free: put the costliest first) and returns the
+results in that order. Unlike a ``concurrent.futures`` pool it stops cleanly:
 
 * SIGINT / SIGTERM to the main process (:func:`~.stop.stop_on_signals` turns them into :class:`~.stop.StopRun`),
   or any error, terminates every worker (SIGTERM, then SIGKILL after a grace period) and starts no further
@@ -20,13 +20,13 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
-import queue
 import signal
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable, Hashable, Mapping
+from multiprocessing.connection import wait
 from typing import Any
 
 from .stop import STOP_SIGNALS, StopRun, worker_signals
@@ -83,26 +83,26 @@ def _portable(exc: BaseException) -> BaseException:
 
 
 def _worker(fn: Callable[..., Any], tasks: Any, results: Any) -> None:
-    """A worker process: take units from ``tasks`` until ``None``, send ``("start" | "done" | "error", key,
-    payload)`` to ``results``; leave quietly on SIGTERM."""
+    """A worker process: receive ``(key, kwargs)`` on ``tasks`` until ``None``; send ``("done" | "error", key,
+    payload)`` on ``results`` (a pipe: sent before the next line runs); leave quietly on SIGTERM."""
     try:
         worker_signals()
         _watch_parent()
         _thread_lock_for_tqdm()
         while True:
-            item = tasks.get()
+            item = tasks.recv()
             if item is None:
-                return
+                break
             key, kwargs = item
-            results.put(("start", key, os.getpid()))
             try:
                 value = fn(**kwargs)
             except StopRun:
                 raise
             except BaseException as exc:  # noqa: BLE001 (sent to the main process, which re-raises it)
-                results.put(("error", key, (_portable(exc), traceback.format_exc())))
-                return
-            results.put(("done", key, value))
+                results.send(("error", key, (_portable(exc), traceback.format_exc())))
+                break
+            results.send(("done", key, value))
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # from here on a terminate just ends the process
     except StopRun as stop:
         # the main process asked for this: leave at once, without a traceback and without the interpreter's
         # teardown (seconds with torch loaded); the stack has unwound, so no temporary checkpoint is left
@@ -149,60 +149,69 @@ def run_units(fn: Callable[..., Any], units: Mapping[Hashable, Mapping[str, Any]
     keys = list(units)
     jobs = max(1, min(int(jobs), len(keys)))
     ctx = multiprocessing.get_context("spawn")
-    tasks, results = ctx.Queue(), ctx.Queue()
-    for key in keys:
-        tasks.put((key, dict(units[key])))
-    for _ in range(jobs):
-        tasks.put(None)
-    procs: list[Any] = []
+    todo = list(keys)
     out: dict[Hashable, Any] = {}
-    running: dict[int, Hashable] = {}
+    workers: list[dict[str, Any]] = []  # {"proc", "tasks" (send end), "results" (receive end), "unit"}
     t0 = last = time.monotonic()
     beat = progress and not sys.stderr.isatty()
+
+    def give(w: dict[str, Any]) -> None:
+        """Send ``w`` its next unit, or ``None`` (stop) when none is left."""
+        w["unit"] = todo.pop(0) if todo else None
+        w["tasks"].send(None if w["unit"] is None else (w["unit"], dict(units[w["unit"]])))
+
+    def lost(w: dict[str, Any]) -> RuntimeError:
+        w["proc"].join(GRACE_S)  # its pipes close a moment before it can be reaped
+        code = w["proc"].exitcode
+        how = (f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0
+               else f"exited with status {code}")
+        return RuntimeError(f"{desc}: the worker process {w['proc'].pid} running unit {w['unit']!r} {how} without "
+                            "a result")
+
     try:
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # inherited: workers start with them blocked
         try:
             for i in range(jobs):
-                p = ctx.Process(target=_worker, args=(fn, tasks, results), name=f"{desc}-worker-{i}", daemon=True)
+                task_recv, task_send = ctx.Pipe(duplex=False)
+                result_recv, result_send = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=_worker, args=(fn, task_recv, result_send), name=f"{desc}-worker-{i}",
+                                daemon=True)
                 p.start()
-                procs.append(p)
+                task_recv.close()
+                result_send.close()
+                workers.append({"proc": p, "tasks": task_send, "results": result_recv, "unit": None})
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        for w in workers:
+            give(w)
         while len(out) < len(keys):
-            try:
-                kind, key, payload = results.get(timeout=1.0)
-            except queue.Empty:
-                for p in procs:
-                    if p.exitcode not in (None, 0):
-                        unit = running.get(p.pid)
-                        how = (f"was killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0
-                               else f"exited with status {p.exitcode}")
-                        raise RuntimeError(f"{desc}: the worker process {p.pid} running unit {unit!r} {how} "
-                                           "without a result") from None
-                if all(p.exitcode is not None for p in procs):
-                    missing = [k for k in keys if k not in out]
-                    raise RuntimeError(f"{desc}: every worker ended, but units {missing} have no result") from None
-                if beat and time.monotonic() - last >= HEARTBEAT_S:
-                    last = time.monotonic()
-                    print(f"[{desc}] {len(out)}/{len(keys)} units done; running: "
-                          f"{', '.join(map(str, running.values())) or '-'}; {last - t0:.0f} s", file=sys.stderr,
-                          flush=True)
-                continue
-            if kind == "start":
-                running[payload] = key
-            elif kind == "done":
-                out[key] = payload
-                running = {pid: k for pid, k in running.items() if k != key}
-                if on_done is not None:
-                    on_done(key, payload)
-            else:
-                exc, text = payload
-                raise exc from RemoteTraceback(text)
-        for p in procs:
-            p.join(GRACE_S)
+            busy = [w for w in workers if w["unit"] is not None]
+            ready = wait([w["results"] for w in busy] + [w["proc"].sentinel for w in busy], timeout=1.0)
+            for w in busy:
+                if w["results"] in ready or w["results"].poll():
+                    try:
+                        kind, key, payload = w["results"].recv()
+                    except EOFError:
+                        raise lost(w) from None
+                    if kind == "error":
+                        exc, text = payload
+                        raise exc from RemoteTraceback(text)
+                    out[key] = payload
+                    give(w)
+                    if on_done is not None:
+                        on_done(key, payload)
+                elif w["proc"].sentinel in ready:
+                    raise lost(w)
+            if beat and time.monotonic() - last >= HEARTBEAT_S:
+                last = time.monotonic()
+                running = ", ".join(str(w["unit"]) for w in workers if w["unit"] is not None) or "-"
+                print(f"[{desc}] {len(out)}/{len(keys)} units done; running: {running}; {last - t0:.0f} s",
+                      file=sys.stderr, flush=True)
+        for w in workers:
+            w["proc"].join(GRACE_S)
     finally:
-        _end(procs, GRACE_S)
-        for q in (tasks, results):
-            q.cancel_join_thread()
-            q.close()
+        _end([w["proc"] for w in workers], GRACE_S)
+        for w in workers:
+            w["tasks"].close()
+            w["results"].close()
     return {key: out[key] for key in keys}
