@@ -125,7 +125,8 @@ class Trainer:
         ck = load_checkpoint(self.checkpoint_path)
         if ck.get("fingerprint") != self.run_hash:
             raise ValueError(f"checkpoint {self.checkpoint_path} belongs to a different run (fingerprint "
-                             f"{ck.get('fingerprint')} != {self.run_hash}); remove it, or pass --fresh instead of --resume.")
+                             f"{ck.get('fingerprint')} != {self.run_hash}); remove it, or pass --fresh instead of "
+                             "--resume.")
         dev = self.ctx.device
         self.model.load_state_dict(ck["model"])
         self.optimizer.load_state_dict(ck["optimizer"])
