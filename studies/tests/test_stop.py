@@ -394,3 +394,19 @@ def test_execute_is_typed_with_the_run_setup():
     hints = typing.get_type_hints(Study.execute)
     assert hints["run"] is RunSetup
     assert typing.get_type_hints(Study.document)["run"] is RunSetup
+
+
+def test_diffusion_keeps_its_finished_models_out_of_the_question(tmp_path):
+    """The diffusion study's trained classifier and a denoiser that reached the run's steps are a cache (reused
+    by the next run, not overwritten); an unfinished denoiser and the sampling blocks are an earlier run's."""
+    study = load_study("diffusion")
+    args = argparse.Namespace(preset="quick", seeds=None, epochs=None, device=None)
+    steps = int(study.settings(args)["train"]["steps"])
+    folder = tmp_path / "checkpoints"
+    atomic_torch_save({"state": {}}, folder / "diffusion-mnist-quick-classifier.pt")
+    atomic_torch_save({"step": steps}, folder / "diffusion-mnist-quick-denoiser.pt")
+    assert study.pending_checkpoints(args, folder) == []
+    atomic_torch_save({"result": {}}, folder / "diffusion-mnist-quick-samples" / "seed0-ddpm-chunk0.pt")
+    atomic_torch_save({"step": steps - 1}, folder / "diffusion-mnist-quick-denoiser.pt")
+    assert [p.name for p in study.pending_checkpoints(args, folder)] == ["diffusion-mnist-quick-denoiser.pt",
+                                                                        "seed0-ddpm-chunk0.pt"]
