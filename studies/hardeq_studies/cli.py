@@ -316,6 +316,7 @@ def _run(args: argparse.Namespace, argv: list[str], prog: str, meta: dict, state
     import time
 
     from . import load_study
+    from .harness.progress import still_running
     from .results import allow_dirty, dirty_refusal
 
     args.preset = args.preset or args._default_preset
@@ -356,7 +357,8 @@ def _run(args: argparse.Namespace, argv: list[str], prog: str, meta: dict, state
         print(smoke_line(args.study), flush=True)
     state["folder"] = folder
     t0 = time.perf_counter()
-    doc = study.run(args)
+    with still_running(args.study, enabled=not args.quiet and rank0 and not sys.stderr.isatty()):
+        doc = study.run(args)
     if doc:  # empty on the non-zero ranks of a torchrun job
         state["written"] = True
         seconds = time.perf_counter() - t0

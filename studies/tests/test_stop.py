@@ -410,3 +410,15 @@ def test_diffusion_keeps_its_finished_models_out_of_the_question(tmp_path):
     atomic_torch_save({"step": steps - 1}, folder / "diffusion-mnist-quick-denoiser.pt")
     assert [p.name for p in study.pending_checkpoints(args, folder)] == ["diffusion-mnist-quick-denoiser.pt",
                                                                         "seed0-ddpm-chunk0.pt"]
+
+
+def test_still_running_lines_off_a_terminal(capsys):
+    from hardeq_studies.harness.progress import still_running
+
+    with still_running("toy", enabled=True, interval=0.05):
+        time.sleep(0.3)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) >= 2 and all(line.startswith("[toy] still running, ") for line in lines), lines
+    with still_running("toy", enabled=False, interval=0.01):
+        time.sleep(0.05)
+    assert capsys.readouterr().err == ""

@@ -5,12 +5,15 @@ line every ``log_every`` epochs and, whatever ``log_every`` and however long an 
 from __future__ import annotations
 
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from .distributed import DistContext
 
-__all__ = ["progress_bar", "report_epoch", "Heartbeat", "HEARTBEAT_S"]
+__all__ = ["progress_bar", "report_epoch", "Heartbeat", "HEARTBEAT_S", "still_running"]
 
 #: the longest silence (seconds) of a run with progress on whose stderr is not a terminal
 HEARTBEAT_S = 30.0
@@ -80,3 +83,28 @@ def report_epoch(tr: Any, bar: Any, progress: bool, log_every: int, desc: str, t
             heartbeat.say(line)
         else:
             print(line, file=sys.stderr, flush=True)
+
+
+@contextmanager
+def still_running(desc: str, enabled: bool, interval: float = 60.0) -> Iterator[None]:
+    """While inside, a background thread prints ``[desc] still running, N min so far`` to stderr every
+    ``interval`` seconds when ``enabled`` (a run whose output goes to a file: phases that print nothing of
+    their own -- a long evaluation, a block of Monte Carlo -- still show that the run is alive)."""
+    if not enabled:
+        yield
+        return
+    done = threading.Event()
+    t0 = time.monotonic()
+
+    def tick() -> None:
+        while not done.wait(interval):
+            print(f"[{desc}] still running, {(time.monotonic() - t0) / 60:.1f} min so far", file=sys.stderr,
+                  flush=True)
+
+    thread = threading.Thread(target=tick, name=f"{desc}-still-running", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(1.0)
