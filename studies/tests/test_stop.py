@@ -40,13 +40,6 @@ HERE = Path(__file__).resolve().parent
 PACKAGE = Path(hardeq_studies.__file__).resolve().parent
 
 
-@pytest.fixture(autouse=True)
-def _last_dir(tmp_path, monkeypatch):
-    """``hardeq reproduce`` records where it wrote under results/.last/; keep the tests' records out of the
-    checkout."""
-    monkeypatch.setattr(cli, "LAST_DIR", tmp_path / "last")
-
-
 def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
 
@@ -313,7 +306,7 @@ def test_report_draws_where_reproduce_wrote_last(tmp_path, capsys, monkeypatch):
     other.mkdir()
     (other / "chemical.json").write_bytes(src.read_bytes())
     assert main(["report", "chemical", "--out", str(other), "--quiet"]) == 0  # --out still wins
-    cli.LAST_DIR = tmp_path / "nothing-recorded"
+    monkeypatch.setattr(cli, "LAST_DIR", tmp_path / "nothing-recorded")
     monkeypatch.chdir(PACKAGE.parents[1])
     assert main(["report", "chemical"]) == 0
     assert "the committed results" in capsys.readouterr().out
