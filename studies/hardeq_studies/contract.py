@@ -129,7 +129,7 @@ class Study(ABC):
         run = setup_run(args, self.settings(args), self.name, distributed=self.distributed,
                         default_device=self.default_device, default_threads=self.default_threads)
         legs = earlier_legs(run.legs) if run.resume else []
-        resumed = run.resume and bool(legs or study_checkpoints(self.name, run.checkpoint_dir))
+        resumed = run.resume and bool(legs or self.pending_checkpoints(args, run.checkpoint_dir))
         if run.ctx.is_main and not run.resume:
             forget_legs(run.legs)
         t0 = time.perf_counter()
