@@ -300,9 +300,9 @@ def _reproduce(args: argparse.Namespace, argv: list[str], prog: str, meta: dict)
     except (StopRun, KeyboardInterrupt) as exc:
         stop = exc if isinstance(exc, StopRun) else StopRun(2)  # a KeyboardInterrupt is a SIGINT
         if rank0:
-            json_path = args.out / f"{args.study}.json"
             if state["written"]:
-                tail = (f"{json_path} was written; redo its report with: hardeq report {args.study} "
+                tail = (f"{args.out / (args.study + '.json')} was written; redo its report with: "
+                        f"hardeq report {args.study} "
                         f"--out {shlex.quote(str(args.out))}")
             elif state["folder"] is None:
                 tail = "nothing was run"

@@ -415,3 +415,24 @@ def test_still_running_lines_off_a_terminal(capsys):
     with still_running("toy", enabled=False, interval=0.01):
         time.sleep(0.05)
     assert capsys.readouterr().err == ""
+
+
+def test_a_stop_inside_the_run_gives_one_line_and_the_exit_status(tmp_path, capsys, monkeypatch):
+    """In process: StopRun (what the signal handler raises) from the run -> one line with the resume command
+    and 143; from the report, after the JSON was written -> one line saying how to redo the report."""
+    study = load_study("synthetic")
+
+    def stopped(self, args):
+        raise StopRun(signal.SIGTERM)
+
+    monkeypatch.setattr(type(study), "run", stopped)
+    argv = ["reproduce", "synthetic", "--out", str(tmp_path), "--quiet"]
+    assert main(argv) == 143
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "stopped by SIGTERM" in err and err.strip().endswith(
+        f"continue with: {resume_command(argv)}"), err
+    monkeypatch.setattr(type(study), "run", lambda self, args: {"records": []})
+    monkeypatch.setattr(type(study), "report", lambda self, doc, out, quiet=False: stopped(self, None))
+    assert main(argv) == 143
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "synthetic.json was written; redo its report with: hardeq report synthetic" in err
