@@ -111,6 +111,18 @@ def test_a_signal_ends_every_worker_at_once(tmp_path, sig, group):
     assert sorted(p.stem for p in tmp_path.glob("*.pid")) == ["u0", "u1"]  # no queued unit was started
 
 
+def test_workers_end_when_the_main_process_is_killed(tmp_path):
+    """SIGKILL to the main process (no handler runs): each worker notices its parent is gone and ends."""
+    proc = subprocess.Popen([sys.executable, str(HERE / "stop_helpers.py"), str(tmp_path), "2", "2", "60"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                            start_new_session=True)
+    _wait_for(lambda: len(list(tmp_path.glob("*.pid"))) == 2, 120, "two workers starting their units")
+    workers = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+    proc.kill()
+    proc.communicate(timeout=30)
+    _wait_for(lambda: not [pid for pid in workers if _alive(pid)], 15, "the orphaned workers ending")
+
+
 def test_units_return_in_order_and_errors_come_back(tmp_path):
     """Results in the units' order; a unit's exception is re-raised in the main process (with the worker's
     traceback as its cause); a worker that dies names its unit."""
