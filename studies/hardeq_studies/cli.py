@@ -5,8 +5,16 @@ each study's ``config.json`` only; a study's module is imported when that study 
 
 Before any work, ``hardeq reproduce`` checks what it can: the device (``--device`` or the preset's), ``--config``,
 that ``--out`` (and ``--checkpoint-dir``) can be written, and the optional modules the study lists under
-``"requires"`` in its config.json. A bad value ends with one line ``hardeq reproduce NAME: error: ...`` on stderr
-and exit status 2, as argparse's own errors do.
+``"requires"`` in its config.json or its options need (:meth:`~hardeq_studies.contract.Study.check_requirements`),
+and that no checkpoint of an earlier run would be overwritten (``--resume`` continues it, ``--fresh`` deletes it).
+A bad value ends with one line ``hardeq reproduce NAME: error: ...`` on stderr and exit status 2, as argparse's
+own errors do.
+
+The first SIGINT (Ctrl-C) or SIGTERM stops a run: every worker process ends within seconds, the last atomic
+checkpoints stay, one line gives the command that continues the run (the same arguments with ``--resume``) and
+the exit status is 130 (SIGINT) or 143 (SIGTERM), without a traceback. The quick preset says first and last that
+it is a smoke run. ``hardeq report NAME`` draws from where ``hardeq reproduce NAME`` wrote last (recorded in
+``results/.last/``) unless ``--out`` says otherwise, and says which folder it draws.
 """
 
 from __future__ import annotations
@@ -19,11 +27,9 @@ from pathlib import Path
 from hardeq import __version__ as hardeq_version
 
 from . import __version__
-from .contract import positive_int
+from .argtypes import positive_int
 
-__all__ = ["main", "build_parser"]
-
-PRESET_ALIASES = {"quick": "quick", "cpu": "cpu", "full": "cpu", "paper": "paper"}
+__all__ = ["main", "build_parser", "resume_command", "LAST_DIR"]
 
 
 def _describe(name: str, meta: dict) -> str:
@@ -55,8 +61,12 @@ def _add_common(p: argparse.ArgumentParser, meta: dict) -> None:
                    help="training epochs, at least 1 (default: the preset's)")
     p.add_argument("--out", type=Path, default=None,
                    help="output folder (default: results/quick for --preset quick, else results)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue an interrupted run from its checkpoints (refused when other code wrote them)")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true",
+                       help="continue an interrupted run from its checkpoints (refused when other code wrote them)")
+    again.add_argument("--fresh", action="store_true",
+                       help="delete the checkpoints of an earlier run and start over (without --resume or --fresh, "
+                            "a run that finds such checkpoints stops and asks)")
     p.add_argument("--allow-dirty", action="store_true",
                    help="write a cpu/paper result from a working tree with uncommitted changes (the JSON says so)")
     p.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda (default: the preset's)")
@@ -103,7 +113,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="rewrite OUT/NAME.md and its figures from OUT/NAME.json (no training)",
                         description="Rewrite OUT/NAME.md and the figures from an existing OUT/NAME.json.")
     rp.add_argument("study", choices=names, metavar="STUDY", help=", ".join(names))
-    rp.add_argument("--out", type=Path, default=Path("results"), help="folder holding NAME.json (default: results)")
+    rp.add_argument("--out", type=Path, default=None,
+                    help="folder holding NAME.json (default: where `hardeq reproduce NAME` wrote last, as recorded "
+                         "in results/.last/ of the current folder; else results, the committed results)")
     rp.add_argument("--quiet", action="store_true")
     return parser
 
@@ -179,22 +191,11 @@ def check_requirements(name: str, meta: dict, modules: list[str] | None = None) 
         require(module, extra, purpose=f"the {name} study")
 
 
-def study_checkpoints(name: str, folder: Path) -> list[Path]:
-    """The checkpoint files of study ``name`` in ``folder`` (``NAME*.pt`` and ``NAME*/**/*.pt``; not ``cache/``)."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    found = set(folder.glob(f"{name}*.pt"))
-    for sub in folder.glob(f"{name}*"):
-        if sub.is_dir():
-            found.update(sub.rglob("*.pt"))
-    return sorted(found)
-
-
 def check_resume(name: str, folder: Path) -> str | None:
     """Why ``--resume`` must not continue from the checkpoints of study ``name`` in ``folder`` (one was written
     by other code), or ``None``."""
     from .harness.checkpoint import code_mismatch, load_checkpoint
+    from .runtime import study_checkpoints
 
     for path in study_checkpoints(name, folder):
         try:
@@ -202,15 +203,178 @@ def check_resume(name: str, folder: Path) -> str | None:
         except Exception as exc:  # noqa: BLE001 (any unreadable file is a reason not to resume from it)
             why = f"cannot be read ({type(exc).__name__}: {exc})"
         if why:
-            return f"--resume: checkpoint {path} {why}; remove {folder} or run without --resume"
+            return f"--resume: checkpoint {path} {why}; pass --fresh instead to delete it and start over"
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
+def resume_command(argv: list[str]) -> str:
+    """The command that continues the run of ``argv``: the same arguments with ``--resume`` (``--fresh``,
+    which would discard what the run left, dropped)."""
+    args = [a for a in argv if a != "--fresh"]
+    if "--resume" not in args:
+        args.append("--resume")
+    return "hardeq " + shlex.join(args)
+
+
+def smoke_line(name: str) -> str:
+    """What the quick preset prints first and last: its numbers are not the study's results."""
+    return (f"quick preset: a smoke run of the {name} study (a few seeds and epochs, to check that everything "
+            "runs); its numbers are not the study's results, which come from --preset cpu")
+
+
+def last_state(name: str) -> Path:
+    """``results/.last/NAME.json`` (under the current folder): where ``hardeq reproduce NAME`` wrote last."""
+    return LAST_DIR / f"{name}.json"
+
+
+#: the folder of the :func:`last_state` files (``results/.*`` is not tracked by git)
+LAST_DIR = Path("results") / ".last"
+
+
+def _record_last(name: str, out: Path, preset: str, command: str) -> None:
     import json
+
+    from .results import atomic_write_text
+
+    try:
+        atomic_write_text(last_state(name), json.dumps({"out": str(Path(out).resolve()), "preset": preset,
+                                                        "command": command}) + "\n")
+    except OSError:  # a read-only working folder: `hardeq report` then needs --out, as before
+        pass
+
+
+def _last_out(name: str) -> Path | None:
+    """The folder ``hardeq reproduce NAME`` wrote last (recorded by :func:`_record_last`), if it still holds
+    ``NAME.json``."""
+    import json
+
+    try:
+        out = Path(json.loads(last_state(name).read_text())["out"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return out if (out / f"{name}.json").is_file() else None
+
+
+def _report(args: argparse.Namespace, prog: str, meta: dict) -> int:
+    import json
+
+    from . import load_study
+
+    if args.out is None:
+        last = _last_out(args.study)
+        args.out = last or Path("results")
+        if not args.quiet:
+            print(f"drawing {args.out / (args.study + '.json')}: "
+                  + (f"where `hardeq reproduce {args.study}` wrote last" if last else
+                     f"the committed results (no `hardeq reproduce {args.study}` recorded in {LAST_DIR})")
+                  + "; --out FOLDER draws another")
+    path = args.out / f"{args.study}.json"
+    if not path.is_file():
+        return _fail(prog, f"{path} does not exist; run `hardeq reproduce {args.study}` first")
+    problem = check_writable(args.out, "--out")
+    if problem:
+        return _fail(prog, problem)
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        return _fail(prog, f"{path} is not JSON ({exc})")
+    check_requirements(args.study, meta, [m for m in meta.get("requires", []) if m == "matplotlib"])
+    paths = load_study(args.study).report(doc, args.out, quiet=args.quiet)
+    if not args.quiet:
+        print(f"wrote {', '.join(str(p) for p in paths)} from {path} (no training)")
+    return 0
+
+
+def _reproduce(args: argparse.Namespace, argv: list[str], prog: str, meta: dict) -> int:
+    """``hardeq reproduce``: every check before any work, then the run; the first SIGINT or SIGTERM stops it
+    (every worker process ends), prints the command that resumes it and returns 130 or 143."""
+    import os
+
+    from .harness.stop import StopRun, stop_on_signals
+
+    state: dict = {"folder": None, "written": False}
+    rank0 = os.environ.get("RANK", "0") == "0"
+    try:
+        with stop_on_signals():
+            return _run(args, argv, prog, meta, state, rank0)
+    except (StopRun, KeyboardInterrupt) as exc:
+        stop = exc if isinstance(exc, StopRun) else StopRun(2)  # a KeyboardInterrupt is a SIGINT
+        if rank0:
+            if state["written"]:
+                tail = (f"{args.out / (args.study + '.json')} was written; redo its report with: "
+                        f"hardeq report {args.study} "
+                        f"--out {shlex.quote(str(args.out))}")
+            elif state["folder"] is None:
+                tail = "nothing was run"
+            else:
+                tail = f"the last checkpoints are kept in {state['folder']}; continue with: {resume_command(argv)}"
+            print(f"{prog}: stopped by {stop.signal_name}; {tail}", file=sys.stderr, flush=True)
+        return stop.exit_status
+
+
+def _run(args: argparse.Namespace, argv: list[str], prog: str, meta: dict, state: dict, rank0: bool) -> int:
     import time
 
-    from . import info, load_study
+    from . import load_study
+    from .harness.progress import still_running
+    from .results import allow_dirty, dirty_refusal
+
+    args.preset = args.preset or args._default_preset
+    if args.out is None:
+        args.out = Path("results/quick") if args.preset == "quick" else Path("results")
+    for problem in (check_device(args.device, meta["presets"][args.preset].get("device"), args.preset),
+                    check_config_file(getattr(args, "config", None)),
+                    check_writable(args.out, "--out"),
+                    check_writable(args.checkpoint_dir, "--checkpoint-dir")
+                    if getattr(args, "checkpoint_dir", None) else None):
+        if problem:
+            return _fail(prog, problem)
+    allow_dirty(args.allow_dirty)
+    problem = dirty_refusal(args.study, args.preset)
+    if problem:
+        return _fail(prog, problem)
+    folder = Path(getattr(args, "checkpoint_dir", None) or args.out / "checkpoints")
+    if args.resume:
+        problem = check_resume(args.study, folder)
+        if problem:
+            return _fail(prog, problem)
+    check_requirements(args.study, meta)
+    study = load_study(args.study)
+    study.check_requirements(args)
+    pending = study.pending_checkpoints(args, folder)
+    if pending and not args.resume and not args.fresh:
+        return _fail(prog, f"{folder} holds {len(pending)} checkpoint(s) of an earlier run of this study "
+                           f"({pending[0].relative_to(folder)}{', ...' if len(pending) > 1 else ''}); pass --resume "
+                           "to continue it, or --fresh to delete them and start over")
+    if args.fresh and pending:
+        for path in pending:
+            path.unlink(missing_ok=True)
+        if not args.quiet:
+            print(f"--fresh: deleted {len(pending)} checkpoint(s) of an earlier run from {folder}", file=sys.stderr)
+    args.command_line = "hardeq " + shlex.join(argv)
+    smoke = args.preset == "quick" and not args.quiet and rank0
+    if smoke:
+        print(smoke_line(args.study), flush=True)
+    state["folder"] = folder
+    t0 = time.perf_counter()
+    with still_running(args.study, enabled=not args.quiet and rank0 and not sys.stderr.isatty()):
+        doc = study.run(args)
+    if doc:  # empty on the non-zero ranks of a torchrun job
+        state["written"] = True
+        seconds = time.perf_counter() - t0
+        _record_last(args.study, args.out, args.preset, args.command_line)
+        study.report(doc, args.out, quiet=args.quiet)
+        if not args.quiet:
+            print(f"wrote {args.out / (args.study + '.json')} and its report in {seconds:.1f} s")
+        if smoke:
+            print(smoke_line(args.study), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``hardeq``; returns the exit status (0; 2: a bad argument or a missing dependency, one line on stderr;
+    130 / 143: stopped by SIGINT / SIGTERM, with the command that resumes the run)."""
+    from . import info
     from .extras import MissingDependency
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -220,54 +384,10 @@ def main(argv: list[str] | None = None) -> int:
     meta = info(args.study)
     try:
         if args.command == "report":
-            path = args.out / f"{args.study}.json"
-            if not path.is_file():
-                return _fail(prog, f"{path} does not exist; run `hardeq reproduce {args.study}` first")
-            problem = check_writable(args.out, "--out")
-            if problem:
-                return _fail(prog, problem)
-            try:
-                doc = json.loads(path.read_text())
-            except json.JSONDecodeError as exc:
-                return _fail(prog, f"{path} is not JSON ({exc})")
-            check_requirements(args.study, meta, [m for m in meta.get("requires", []) if m == "matplotlib"])
-            paths = load_study(args.study).report(doc, args.out, quiet=args.quiet)
-            if not args.quiet:
-                print(f"wrote {', '.join(str(p) for p in paths)} from {path} (no training)")
-            return 0
-        args.preset = args.preset or args._default_preset
-        if args.out is None:
-            args.out = Path("results/quick") if args.preset == "quick" else Path("results")
-        for problem in (check_device(args.device, meta["presets"][args.preset].get("device"), args.preset),
-                        check_config_file(getattr(args, "config", None)),
-                        check_writable(args.out, "--out"),
-                        check_writable(args.checkpoint_dir, "--checkpoint-dir")
-                        if getattr(args, "checkpoint_dir", None) else None):
-            if problem:
-                return _fail(prog, problem)
-        from .results import allow_dirty, dirty_refusal
-
-        allow_dirty(args.allow_dirty)
-        problem = dirty_refusal(args.study, args.preset)
-        if problem:
-            return _fail(prog, problem)
-        if args.resume:
-            problem = check_resume(args.study, getattr(args, "checkpoint_dir", None) or args.out / "checkpoints")
-            if problem:
-                return _fail(prog, problem)
-        check_requirements(args.study, meta)
-        study = load_study(args.study)
-        args.command_line = "hardeq " + shlex.join(argv)
-        t0 = time.perf_counter()
-        doc = study.run(args)
-        if doc:  # empty on the non-zero ranks of a torchrun job
-            seconds = time.perf_counter() - t0
-            study.report(doc, args.out, quiet=args.quiet)
-            if not args.quiet:
-                print(f"wrote {args.out / (args.study + '.json')} and its report in {seconds:.1f} s")
+            return _report(args, prog, meta)
+        return _reproduce(args, argv, prog, meta)
     except (MissingDependency, ValueError) as exc:
         return _fail(prog, str(exc))
-    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

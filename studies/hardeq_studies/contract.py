@@ -19,6 +19,13 @@ setup_run`: device, process group, threads, trials, epochs, checkpoint folder), 
 removes the checkpoints and leaves the process group. A study supplies its settings, the computation
 (training goes through :mod:`hardeq_studies.harness`) and its records.
 
+A run may take several *legs*: a leg that ends without a result (interrupted by SIGINT / SIGTERM, or failed)
+records its wall time beside the checkpoints (:func:`~hardeq_studies.runtime.record_leg`), and the ``--resume``
+leg that completes the run writes ``"resumed"`` (bool), ``"resumed_legs"`` (the wall seconds of every leg, the
+last one included) and ``"wall_seconds_total"`` (their sum) into the results document. A run without
+``--resume`` forgets earlier legs; a leg killed outright (SIGKILL, power loss) records nothing, so the total
+counts the legs that were recorded.
+
 ``args`` always carries ``preset`` (``"quick"``, ``"cpu"`` or ``"paper"``), ``seeds`` and ``epochs`` (int or
 None: the preset's), ``out`` (pathlib.Path), ``resume`` (bool), ``device`` (str or None) and ``quiet`` (bool).
 Studies import only hardeq's public API and this package.
@@ -33,7 +40,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PRESETS", "Preset", "Study", "positive_int", "nonnegative_int"]
+from .argtypes import nonnegative_int, positive_int
+from .extras import require
+from .results import atomic_write_text, write_json
+from .runtime import (RunSetup, discard_checkpoints, earlier_legs, finish_run, forget_legs, record_leg, setup_run,
+                      study_checkpoints)
+
+__all__ = ["PRESETS", "Preset", "Study", "RunSetup", "positive_int", "nonnegative_int"]
 
 #: the preset names every study offers, smallest first
 PRESETS = ("quick", "cpu", "paper")
@@ -86,50 +99,77 @@ class Study(ABC):
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:  # noqa: B027 (optional hook)
         """Add the study's own flags to its ``hardeq reproduce NAME`` parser (default: none)."""
 
+    def check_requirements(self, args: argparse.Namespace) -> None:
+        """Import every optional dependency the run ``args`` asks for, before any work; a missing one raises
+        :class:`~hardeq_studies.extras.MissingDependency` naming what to install (a corrupt one may raise
+        ``ValueError``). Default: the modules ``config.json`` lists under ``"requires"``; a study whose options
+        need more (a flag that turns on a metric with its own weights, say) extends it."""
+        extra = self.config.get("extra") or "studies"
+        for module in self.config.get("requires", []):
+            require(module, extra, purpose=f"the {self.name} study")
+
+    def pending_checkpoints(self, args: argparse.Namespace, folder: Path) -> list[Path]:
+        """The checkpoints of an earlier run in ``folder`` that this run would overwrite unless it continues
+        them with ``--resume`` (the CLI refuses to start over them without ``--resume`` or ``--fresh``, and
+        ``--fresh`` removes exactly these). Default: every checkpoint of the study
+        (:func:`~hardeq_studies.runtime.study_checkpoints`); a study that keeps finished models as a cache
+        leaves those out."""
+        return study_checkpoints(self.name, folder)
+
     def settings(self, args: argparse.Namespace) -> dict[str, Any]:
         """The preset's settings with the study's command-line overrides (default: the preset's as they are)."""
         return dict(self.presets[args.preset].settings)
 
     def run(self, args: argparse.Namespace) -> dict[str, Any]:
         """Run the study as ``args`` says, write ``args.out / f"{name}.json"`` and return that document
-        (empty on the non-zero ranks of a ``torchrun`` job)."""
-        from .results import write_json
-        from .runtime import discard_checkpoints, finish_run, setup_run
+        (empty on the non-zero ranks of a ``torchrun`` job).
 
+        A leg that raises (SIGINT / SIGTERM through :class:`~hardeq_studies.harness.StopRun`, or an error)
+        records its wall time for the ``--resume`` leg (see the module docstring) and re-raises."""
         run = setup_run(args, self.settings(args), self.name, distributed=self.distributed,
                         default_device=self.default_device, default_threads=self.default_threads)
+        legs = earlier_legs(run.legs) if run.resume else []
+        resumed = run.resume and bool(legs or self.pending_checkpoints(args, run.checkpoint_dir))
+        if run.ctx.is_main and not run.resume:
+            forget_legs(run.legs)
         t0 = time.perf_counter()
-        result = self.execute(run)
+        try:
+            result = self.execute(run)
+        except BaseException:
+            if run.ctx.is_main:
+                record_leg(run.legs, time.perf_counter() - t0)
+            raise
         wall = time.perf_counter() - t0
         doc: dict[str, Any] = {}
         if run.ctx.is_main:
             fields = self.document(run, result, wall)
             config, records = fields.pop("config"), fields.pop("records")
             fields.setdefault("command", run.command)
+            fields.update(resumed=resumed, resumed_legs=[*legs, wall], wall_seconds_total=sum(legs) + wall)
             doc = write_json(run.out / f"{self.name}.json", self.name, run.preset, config, records, **fields)
             self.write_extra(run, result)
+            forget_legs(run.legs)
             if not self.keeps_checkpoints:
                 discard_checkpoints(args, run.checkpoint_dir, f"{self.name}*.pt")
         finish_run(run.ctx)
         return doc
 
     @abstractmethod
-    def execute(self, run: Any) -> Any:
-        """The study's computation for the resolved run (a :class:`~hardeq_studies.runtime.RunSetup`)."""
+    def execute(self, run: RunSetup) -> Any:
+        """The study's computation for the resolved run."""
 
     @abstractmethod
-    def document(self, run: Any, result: Any, wall: float) -> dict[str, Any]:
-        """The results document's fields from :meth:`execute`'s ``result`` and its wall time: ``config`` (the
-        settings used), ``records`` and any further fields (``device``, ``timing``, ...; ``command`` is added)."""
+    def document(self, run: RunSetup, result: Any, wall: float) -> dict[str, Any]:
+        """The results document's fields from :meth:`execute`'s ``result`` and the wall time of this leg:
+        ``config`` (the settings used), ``records`` and any further fields (``device``, ``timing``, ...;
+        ``command``, ``resumed``, ``resumed_legs`` and ``wall_seconds_total`` are added)."""
 
-    def write_extra(self, run: Any, result: Any) -> None:  # noqa: B027 (optional hook)
+    def write_extra(self, run: RunSetup, result: Any) -> None:  # noqa: B027 (optional hook)
         """Write further files next to ``OUT/NAME.json`` (default: none)."""
 
     def report(self, doc: dict[str, Any], out: Path, *, quiet: bool = False) -> list[Path]:
         """Write the figures and ``out / f"{name}.md"`` from the results document alone; print
         :meth:`console` unless ``quiet``; return the paths (the markdown first)."""
-        from .results import atomic_write_text
-
         out = Path(out)
         figures = [p for p in self.figures(doc, out) if p is not None]
         text = self.markdown(doc, out)
@@ -150,22 +190,3 @@ class Study(ABC):
         """What ``run`` prints after the report (default: the markdown)."""
         return text
 
-
-def _int_at_least(minimum: int, what: str):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a {what} integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be a {what} integer, got {text}")
-        return value
-
-    parse.__name__ = f"{what.replace('-', '_')}_int"
-    return parse
-
-
-#: argparse type for counts (``--seeds``, ``--epochs``, ...): an integer >= 1
-positive_int = _int_at_least(1, "positive")
-#: argparse type for counts where 0 means "the default" (``--threads 0``): an integer >= 0
-nonnegative_int = _int_at_least(0, "non-negative")

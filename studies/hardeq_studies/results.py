@@ -16,13 +16,14 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .harness.checkpoint import code_fingerprint, git_state
 
 __all__ = ["wall_time", "environment", "git_state", "write_json", "atomic_write_text", "markdown_table", "RECORD_KEYS",
            "COMMITTED_PRESETS", "allow_dirty", "dirty_refusal"]
@@ -42,26 +43,6 @@ def allow_dirty(allow: bool = True) -> None:
     _ALLOW_DIRTY = bool(allow)
 
 
-def _git(*args: str) -> str | None:
-    try:
-        proc = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).resolve().parent)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return proc.stdout if proc.returncode == 0 else None
-
-
-def git_state() -> dict[str, Any]:
-    """``{"git": commit or "unknown", "dirty": bool or None}`` of the source tree this package runs from
-    (``dirty``: tracked files outside ``results/`` differ from the commit, so that writing one study's results
-    does not make the next study's dirty; ``None`` outside a git checkout)."""
-    head = _git("rev-parse", "HEAD")
-    if not head:
-        return {"git": "unknown", "dirty": None}
-    status = _git("status", "--porcelain", "--untracked-files=no", "--", ":(top,exclude)results")
-    return {"git": head.strip(), "dirty": None if status is None else bool(status.strip())}
-
-
 def dirty_refusal(study: str, preset: str) -> str | None:
     """Why a ``preset`` result of ``study`` may not be written now (a committed preset from a dirty tree,
     without :func:`allow_dirty`), or ``None``."""
@@ -74,8 +55,6 @@ def dirty_refusal(study: str, preset: str) -> str | None:
 def environment(device: str | torch.device | None = None) -> dict[str, Any]:
     """Versions, machine facts, the code fingerprint and git state recorded with every result."""
     import hardeq
-
-    from .harness.checkpoint import code_fingerprint
 
     return {
         "hardeq": hardeq.__version__,

@@ -1,26 +1,34 @@
 """What every study's ``run`` does around its computation: the device (and the process group under
-``torchrun``), threads, trials, epochs and checkpoint folder from the command line and the preset, and the
-removal of the checkpoints after a completed run. :meth:`hardeq_studies.contract.Study.run` calls these."""
+``torchrun``), threads, trials, epochs and checkpoint folder from the command line and the preset, the wall
+time of every leg of a run that was interrupted and resumed, and the removal of the checkpoints after a
+completed run. :meth:`hardeq_studies.contract.Study.run` calls these.
+
+This module sits below :mod:`hardeq_studies.contract`, which imports it; it imports only
+:mod:`hardeq_studies.argtypes` and :mod:`hardeq_studies.harness` of this package, so that ``Study.execute``
+is typed with :class:`RunSetup` and no import cycle is hidden behind a function-level import.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .argtypes import positive_int
 from .harness import DistContext, init_distributed
 
-__all__ = ["RunSetup", "add_run_arguments", "setup_run", "discard_checkpoints", "finish_run"]
+__all__ = ["RunSetup", "add_run_arguments", "setup_run", "discard_checkpoints", "finish_run", "legs_path",
+           "earlier_legs", "record_leg", "forget_legs", "study_checkpoints"]
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, *, threads: bool = True) -> None:
     """The flags :func:`setup_run` and :func:`discard_checkpoints` read: ``--threads`` (unless the study has
     its own), ``--checkpoint-dir``, ``--keep-checkpoints``."""
-    from .contract import positive_int
-
     if threads:
         parser.add_argument("--threads", type=positive_int, default=None,
                             help="intra-op threads (default: the preset's, else 1; 1 is fastest on a shared CPU)")
@@ -61,6 +69,11 @@ class RunSetup:
     def checkpoint(self) -> Path:
         return self.checkpoint_dir / f"{self.name}-{self.preset}.pt"
 
+    @property
+    def legs(self) -> Path:
+        """The record of the earlier, interrupted legs of this run (:func:`legs_path`)."""
+        return legs_path(self.checkpoint_dir, self.name)
+
 
 def setup_run(args: argparse.Namespace, settings: dict[str, Any], name: str, *, distributed: bool = False,
               default_device: str | None = "cpu", default_threads: int | None = 1) -> RunSetup:
@@ -90,6 +103,18 @@ def setup_run(args: argparse.Namespace, settings: dict[str, Any], name: str, *, 
         command=getattr(args, "command_line", None) or f"hardeq reproduce {name} --preset {args.preset}")
 
 
+def study_checkpoints(name: str, folder: Path) -> list[Path]:
+    """The checkpoint files of study ``name`` in ``folder`` (``NAME*.pt`` and ``NAME*/**/*.pt``; not ``cache/``)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    found = set(folder.glob(f"{name}*.pt"))
+    for sub in folder.glob(f"{name}*"):
+        if sub.is_dir():
+            found.update(sub.rglob("*.pt"))
+    return sorted(found)
+
+
 def discard_checkpoints(args: argparse.Namespace, folder: Path, pattern: str) -> None:
     """After a completed run: remove the checkpoints ``folder / pattern`` (and the folder when empty) unless
     ``--keep-checkpoints``."""
@@ -111,3 +136,35 @@ def finish_run(ctx: DistContext) -> None:
 
         dist.barrier()
         dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------ legs of a run
+def legs_path(checkpoint_dir: Path, name: str) -> Path:
+    """``CHECKPOINT_DIR/NAME.legs.json``: the wall seconds of the earlier legs of an interrupted run of study
+    ``name`` (written when a leg ends without a result, read by the ``--resume`` leg that completes the run)."""
+    return Path(checkpoint_dir) / f"{name}.legs.json"
+
+
+def earlier_legs(path: Path) -> list[float]:
+    """The wall seconds recorded in ``path`` by :func:`record_leg` (``[]`` when there is none or it is unreadable:
+    a lost record only shortens the reported total, it cannot change a result)."""
+    try:
+        legs = json.loads(Path(path).read_text()).get("legs", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [float(x) for x in legs if isinstance(x, (int, float))]
+
+
+def record_leg(path: Path, seconds: float) -> None:
+    """Append a leg of ``seconds`` to ``path`` (atomically: a temporary file and ``os.replace``)."""
+    path = Path(path)
+    legs = earlier_legs(path) + [float(seconds)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"legs": legs}) + "\n")
+    os.replace(tmp, path)
+
+
+def forget_legs(path: Path) -> None:
+    """Remove the record of earlier legs (a run that starts afresh, or one that completed)."""
+    Path(path).unlink(missing_ok=True)

@@ -30,3 +30,13 @@ def _validate_distributions():
     torch.distributions.Distribution.set_default_validate_args(True)
     yield
     torch.distributions.Distribution.set_default_validate_args(previous)
+
+
+@pytest.fixture(autouse=True)
+def _last_reproduce_dir(tmp_path_factory, monkeypatch):
+    """``hardeq reproduce`` records where it wrote in results/.last/ of the current folder (``hardeq report``
+    draws from there); the tests' in-process runs record it in a temporary folder, not in the checkout."""
+    from hardeq_studies import cli
+
+    monkeypatch.setattr(cli, "LAST_DIR", tmp_path_factory.mktemp("last"))
+

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..harness import DistContext, TrainConfig, evaluate, train
+from ..harness import DistContext, TrainConfig, evaluate, run_units, train
 from .data import load_dataset
 from .models import build_model
 from .task import OURS, ChemicalTask
@@ -121,9 +121,10 @@ def run(config: Mapping[str, Any], seeds: Sequence[int], *, epochs: int, dataset
     """Train and evaluate every method on every data set; prints nothing.
 
     Args:
-        jobs: training units run in parallel processes (``spawn``; costliest first). Each unit is trained by
-            exactly the same code either way, so results do not depend on ``jobs``. Ignored (1) under
-            ``torchrun`` and when a ``callback`` is given.
+        jobs: training units run in parallel processes (``spawn``; costliest first;
+            :func:`~hardeq_studies.harness.run_units`: SIGINT / SIGTERM ends every worker). Each unit is
+            trained by exactly the same code either way, so results do not depend on ``jobs``. Ignored (1)
+            under ``torchrun`` and when a ``callback`` is given.
         threads: intra-op threads of each worker (the per-step tensors are tiny: 1 is fastest).
 
     Returns:
@@ -142,14 +143,10 @@ def run(config: Mapping[str, Any], seeds: Sequence[int], *, epochs: int, dataset
         for label, (name, part, ms) in units.items():
             results[label] = run_dataset(name, **kwargs, methods=ms, part=part, callback=callback, ctx=ctx)
     else:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {label: pool.submit(_worker, name, {**kwargs, "methods": ms, "part": part, "position": i},
-                                          threads)
-                       for i, (label, (name, part, ms)) in enumerate(units.items())}
-            results = {label: f.result() for label, f in futures.items()}
+        results = run_units(_worker, {label: {"name": name, "kwargs": {**kwargs, "methods": ms, "part": part,
+                                                                          "position": i}, "threads": threads}
+                                      for i, (label, (name, part, ms)) in enumerate(units.items())},
+                            jobs=jobs, desc="chemical", progress=progress)
     out: dict[str, Any] = {"records": [], "curves": {}, "per_seed": {}, "timing": {}, "cpu_timing": {}}
     for name in datasets:
         labels = [label for label, u in units.items() if u[0] == name]

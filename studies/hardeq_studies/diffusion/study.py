@@ -67,6 +67,34 @@ class DiffusionStudy(Study):
             s["device"] = str(args.device)
         return s
 
+    def check_requirements(self, args: argparse.Namespace) -> None:
+        """The config's modules, and with the Inception FID (``--inception`` or the preset's) its weights file,
+        checked before any training or sampling."""
+        super().check_requirements(args)
+        if self.settings(args)["fid"].get("inception"):
+            from .metrics import inception_path
+
+            inception_path()
+
+    def pending_checkpoints(self, args: argparse.Namespace, folder: Path) -> list[Path]:
+        """Every checkpoint but the finished-model cache: the classifier, and the denoiser once its training
+        reached the run's steps (both reused by a run with the same settings; ``--retrain`` trains them anew)."""
+        from ..harness import load_checkpoint
+
+        steps = int(self.settings(args)["train"]["steps"])
+        pending = []
+        for path in super().pending_checkpoints(args, folder):
+            if path.name.endswith("-classifier.pt"):
+                continue
+            if path.name.endswith("-denoiser.pt"):
+                try:
+                    if int(load_checkpoint(path).get("step", 0)) >= steps:
+                        continue
+                except Exception:  # noqa: BLE001 (an unreadable file is one a fresh run would overwrite)
+                    pass
+            pending.append(path)
+        return pending
+
     def execute(self, run: RunSetup) -> dict[str, Any]:
         from ..extras import require
         from .report import save_grids

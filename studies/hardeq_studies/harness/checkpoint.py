@@ -14,6 +14,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import subprocess
 import tempfile
 from collections.abc import Callable, Mapping
 from functools import lru_cache
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 __all__ = ["atomic_torch_save", "load_checkpoint", "fingerprint", "run_blocks", "code_fingerprint", "code_stamp",
-           "code_mismatch", "CODE_KEY", "CODE_PACKAGES"]
+           "code_mismatch", "git_state", "CODE_KEY", "CODE_PACKAGES"]
 
 #: the packages whose sources make up the code a checkpoint or result was computed with
 CODE_PACKAGES = ("hardeq", "hardeq_studies")
@@ -51,11 +52,29 @@ def code_fingerprint(packages: tuple[str, ...] = CODE_PACKAGES) -> str:
     return h.hexdigest()[:16]
 
 
+def _git(*args: str) -> str | None:
+    try:
+        proc = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def git_state() -> dict[str, Any]:
+    """``{"git": commit or "unknown", "dirty": bool or None}`` of the source tree this package runs from
+    (``dirty``: tracked files outside ``results/`` differ from the commit, so that writing one study's results
+    does not make the next study's dirty; ``None`` outside a git checkout)."""
+    head = _git("rev-parse", "HEAD")
+    if not head:
+        return {"git": "unknown", "dirty": None}
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", ":(top,exclude)results")
+    return {"git": head.strip(), "dirty": None if status is None else bool(status.strip())}
+
+
 @lru_cache(maxsize=None)
 def code_stamp() -> dict[str, Any]:
     """``{"code": code_fingerprint(), "git": commit or "unknown", "dirty": bool or None}`` of this process."""
-    from ..results import git_state
-
     return {"code": code_fingerprint(), **git_state()}
 
 
@@ -130,10 +149,10 @@ def run_blocks(blocks: Mapping[str, Callable[[], Any]], *, checkpoint_path: Path
         ck = load_checkpoint(checkpoint_path)
         why = code_mismatch(ck)
         if why:
-            raise ValueError(f"checkpoint {checkpoint_path} {why}; remove it or run without --resume.")
+            raise ValueError(f"checkpoint {checkpoint_path} {why}; remove it, or pass --fresh instead of --resume.")
         if ck.get("fingerprint") != run_hash:
             raise ValueError(f"checkpoint {checkpoint_path} belongs to a different run (fingerprint "
-                             f"{ck.get('fingerprint')} != {run_hash}); remove it or run without --resume.")
+                             f"{ck.get('fingerprint')} != {run_hash}); remove it, or pass --fresh instead of --resume.")
         done = dict(ck["blocks"])
     for key, compute in blocks.items():
         if key in done:

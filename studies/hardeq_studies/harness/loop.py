@@ -34,7 +34,7 @@ from .checkpoint import atomic_torch_save, fingerprint, load_checkpoint
 from .data import BatchSource, as_source, eval_batches
 from .distributed import DistContext, allreduce_gradients, allreduce_sum, barrier
 from .members import merge_members
-from .progress import progress_bar, report_epoch
+from .progress import Heartbeat, progress_bar, report_epoch
 from .task import Hooks, OptimizerFactory, SchedulerFactory, Task, TrainConfig, TrainResult
 
 __all__ = ["train", "evaluate", "Trainer", "run_fingerprint"]
@@ -117,6 +117,7 @@ class Trainer:
                     if config.ema_decay is not None else None)
         self.epoch = 0
         self.step = 0  # optimiser steps taken
+        self.heartbeat: Heartbeat | None = None  # status lines within long epochs (set by train)
 
     # ---------------------------------------------------------------------------------------- resume
     def restore(self) -> None:
@@ -124,7 +125,8 @@ class Trainer:
         ck = load_checkpoint(self.checkpoint_path)
         if ck.get("fingerprint") != self.run_hash:
             raise ValueError(f"checkpoint {self.checkpoint_path} belongs to a different run (fingerprint "
-                             f"{ck.get('fingerprint')} != {self.run_hash}); remove it or run without --resume.")
+                             f"{ck.get('fingerprint')} != {self.run_hash}); remove it, or pass --fresh instead of "
+                             "--resume.")
         dev = self.ctx.device
         self.model.load_state_dict(ck["model"])
         self.optimizer.load_state_dict(ck["optimizer"])
@@ -200,6 +202,9 @@ class Trainer:
             if self.config.raise_nonfinite and not bool(torch.isfinite(loss)):
                 raise FloatingPointError(f"{self.desc}, epoch {self.epoch + 1}: non-finite loss at step {i}.")
             self.optimizer_step(loss, extra)
+            if self.heartbeat is not None and self.heartbeat.due():
+                self.heartbeat.say(f"[{self.desc}] epoch {self.epoch + 1}/{self.config.epochs}, step {i + 1} of "
+                                   f"the epoch ({self.step} in all)")
         if self.scheduler is not None and not self.config.schedule_per_step:
             self.scheduler.step()
         if not running:
@@ -359,7 +364,8 @@ def train(
         run_id: JSON-able description of the run, hashed into the checkpoint; a checkpoint whose hash differs
             raises ``ValueError``.
         progress: show a ``tqdm`` bar (rank 0, stderr a terminal) or, when stderr is not a terminal, print a
-            status line every ``log_every`` epochs (0: never).
+            status line every ``log_every`` epochs (0: only the heartbeat) and at least every
+            :data:`~.progress.HEARTBEAT_S` seconds, within an epoch too.
         callback: ``callback(epoch, info)`` after every epoch (after checkpointing); may raise
             :class:`Interrupted` to stop.
         hooks: :class:`Hooks` called after every optimiser step and every epoch; their state is checkpointed.
@@ -378,6 +384,7 @@ def train(
         tr.restore()
     bar = progress_bar(progress, ctx, total=config.epochs, initial=tr.epoch, desc=desc, unit="epoch", leave=False,
                        position=position)
+    tr.heartbeat = Heartbeat(bool(progress) and ctx.is_main and bool(bar.disable))
     epochs_run, t_start = 0, time.perf_counter()
     try:
         while tr.epoch < config.epochs and not bool(tr.stopped.all()):
@@ -392,7 +399,7 @@ def train(
                     or bool(tr.stopped.all())):
                 tr.checkpoint()
                 barrier(ctx)
-            report_epoch(tr, bar, progress, log_every, desc, t_start)
+            report_epoch(tr, bar, progress, log_every, desc, t_start, tr.heartbeat)
             if callback is not None:
                 callback(done, {"metrics": metrics, "best_value": tr.best_value})
     finally:

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..harness import LoaderBatches, MemberList, TrainConfig, atomic_torch_save, fingerprint, load_checkpoint, train
+from ..harness import (LoaderBatches, MemberList, TrainConfig, atomic_torch_save, fingerprint, load_checkpoint,
+                       run_units, train)
 from .data import collate, load_graphs, make_split, step_batches
 from .models import build_member
 from .task import MofTask, unit_methods
@@ -151,15 +152,10 @@ def train_all(config: Mapping[str, Any], settings: Mapping[str, Any], *, checkpo
             if progress:
                 print(f"[mof] unit s{s}-{g} done in {out[(s, g)]['seconds']:.0f} s", flush=True)
         return out
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    def done(key: Any, result: dict[str, Any]) -> None:
+        if progress:
+            print(f"[mof] unit s{key[0]}-{key[1]} done in {result['seconds']:.0f} s", flush=True)
 
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(_worker, {**common, "split": s, "group": g}): (s, g) for s, g in plan}
-        out = {}
-        for f in as_completed(futures):
-            key = futures[f]
-            out[key] = f.result()
-            if progress:
-                print(f"[mof] unit s{key[0]}-{key[1]} done in {out[key]['seconds']:.0f} s", flush=True)
-    return {k: out[k] for k in plan}
+    # spawned workers that all end on SIGINT / SIGTERM (hardeq_studies.harness.run_units)
+    return run_units(_worker, {(s, g): {"kwargs": {**common, "split": s, "group": g}} for s, g in plan}, jobs=jobs,
+                     desc="mof", progress=progress, on_done=done)

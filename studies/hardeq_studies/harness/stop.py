@@ -1,0 +1,86 @@
+"""Stopping a run when asked: SIGINT (Ctrl-C) or SIGTERM becomes a :class:`StopRun` exception.
+
+In the main process :func:`stop_on_signals` turns the first SIGINT or SIGTERM into :class:`StopRun`, raised in
+the main thread wherever it is; the stack unwinds through every ``finally`` (an atomic checkpoint being written
+is abandoned and its temporary file removed, so the last complete checkpoint stays), and the command line
+prints the ``--resume`` command and exits ``128 + signal`` (130 for SIGINT, 143 for SIGTERM). Signals that
+arrive while it unwinds are ignored, so a second Ctrl-C cannot turn a clean stop into a traceback.
+
+Worker processes (:mod:`.pool`) ignore SIGINT -- on a terminal Ctrl-C reaches every process of the group, and
+the main process decides -- and leave quietly on the SIGTERM the main process sends them
+(:func:`worker_signals`).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+__all__ = ["StopRun", "STOP_SIGNALS", "stop_on_signals", "worker_signals"]
+
+#: the signals that stop a run
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopRun(BaseException):
+    """The run was asked to stop by signal ``signum`` (SIGINT or SIGTERM).
+
+    A ``BaseException`` like ``KeyboardInterrupt``, so that no ``except Exception`` on the way up swallows it.
+    """
+
+    def __init__(self, signum: int) -> None:
+        self.signum = int(signum)
+        super().__init__(f"stopped by {self.signal_name}")
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_status(self) -> int:
+        """``128 + signum``, the shell's status of a process ended by the signal (130 SIGINT, 143 SIGTERM)."""
+        return 128 + self.signum
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """While inside, the first SIGINT or SIGTERM raises :class:`StopRun` in the main thread and later ones are
+    ignored; the previous handlers come back on exit. Outside the main thread (where Python cannot install
+    handlers) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if received:
+            return
+        received.append(signum)
+        raise StopRun(signum)
+
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def worker_signals() -> None:
+    """In a worker process: ignore SIGINT, and raise :class:`StopRun` on the first SIGTERM (the main process's
+    request to stop; the worker unwinds and leaves quietly). Then unblock both (the pool starts its workers
+    with them blocked, so that none arrives before this)."""
+    received: list[int] = []
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if received:
+            return
+        received.append(signum)
+        raise StopRun(signum)
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
