@@ -122,8 +122,10 @@ def wall_time(doc: Mapping[str, Any], last_leg_seconds: float | None) -> tuple[f
     timing = doc.get("timing") if isinstance(doc.get("timing"), Mapping) else {}
     total = doc.get("wall_seconds_total", timing.get("wall_seconds_total"))
     if total is not None:
-        legs = doc.get("resumed_legs", timing.get("resumed_legs"))
-        return float(total), "total across all legs of a resumed run" if legs else "total"
+        legs = doc.get("resumed_legs", timing.get("resumed_legs")) or []
+        if len(legs) > 1:
+            return float(total), f"total across the {len(legs)} legs of a resumed run"
+        return float(total), "total"
     resumed = "--resume" in str(doc.get("command", ""))
     return (None if last_leg_seconds is None else float(last_leg_seconds),
             "last leg: run with --resume, and earlier legs, if any, are not recorded" if resumed else "total")

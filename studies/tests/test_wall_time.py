@@ -7,8 +7,11 @@ from hardeq_studies.results import wall_time
 
 
 def test_total_across_legs_when_recorded_top_level_or_under_timing():
-    assert wall_time({"wall_seconds_total": 5520.0, "resumed_legs": 2, "command": "x --resume"}, 1621.0) == \
-        (5520.0, "total across all legs of a resumed run")
+    assert wall_time({"wall_seconds_total": 5520.0, "resumed_legs": [3899.0, 1621.0], "command": "x --resume"},
+                     1621.0) == (5520.0, "total across the 2 legs of a resumed run")
+    # an uninterrupted run records its one leg: that is the total, not a resumed run
+    assert wall_time({"wall_seconds_total": 75.0, "resumed_legs": [75.0], "resumed": False, "command": "x"},
+                     75.0) == (75.0, "total")
     assert wall_time({"timing": {"wall_seconds_total": 90.0}, "command": "x"}, 80.0) == (90.0, "total")
 
 
