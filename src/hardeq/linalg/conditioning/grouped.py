@@ -1,12 +1,18 @@
 r"""Grouped closed form: the constraint's Gram matrix is diagonal under a diagonal covariance.
 
-For a :class:`~hardeq.SumConstraint` (and any constraint whose :meth:`~hardeq.EqualityConstraint.diagonal_gram`
-is not ``None``) and :math:`\Sigma = \mathrm{diag}(\sigma^2)`: :math:`S = \mathrm{diag}(s)` with
-:math:`s_g = \sum_{i \in g}\sigma_i^2`, so
+For a constraint whose every column has at most one nonzero (:math:`A_{g(i), i} = a_i`, a coordinate in no
+row has :math:`a_i = 0`; a :class:`~hardeq.SumConstraint` has :math:`a_i = 1`), i.e. whose
+:meth:`~hardeq.EqualityConstraint.diagonal_gram` is not ``None``, and :math:`\Sigma = \mathrm{diag}(\sigma^2)`:
+:math:`S = \mathrm{diag}(s)` with :math:`s_g = \sum_{i \in g} a_i^2\sigma_i^2`, the cross covariance
+:math:`(\Sigma A^\top)_{i, g(i)} = \sigma_i^2 a_i`, so
 
 .. math::
     Kr = \sigma^2 \odot A^\top(r / s), \qquad
-    \bar\sigma_i^2 = \sigma_i^2 - \sigma_i^4 / s_{g(i)}, \qquad \log\det S = \textstyle\sum_g \log s_g.
+    \bar\sigma_i^2 = \sigma_i^2 - \sigma_i^4 a_i^2 / s_{g(i)} = \sigma_i^2 - \big(\sigma_i^2 (A^\top s^{-1/2})_i\big)^2,
+    \qquad \log\det S = \textstyle\sum_g \log s_g.
+
+(:math:`(A^\top s^{-1/2})_i = a_i / \sqrt{s_{g(i)}}` because column ``i`` has one nonzero; a coordinate in no row
+gets 0 and keeps :math:`\sigma_i^2`.)
 
 Every operation is a group sum or a gather: O(n) per vector. Coordinates the constraint alone determines
 (:meth:`~hardeq.EqualityConstraint.pinned_values`, e.g. a group of one) are set to their value exactly.
@@ -86,9 +92,13 @@ class GroupedFactor(Factor):
     def logdet(self) -> Tensor:
         return self.s.log().sum(-1) + 2 * self.s.shape[-1] * self.c.squeeze(-1).log()
 
+    def _weight(self) -> Tensor:
+        r""":math:`a_i^2 / s_{g(i)} = (A^\top s^{-1/2})_i^2` (one nonzero per column), 0 for a coordinate in no row."""
+        return self.constraint.rmatvec(self.s.rsqrt()).square()
+
     def variance(self) -> Tensor:
-        v = self.v  # sigma_i^2 - sigma_i^4 / s_g(i), in normalised variances (no overflow)
-        return ((v - v.square() / self.constraint.rmatvec(self.s)) * self.c.square()).clamp_min(0)
+        v = self.v  # sigma_i^2 - sigma_i^4 a_i^2 / s_g(i), in normalised variances (no overflow)
+        return ((v - v.square() * self._weight()) * self.c.square()).clamp_min(0)
 
     def gain_factor(self) -> Tensor:
         # G = Sigma A^T S^-1/2 = c Sigma' A^T / sqrt(s')
@@ -98,6 +108,6 @@ class GroupedFactor(Factor):
     def trace_correction(self, other: "Covariance") -> Tensor:
         if not other.is_diagonal:
             return super().trace_correction(other)
-        # sum_i Sigma_ii^2 / (Sigma_p,ii s_g(i)) = sum_i (Sigma_ii / Sigma_p,ii) (v_i / s'_g(i)): scale-free ratio
-        ratio = self.v / self.constraint.rmatvec(self.s)
+        # sum_i Sigma_ii^2 a_i^2 / (Sigma_p,ii s_g(i)) = sum_i (Sigma_ii / Sigma_p,ii) (v_i a_i^2 / s'_g(i))
+        ratio = self.v * self._weight()
         return (self.cov.diagonal() / other.diagonal() * ratio).sum(-1)
