@@ -13,7 +13,10 @@ once per pair of types (memoised). The operations:
   :class:`Grouped` ``(weight, gram_diagonal)`` when :math:`\Sigma A^\top = \mathrm{diag}(w)A^\top` for a vector
   ``w`` (``weight``, ``(*batch, n)``) and :math:`S = A\,\mathrm{diag}(w)A^\top` is diagonal with diagonal
   ``gram_diagonal`` (``(*batch, a)``) -- e.g. a diagonal covariance (:math:`w = \sigma^2`) with a constraint
-  whose columns have at most one nonzero -- and ``None`` otherwise. The grouped factor
+  whose columns have at most one nonzero -- and ``None`` otherwise. Contract of a registration: every column of
+  ``A`` has at most one nonzero and :math:`\Sigma` couples no two coordinates that lie in different rows of ``A``
+  (nor a row's coordinates with those in no row); then both identities hold, and so does the O(n) trace
+  correction of the KL between two such covariances. The grouped factor
   (:class:`~hardeq.linalg.conditioning.grouped.GroupedFactor`) then needs only ``w``, ``s`` and products with
   :math:`A` and :math:`A^\top`.
 

@@ -6,7 +6,8 @@ when every column of ``A`` has at most one nonzero (:math:`A_{g(i), i} = a_i`, a
 row has :math:`a_i = 0`) and (generic registration) :math:`\Sigma = \mathrm{diag}(\sigma^2)`, with
 :math:`w = \sigma^2` and :math:`s_g = \sum_{i \in g} a_i^2\sigma_i^2`; or (registered for
 :class:`~hardeq.BlockDiagonalCovariance` and a :class:`~hardeq.SumConstraint`) when every block of :math:`\Sigma`
-lies inside one group, with :math:`w_i = (\Sigma\mathbf 1_{g(i)})_i`. Then
+lies inside one group, with :math:`w_i = (\Sigma\mathbf 1_{g(i)})_i`. (In general: :math:`\Sigma` couples no two
+coordinates of different rows of ``A``, the contract of a ``"grouped"`` registration.) Then
 
 .. math::
     Kr = w \odot A^\top(r / s), \qquad
@@ -111,8 +112,13 @@ class GroupedFactor(Factor):
         return cross / self.s.sqrt().unsqueeze(-2) * self.c.unsqueeze(-1)
 
     def trace_correction(self, other: "Covariance") -> Tensor:
-        if not other.is_diagonal:
-            return super().trace_correction(other)
-        # sum_i w_i^2 a_i^2 / (Sigma_p,ii s_g(i)) = sum_i (w_i / Sigma_p,ii) (w'_i a_i^2 / s'_g(i)): scale-free
-        ratio = self.v * self._weight()
-        return (self.v * self.c.square() / other.variance * ratio).sum(-1)
+        if other.is_diagonal:
+            # sum_i w_i^2 a_i^2 / (Sigma_p,ii s_g(i)) = sum_i (w_i / Sigma_p,ii) (w'_i a_i^2 / s'_g(i)): scale-free
+            ratio = self.v * self._weight()
+            return (self.v * self.c.square() / other.variance * ratio).sum(-1)
+        if pairs.grouped_structure(self.constraint, other) is not None:
+            # Sigma_p^{-1} does not couple rows either: G's columns (w_i a_i / sqrt(s_g) on the coordinates of row g)
+            # add up to one n-vector without mixing, and tr(G^T Sigma_p^{-1} G) is one inverse quadratic form
+            compact = self.v * self.constraint.rmatvec(self.s.rsqrt()) * self.c
+            return other.inv_quad(compact)
+        return super().trace_correction(other)
