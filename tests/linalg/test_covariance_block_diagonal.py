@@ -145,7 +145,8 @@ class TestBlockDiagonalEndToEnd:
         the same gradient w.r.t. loc, cov_factor and scale."""
         d, _, (index, W, scale, loc, k, A) = _problem(dtype)
         n, G, r = sum(SIZES), len(SIZES), 2
-        noise = torch.randn((3,) + BATCH + (n + G * r,), dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+        gen = torch.Generator().manual_seed(3)
+        noise = torch.randn((3,) + BATCH + (n + G * r,), dtype=torch.float64, generator=gen)
         y = torch.linspace(0.5, -0.5, n, dtype=torch.float64)
 
         def loss_lib(loc_, W_, s_):

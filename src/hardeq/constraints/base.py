@@ -278,6 +278,13 @@ class EqualityConstraint(ABC):
         of each coordinate, a ``(n,)`` LongTensor; ``None`` for every other constraint."""
         return None
 
+    @property
+    def group_sizes(self) -> Tensor | None:
+        """For grouped-sum constraints (:attr:`group_index` not ``None``): members per row, ``(a,)`` long; else
+        ``None``. Default: a count of :attr:`group_index`."""
+        index = self.group_index
+        return None if index is None else torch.bincount(index, minlength=self.num_constraints)
+
     # ------------------------------------------------------------------ copies and configs
     def expand(self, batch_shape: torch.Size) -> EqualityConstraint:
         """The constraint with ``k`` (and a batched ``A``) expanded to ``batch_shape``, sharing caches. Default:
@@ -305,7 +312,8 @@ class EqualityConstraint(ABC):
         kind = config.get("kind")
         target = _KINDS.get(kind)
         if target is None:
-            raise ValueError(f"unknown constraint kind {kind!r}; registered kinds: {constraint_kinds()}.")
+            raise ValueError(f"unknown constraint spec kind {kind!r} in the config; registered kinds: "
+                             f"{constraint_kinds()}.")
         out = target._from_config(config)
         if not isinstance(out, cls):
             raise TypeError(f"{cls.__name__}.from_config: the config describes a {type(out).__name__} (kind {kind!r}), "
@@ -334,7 +342,7 @@ def _cross_covariance(constraint: EqualityConstraint, covariance: Covariance) ->
 
 @pairs.register_pair("grouped", EqualityConstraint, Covariance)
 def _grouped(constraint: EqualityConstraint, covariance: Covariance) -> pairs.Grouped | None:
-    """A diagonal covariance (:math:`w = \sigma^2`) with a constraint whose columns have at most one nonzero."""
+    r"""A diagonal covariance (:math:`w = \sigma^2`) with a constraint whose columns have at most one nonzero."""
     if not covariance.is_diagonal or not constraint.has_diagonal_gram:
         return None
     v = covariance.variance

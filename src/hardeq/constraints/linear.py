@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from .._utils import batch_mv, check_finite, check_same_dtype_device, check_tensor, validate_default
-from ..ops import gram_from_pairs, row_pairs
+from ..ops.gram_pairs import gram_from_pairs, row_pairs
 from ._cache import PerTensorCache
 from ..linalg.covariance import Covariance
 from . import pairs

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from .._utils import check_finite, check_group_index, check_tensor, group_sizes, is_tracing, validate_default
-from ..ops import GroupSum
+from ..ops.group_sum import GroupSum
 from .base import EqualityConstraint, config_dtype, dtype_name, register_constraint_kind, require_keys
 
 __all__ = ["SumConstraint"]
@@ -84,6 +84,11 @@ class SumConstraint(EqualityConstraint):
     def group_index(self) -> Tensor:
         """The group id of each coordinate, ``(n,)`` (the ``index`` given to the constructor)."""
         return self.index
+
+    @property
+    def group_sizes(self) -> Tensor:
+        """Members per group, ``(a,)`` long (computed once, when the index was checked)."""
+        return self.counts
 
     def matvec(self, z: Tensor) -> Tensor:
         return self._group_sum(z)
@@ -200,7 +205,7 @@ class SumConstraint(EqualityConstraint):
                                  f"channels = {C}, event_size = {n}.")
             totals = torch.tensor(config["totals"], dtype=dtype)
             if totals.dim() < 1 or totals.shape[-1] != C:
-                raise ValueError(f"channel_sum totals must have shape (*batch, C) with C = {C}, got "
+                raise ValueError(f"channel_sum totals must have shape (C,) or (*batch, C) with C = {C}, got "
                                  f"{tuple(totals.shape)}.")
             return cls(torch.arange(C).repeat_interleave(n // C), totals)
         require_keys(config, "index", "totals")

@@ -26,7 +26,7 @@ from torch.distributions import constraints
 
 from .._utils import check_group_index, check_same_dtype_device, check_tensor, stale_without_graph
 from ..constraints import SumConstraint, pairs
-from ..ops import GroupSum
+from ..ops.group_sum import GroupSum
 from .covariance import Covariance, _check_positive, register_trace_inv_mul
 
 __all__ = ["BlockDiagonalCovariance"]
@@ -178,7 +178,8 @@ class BlockDiagonalCovariance(Covariance):
 
 @register_trace_inv_mul(BlockDiagonalCovariance, BlockDiagonalCovariance)
 def _trace_block_pair(p: BlockDiagonalCovariance, q: BlockDiagonalCovariance) -> Tensor:
-    r"""Same groups: :math:`\langle\mathrm{diag}\,\Sigma_p^{-1}, \sigma_q^2\rangle + \langle W_q, \Sigma_p^{-1}W_q\rangle`
+    r"""Same groups: :math:`\langle\mathrm{diag}\,\Sigma_p^{-1}, \sigma_q^2\rangle
+    + \langle W_q, \Sigma_p^{-1}W_q\rangle`
     with :math:`\Sigma_p^{-1}` applied to the compact (group-local) columns of :math:`W_q`: O(n r^2)."""
     if p.index is not q.index and not torch.equal(p.index, q.index):
         d, V = q.diag_part(), q.factor_part()

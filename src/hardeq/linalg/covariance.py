@@ -33,7 +33,7 @@ from torch import Tensor
 from torch.distributions import constraints
 
 from .._utils import batch_mv, check_same_dtype_device, check_tensor, stale_without_graph
-from ..ops import gram_from_pairs, row_pairs
+from ..ops.gram_pairs import gram_from_pairs, row_pairs
 from .triangular import tri_solve_vec
 
 __all__ = [
