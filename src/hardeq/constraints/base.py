@@ -18,15 +18,17 @@ for its type; a structured subclass overrides the defaults below with cheaper al
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import Tensor
 
 from .._utils import batch_mv
-from ..linalg.covariance import Covariance
 from . import pairs
 from ._dense import RowSpaceFactors, particular_dense, project_dense, same_row_space_dense
+
+if TYPE_CHECKING:
+    from ..linalg.covariance import Covariance
 
 __all__ = ["EqualityConstraint", "RowSpaceFactors", "register_constraint_kind", "constraint_kinds"]
 
@@ -322,7 +324,7 @@ class EqualityConstraint(ABC):
 
 
 # ---------------------------------------------------------------------------------------- generic pair operations
-@pairs.register_pair("gram", EqualityConstraint, Covariance)
+@pairs.register_pair("gram", EqualityConstraint, pairs.ANY_COVARIANCE)
 def _gram(constraint: EqualityConstraint, covariance: Covariance) -> Tensor:
     grouped = pairs.grouped_structure(constraint, covariance)
     if grouped is not None:  # diagonal: no a x n product
@@ -330,17 +332,17 @@ def _gram(constraint: EqualityConstraint, covariance: Covariance) -> Tensor:
     return covariance.sandwich(constraint.dense_matrix())
 
 
-@pairs.register_pair("sqrt_gram_factor", EqualityConstraint, Covariance)
+@pairs.register_pair("sqrt_gram_factor", EqualityConstraint, pairs.ANY_COVARIANCE)
 def _sqrt_gram_factor(constraint: EqualityConstraint, covariance: Covariance) -> Tensor:
     return covariance.sqrt_t_matmul(constraint.dense_matrix().mT)
 
 
-@pairs.register_pair("cross_covariance", EqualityConstraint, Covariance)
+@pairs.register_pair("cross_covariance", EqualityConstraint, pairs.ANY_COVARIANCE)
 def _cross_covariance(constraint: EqualityConstraint, covariance: Covariance) -> Tensor:
     return covariance.matmul(constraint.dense_matrix().mT)
 
 
-@pairs.register_pair("grouped", EqualityConstraint, Covariance)
+@pairs.register_pair("grouped", EqualityConstraint, pairs.ANY_COVARIANCE)
 def _grouped(constraint: EqualityConstraint, covariance: Covariance) -> pairs.Grouped | None:
     r"""A diagonal covariance (:math:`w = \sigma^2`) with a constraint whose columns have at most one nonzero."""
     if not covariance.is_diagonal or not constraint.has_diagonal_gram:

@@ -10,16 +10,20 @@ per-step pattern ``LinearConstraint(A, k_step)`` therefore validates ``A`` once,
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
 from .._utils import batch_mv, check_finite, check_same_dtype_device, check_tensor, validate_default
 from ..ops.gram_pairs import gram_from_pairs, row_pairs
-from ._cache import PerTensorCache
-from ..linalg.covariance import Covariance
 from . import pairs
+from ._cache import PerTensorCache
 from ._dense import RowSpaceFactors, particular_dense, project_dense, same_row_space_dense
 from .base import EqualityConstraint, config_dtype, dtype_name, register_constraint_kind, require_keys
+
+if TYPE_CHECKING:
+    from ..linalg.covariance import Covariance
 
 __all__ = ["LinearConstraint"]
 
@@ -241,7 +245,7 @@ class LinearConstraint(EqualityConstraint):
                 f"batch_shape={tuple(self.batch_shape)})")
 
 
-@pairs.register_pair("gram", LinearConstraint, Covariance)
+@pairs.register_pair("gram", LinearConstraint, pairs.ANY_COVARIANCE)
 def _gram_linear(constraint: LinearConstraint, covariance: Covariance) -> Tensor:
     r""":math:`A\Sigma A^\top`. A shared 2-D ``A`` under a per-sample diagonal covariance: one GEMM of the
     variances with the row-product matrix of ``A`` (``n x a(a+1)/2``, computed once per ``A`` tensor) when that

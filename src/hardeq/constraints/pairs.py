@@ -1,9 +1,10 @@
 r"""Operations on a (constraint, covariance) pair, dispatched on the pair of types through a registry.
 
-In the manner of :func:`torch.distributions.register_kl`: each operation has a generic implementation for
-``(EqualityConstraint, Covariance)`` (dense, exact) and a structured pair that can do better registers one function;
-the most specific registration wins (smallest distance in the constraint's MRO, then in the covariance's), resolved
-once per pair of types (memoised). The operations:
+In the manner of :func:`torch.distributions.register_kl`: each operation has a generic implementation (dense,
+exact) for ``(EqualityConstraint, ANY_COVARIANCE)`` -- any covariance object; the constraint layer does not import
+the covariance classes -- and a structured pair that can do better registers one function; the most specific
+registration wins (smallest distance in the constraint's MRO, then in the covariance's), resolved once per pair of
+types (memoised). The operations:
 
 * ``"gram"`` -- :func:`gram`: :math:`S = A\Sigma A^\top`, ``(*batch, a, a)``;
 * ``"cross_covariance"`` -- :func:`cross_covariance`: :math:`\Sigma A^\top = \mathrm{Cov}(z, Az)`, ``(*batch, n, a)``;
@@ -43,11 +44,16 @@ if TYPE_CHECKING:
     from ..linalg.covariance import Covariance
     from .base import EqualityConstraint
 
-__all__ = ["OPERATIONS", "Grouped", "register_pair", "gram", "cross_covariance", "sqrt_gram_factor",
+__all__ = ["OPERATIONS", "ANY_COVARIANCE", "Grouped", "register_pair", "gram", "cross_covariance", "sqrt_gram_factor",
            "grouped_structure"]
 
 #: the pair operations that can be registered
 OPERATIONS = ("gram", "cross_covariance", "sqrt_gram_factor", "grouped")
+
+#: the covariance type of the registrations made in the constraint modules: every covariance. (The constraint layer
+#: sits below the covariance classes and does not import them; a registration for a covariance class is more
+#: specific and wins.)
+ANY_COVARIANCE: type = object
 
 _REGISTRY: dict[str, dict[tuple[type, type], Callable]] = {op: {} for op in OPERATIONS}
 

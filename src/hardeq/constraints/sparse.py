@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from .._utils import check_finite, check_same_dtype_device, check_tensor, validate_default
-from ._cache import PerTensorCache
-from ..linalg.covariance import Covariance
 from . import pairs
+from ._cache import PerTensorCache
 from .base import EqualityConstraint, config_dtype, dtype_name, register_constraint_kind, require_keys
+
+if TYPE_CHECKING:
+    from ..linalg.covariance import Covariance
 
 __all__ = ["SparseConstraint"]
 
@@ -385,7 +388,7 @@ def _components(A: Tensor) -> tuple:
     return (A.crow_indices(), A.col_indices(), A.values(), tuple(A.shape))
 
 
-@pairs.register_pair("gram", SparseConstraint, Covariance)
+@pairs.register_pair("gram", SparseConstraint, pairs.ANY_COVARIANCE)
 def _gram_sparse(constraint: SparseConstraint, covariance: Covariance) -> Tensor:
     r""":math:`A\Sigma A^\top`, ``(*batch, a, a)``. Diagonal :math:`\Sigma = \mathrm{diag}(v)`: the sparse
     product :math:`(A\,\mathrm{diag}(v))A^\top` per batch element of ``v`` (O(sum_j c_j^2 + a^2) each,

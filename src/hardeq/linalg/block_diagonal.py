@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from torch.distributions import constraints
 
-from .._utils import check_group_index, check_same_dtype_device, check_tensor, stale_without_graph
+from .._utils import check_group_index, check_same_dtype_device, check_tensor, is_tracing, stale_without_graph
 from ..constraints import SumConstraint, pairs
 from ..ops.group_sum import GroupSum
 from .covariance import Covariance, _check_positive, register_trace_inv_mul
@@ -193,6 +193,8 @@ def _grouped_sum_block(constraint: SumConstraint, covariance: BlockDiagonalCovar
     :math:`w_i = (\Sigma\mathbf 1_{g(i)})_i = \sigma_i^2 + W_i\cdot\sum_{j : h(j) = h(i)}W_j`, and
     :math:`A\Sigma A^\top = \mathrm{diag}(Aw)`. O(n r); ``None`` when some covariance group straddles two constraint
     groups."""
+    if is_tracing():  # a data-dependent test: under torch.compile / torch.func the dense path is taken
+        return None
     g, h = constraint.group_index, covariance.index.to(constraint.group_index.device)
     G = covariance.num_groups
     lo = torch.full((G,), g.numel(), dtype=g.dtype, device=g.device).scatter_reduce(0, h, g, "amin")
