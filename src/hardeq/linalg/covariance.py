@@ -10,6 +10,10 @@ unless the user supplied one (``scale_tril``).
   :math:`F = [\mathrm{diag}(\sigma), W]` (``n x (n + r)``; the first ``n`` noise entries drive the diagonal
   part, the last ``r`` the factor); inverse and log-determinant through the ``r x r`` capacitance matrix
   :math:`C = I + W^\top D^{-1} W` (Woodbury), as in :class:`torch.distributions.LowRankMultivariateNormal`.
+* :class:`~hardeq.BlockDiagonalCovariance` (:mod:`hardeq.linalg.block_diagonal`): one low-rank + diagonal block per
+  group (per graph of a PyG batch), Woodbury per group.
+
+A new structure implements the six abstract methods of :class:`Covariance` (see there); the rest are defaults.
 
 Every structure also states itself as :math:`\Sigma = \mathrm{diag}(d) + VV^\top` (:meth:`Covariance.diag_part`,
 :meth:`Covariance.factor_part`; either may be absent), which gives pairwise operations a generic form.
