@@ -101,7 +101,7 @@ WRONG_INPUTS = [
      ValueError, r"^scale \(the covariance\) must be nonsingular for log_prob and entropy"),
     # -- ConstrainedNormal: constraint
     ("constraint is a tensor", lambda: _normal(constraint=A), TypeError,
-     r"^constraint must be a hardeq\.LinearConstraint or hardeq\.SumConstraint, got Tensor"),
+     r"^constraint must be a hardeq\.EqualityConstraint \(e\.g\. hardeq\.LinearConstraint\), got Tensor"),
     ("constraint dtype differs from loc", lambda: _normal(constraint=LinearConstraint(A.double(), K.double())),
      TypeError, r"^constraint has dtype torch\.float64 but loc has dtype torch\.float32"),
     ("half loc with a float32 constraint",

@@ -13,10 +13,12 @@ import importlib
 from typing import TYPE_CHECKING
 
 from . import baselines, estimators
-from .constraints import EqualityConstraint, LinearConstraint, SparseConstraint, SumConstraint
+from .constraints import EqualityConstraint, LinearConstraint, SparseConstraint, SumConstraint, register_pair
 from .distributions import ConstrainedNormal, ConstrainedPoisson
 from .errors import NotPSDError, NumericalWarning
-from .linalg.covariance import Covariance, DiagonalCovariance, FullCovariance, LowRankCovariance
+from .linalg.block_diagonal import BlockDiagonalCovariance
+from .linalg.covariance import (Covariance, DiagonalCovariance, FullCovariance, LowRankCovariance,
+                                register_trace_inv_mul)
 
 if TYPE_CHECKING:
     from . import diffusion, nn, testing
@@ -43,10 +45,13 @@ __all__ = [
     "DiagonalCovariance",
     "FullCovariance",
     "LowRankCovariance",
+    "BlockDiagonalCovariance",
+    "register_trace_inv_mul",
     "EqualityConstraint",
     "LinearConstraint",
     "SparseConstraint",
     "SumConstraint",
+    "register_pair",
     "NotPSDError",
     "NumericalWarning",
     "baselines",

@@ -132,7 +132,7 @@ def test_bad_arguments(kwargs, exc, match):
 
 def test_bad_constraint():
     x = torch.randn(2, 2, 3, 3)
-    with pytest.raises(TypeError, match="constraint must be a hardeq.LinearConstraint"):
+    with pytest.raises(TypeError, match="constraint must be a hardeq.EqualityConstraint"):
         constrained_x0(x, torch.ones(2), 0.1)
     with pytest.raises(ValueError, match="flatten to n = 18"):
         constrained_x0(x, channel_sum_constraint((2, 4, 4), [0.0, 1.0]), 0.1)

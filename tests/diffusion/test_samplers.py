@@ -189,7 +189,7 @@ def test_timesteps():
     (lambda c: _ddim(None, Uniform(2)), ValueError, "constraint is None"),
     (lambda c: _ddim(c, Uniform(6)), ValueError, "num_steps = 5"),
     (lambda c: _ddim(channel_sum_constraint((2, 5, 5), [0.0, 1.0])), ValueError, "flatten to n = 32"),
-    (lambda c: _ddim(torch.ones(3)), TypeError, "constraint must be a hardeq.LinearConstraint"),
+    (lambda c: _ddim(torch.ones(3)), TypeError, "constraint must be a hardeq.EqualityConstraint"),
     (lambda c: _ddim(c, post="projection"), ValueError, "post must be None"),
     (lambda c: _ddim(post="project"), ValueError, "constraint is None"),
     (lambda c: _ddim(c, eta=-1.0), ValueError, "eta must be"),

@@ -462,7 +462,7 @@ def test_binomial_marginals_at_large_totals(total):
 
 def test_binomial_sample_chunks(monkeypatch):
     # counts above BINOMIAL_CHUNK are drawn as sums of chunks: shrink the chunk to 3 and compare with scipy
-    import hardeq.ops as ops
+    import hardeq.ops.binomial as ops
 
     torch.manual_seed(0)  # statistical test, see the note at the top
     monkeypatch.setattr(ops, "BINOMIAL_CHUNK", 3)

@@ -99,8 +99,8 @@ def check_broadcast(owner: str, **shapes: torch.Size) -> torch.Size:
 def check_constraint(constraint: object, owner: str) -> EqualityConstraint:
     if not isinstance(constraint, EqualityConstraint):
         raise TypeError(
-            f"{owner}: constraint must be a hardeq constraint (an EqualityConstraint such as LinearConstraint, "
-            f"SumConstraint or SparseConstraint), got "
+            f"{owner}: constraint must be a hardeq constraint (a hardeq.EqualityConstraint, e.g. "
+            f"hardeq.LinearConstraint), got "
             f"{type(constraint).__name__}."
         )
     return constraint

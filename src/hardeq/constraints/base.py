@@ -1,159 +1,144 @@
-r"""The constraint interface :class:`EqualityConstraint` and the dense row-space factorisation it defaults to.
+r"""The constraint interface :class:`EqualityConstraint`, its generic pair operations and the kind registry.
 
 A constraint object is an operator :math:`A` (``a x n``, full row rank, ``a < n``) together with a right-hand
 side ``k`` (``(*batch, a)``). Callers ask it for what they need (products with :math:`A`, :math:`A^\top`,
-:math:`|A|`, the Gram matrix under a covariance, a projection onto the plane, its group ids) and never for
-its type; a structured subclass overrides the defaults below with cheaper algorithms.
+:math:`|A|`, the Gram matrix under a covariance, a projection onto the plane, its group ids, its config) and never
+for its type; a structured subclass overrides the defaults below with cheaper algorithms.
+
+* **Adding a constraint:** subclass :class:`EqualityConstraint` and implement its six abstract members
+  (:attr:`~EqualityConstraint.event_size`, :meth:`~EqualityConstraint.matvec`, :meth:`~EqualityConstraint.rmatvec`,
+  :meth:`~EqualityConstraint.dense_matrix`, :meth:`~EqualityConstraint.with_k`, :meth:`~EqualityConstraint.to`);
+  set ``k``. Everything else is a dense, exact default (:mod:`hardeq.constraints._dense`).
+* **A cheaper (constraint, covariance) pair:** :func:`~hardeq.constraints.pairs.register_pair`.
+* **Saving it:** :meth:`~EqualityConstraint.to_config` defaults to the dense equivalent (kind ``"linear"``); a class
+  with a compact form decorates itself with :func:`register_constraint_kind` and implements ``to_config`` and the
+  classmethod ``_from_config``; :meth:`EqualityConstraint.from_config` finds it by its kind.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import Tensor
 
 from .._utils import batch_mv
+from . import pairs
+from ._dense import RowSpaceFactors, particular_dense, project_dense, same_row_space_dense
 
 if TYPE_CHECKING:
     from ..linalg.covariance import Covariance
 
-__all__ = ["EqualityConstraint", "RowSpaceFactors"]
+__all__ = ["EqualityConstraint", "RowSpaceFactors", "register_constraint_kind", "constraint_kinds"]
+
+#: kind name -> constraint class (what EqualityConstraint.from_config looks up)
+_KINDS: dict[str, type] = {}
+
+#: dtypes a config may name
+CONFIG_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
-class RowSpaceFactors:
-    r"""One float64 QR of the row-normalised :math:`A^\top`, from which the rank, :math:`\log\det(AA^\top)`,
-    the minimum-norm solution and the orthogonal projection onto :math:`\{Az = k\}` all follow.
+def register_constraint_kind(*kinds: str) -> Callable[[type], type]:
+    """Class decorator: ``cls.to_config()`` writes one of ``kinds`` and ``cls._from_config(config)`` reads every one
+    of them (the first is the main name; the others are accepted when loading, e.g. older layouts)."""
+    if not kinds or not all(isinstance(k, str) and k for k in kinds):
+        raise ValueError(f"register_constraint_kind needs one or more non-empty kind names, got {kinds!r}.")
 
-    With the row norms :math:`D = \mathrm{diag}(\lVert A_{i\cdot}\rVert)` and :math:`(D^{-1}A)^\top = QR`
-    (``Q``: ``(*batch_A, n, a)`` orthonormal columns, ``R``: ``(*batch_A, a, a)`` upper),
+    def decorator(cls: type) -> type:
+        if not (isinstance(cls, type) and issubclass(cls, EqualityConstraint)):
+            raise TypeError(f"register_constraint_kind decorates a subclass of hardeq.EqualityConstraint, got {cls!r}.")
+        if "_from_config" not in cls.__dict__:
+            raise TypeError(f"{cls.__name__} registers the constraint kinds {list(kinds)} but defines no classmethod "
+                            "_from_config(config) to read them.")
+        for kind in kinds:
+            other = _KINDS.get(kind)
+            if other is not None and other.__qualname__ != cls.__qualname__:
+                raise ValueError(f"constraint kind {kind!r} is registered to {other.__name__} already.")
+            _KINDS[kind] = cls
+        return cls
 
-    .. math::
-        A = D R^\top Q^\top, \qquad \log\det(AA^\top) = 2\sum_i \log d_i + 2\sum_j \log|R_{jj}|,
-        \qquad A^\top(AA^\top)^{-1} = Q R^{-\top} D^{-1}.
-
-    :math:`|R_{jj}|` is the distance of normalised row ``j`` from the span of the rows before it, so the rank
-    verdict (:attr:`min_pivot` against ``max(a, n) eps``) does not depend on how the rows are scaled, and the
-    log-determinant does not square :math:`\mathrm{cond}(A)` as a Cholesky of :math:`AA^\top` would.
-
-    Computed without gradient (the verdict and cached quantities are constants); cost O(a^2 n) once, memory
-    ``n a`` float64 for ``Q`` (formed only when :meth:`orthonormal` is asked). Holds no reference to ``A``
-    (a cache keyed weakly by ``A`` may keep it while ``A`` lives).
-
-    Args:
-        A (Tensor): ``(*batch_A, a, n)``, any floating dtype.
-    """
-
-    def __init__(self, A: Tensor) -> None:
-        with torch.no_grad():
-            A64 = A.detach().to(torch.float64)
-            d = torch.linalg.vector_norm(A64, dim=-1)  # shape: (*batch_A, a)
-            self.row_norms = d
-            self.R = torch.linalg.qr(_normalised_t(A64, d), mode="r")[1]  # (*batch_A, a, a)
-            pivots = self.R.diagonal(dim1=-2, dim2=-1).abs()
-            #: smallest |R_jj| over rows and batch (0 for a zero row): 1 for orthogonal rows
-            self.min_pivot = float(torch.where(d > 0, pivots, 0.0).min()) if d.numel() else 1.0
-            self.logdet = 2 * (d.log().sum(-1) + pivots.log().sum(-1))  # float64, (*batch_A)
-        self.shape = A.shape
-        self._Q: Tensor | None = None
-
-    def full_rank(self, dtype: torch.dtype) -> bool:
-        """Is every normalised row more than ``max(a, n) eps(dtype)`` away from the span of the rows before it?"""
-        a, n = self.shape[-2:]
-        return self.min_pivot > max(a, n) * torch.finfo(dtype).eps
-
-    def orthonormal(self, A: Tensor) -> Tensor:
-        """``Q`` (``(*batch_A, n, a)``, float64) for the ``A`` these factors were computed from, formed once on
-        first use (with ``R`` from the same factorisation)."""
-        if self._Q is None:
-            with torch.no_grad():
-                self._Q, self.R = torch.linalg.qr(_normalised_t(A.detach().to(torch.float64), self.row_norms))
-        return self._Q
+    return decorator
 
 
-def _normalised_t(A64: Tensor, d: Tensor) -> Tensor:
-    """``(D^{-1} A)^T``, ``(*batch, n, a)``, with zero rows left as they are."""
-    return (A64 / torch.where(d > 0, d, 1.0).unsqueeze(-1)).mT
+def constraint_kinds() -> list[str]:
+    """The registered constraint kinds, sorted (what :meth:`EqualityConstraint.from_config` accepts)."""
+    return sorted(_KINDS)
 
 
-def min_norm_coefficients(R: Tensor, d: Tensor, k: Tensor) -> Tensor:
-    r""":math:`u = R^{-\top} D^{-1} k` (``(*batch, a)``), so that :math:`Qu` is the minimum-norm solution."""
-    rhs = (k / d).unsqueeze(-1)  # solve_triangular broadcasts the batch dimensions of R and rhs
-    return torch.linalg.solve_triangular(R.mT, rhs, upper=False).squeeze(-1)
+def config_dtype(config: dict[str, Any]) -> torch.dtype:
+    """The ``"dtype"`` of a config (default float32), or ``ValueError`` naming the accepted ones."""
+    name = config.get("dtype", "float32")
+    if name not in CONFIG_DTYPES:
+        raise ValueError(f"constraint config dtype must be one of {CONFIG_DTYPES}, got {name!r}.")
+    return getattr(torch, name)
 
 
-def project_dense(A: Tensor, k: Tensor, z: Tensor, factors: RowSpaceFactors | None = None) -> Tensor:
-    r"""Orthogonal projection of ``z`` onto :math:`\{Az = k\}` in float64 from the factors of :class:`RowSpaceFactors`:
-    :math:`z - Q(Q^\top z - R^{-\top}D^{-1}k)`. Differentiable w.r.t. ``z`` and ``k``; w.r.t. ``A`` only when
-    ``factors`` is ``None`` (then the QR is recomputed with gradient)."""
-    Q, R, d = _differentiable_factors(A, factors)
-    u = min_norm_coefficients(R, d, k.to(torch.float64))  # (*batch, a)
-    z64 = z.to(torch.float64)
-    out = z64 - batch_mv(Q, batch_mv(Q.mT, z64) - u)
-    return out.to(z.dtype)
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
-def particular_dense(A: Tensor, k: Tensor, factors: RowSpaceFactors | None = None) -> Tensor:
-    r"""Minimum-norm solution :math:`A^\top(AA^\top)^{-1}k = QR^{-\top}D^{-1}k`, ``(*batch, n)``."""
-    Q, R, d = _differentiable_factors(A, factors)
-    return batch_mv(Q, min_norm_coefficients(R, d, k.to(torch.float64))).to(k.dtype)
-
-
-def _differentiable_factors(A: Tensor, factors: RowSpaceFactors | None) -> tuple[Tensor, Tensor, Tensor]:
-    if factors is not None:
-        return factors.orthonormal(A), factors.R, factors.row_norms
-    A64 = A.to(torch.float64)
-    d = torch.linalg.vector_norm(A64, dim=-1)
-    Q, R = torch.linalg.qr((A64 / d.unsqueeze(-1)).mT, mode="reduced")
-    return Q, R, d
-
-
-def same_row_space_dense(A: Tensor, B: Tensor, dtype: torch.dtype) -> bool:
-    r"""Do the rows of ``A`` and ``B`` (``(*batch, a, n)``, equal ``a``) span the same space in every batch element?
-
-    Each normalised row of ``B`` is projected off the row space of ``A`` (float64 QR); the spaces agree
-    when every remainder is below ``10 max(a, n) eps(dtype)`` (the rank tolerance, with room for the rounding
-    of rows rescaled in ``dtype``). Dense: O(a^2 n)."""
-    with torch.no_grad():
-        A, B = torch.broadcast_tensors(A.detach().to(torch.float64), B.detach().to(torch.float64))
-        Q = _differentiable_factors(A, None)[0]  # (*batch, n, a)
-        Bt = B.mT / torch.linalg.vector_norm(B, dim=-1).clamp_min(torch.finfo(torch.float64).tiny).unsqueeze(-2)
-        rest = Bt - Q @ (Q.mT @ Bt)
-        a, n = A.shape[-2:]
-        return bool(torch.linalg.vector_norm(rest, dim=-2).max() <= 10 * max(a, n) * torch.finfo(dtype).eps)
+def require_keys(config: dict[str, Any], *keys: str) -> None:
+    """``ValueError`` naming the keys a config of this kind lacks."""
+    missing = [k for k in keys if k not in config]
+    if missing:
+        raise ValueError(f"a constraint config of kind {config.get('kind')!r} needs the keys {list(keys)}, missing "
+                         f"{missing}.")
 
 
 class EqualityConstraint(ABC):
     r"""Base class of the constraint operators :math:`A z = k` (``A``: ``a x n``, full row rank, ``a < n``).
 
-    A subclass implements the abstract methods (products with :math:`A`, :math:`A^\top`, :math:`|A|`,
-    :meth:`dense_matrix` for the dense defaults, :meth:`expand`, :meth:`with_k`, :meth:`to`) and overrides the
-    defaults below where its structure gives a cheaper algorithm. Every default is written against
-    :meth:`dense_matrix` (O(a n) memory) and is exact; :class:`~hardeq.testing.ConstraintTestCase` checks a
-    subclass against a dense float64 oracle.
+    A subclass sets ``k`` and implements six abstract members: :attr:`event_size`, :meth:`matvec`,
+    :meth:`rmatvec`, :meth:`dense_matrix`, :meth:`with_k` and :meth:`to`. Every other method has a default written
+    against those (:meth:`dense_matrix` where it needs the entries, O(a n) memory) that is exact; a subclass
+    overrides one where its structure gives a cheaper algorithm. Pair operations with a covariance (:meth:`gram`,
+    :meth:`cross_covariance`, :meth:`sqrt_gram_factor`, the grouped path) are specialised by registration
+    (:func:`~hardeq.constraints.register_pair`). :class:`~hardeq.testing.ConstraintTestCase` checks a subclass
+    against a dense float64 oracle.
     """
 
     #: right-hand side k, shape ``(*batch, a)`` (one name across the API)
     k: Tensor
 
-    @property
-    @abstractmethod
-    def num_constraints(self) -> int:
-        """Number of constraint rows ``a``."""
-        ...
-
+    # ------------------------------------------------------------------ the six abstract members
     @property
     @abstractmethod
     def event_size(self) -> int:
         """Dimension ``n`` of the constrained vector."""
-        ...
+
+    @abstractmethod
+    def matvec(self, z: Tensor) -> Tensor:
+        """``A z``: ``(*sample, *batch, n) -> (*sample, *batch, a)``."""
+
+    @abstractmethod
+    def rmatvec(self, u: Tensor) -> Tensor:
+        """``A^T u``: ``(*sample, *batch, a) -> (*sample, *batch, n)``."""
+
+    @abstractmethod
+    def dense_matrix(self) -> Tensor:
+        """``A`` as a dense tensor ``(*batch, a, n)``. Only the constraint classes and :mod:`hardeq.testing`
+        call it; everyone else asks for what they need (see :meth:`dense_rows` for the dense baselines)."""
+
+    @abstractmethod
+    def with_k(self, k: Tensor) -> EqualityConstraint:
+        """The same ``A`` with a new right-hand side ``k`` (shape ``(*batch, a)``), sharing caches."""
+
+    @abstractmethod
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> EqualityConstraint:
+        """A copy on ``device`` with floating-point tensors cast to ``dtype`` (group ids stay ``long``),
+        like ``Tensor.to``. Returns ``self`` when nothing changes."""
+
+    # ------------------------------------------------------------------ shape
+    @property
+    def num_constraints(self) -> int:
+        """Number of constraint rows ``a`` (default: ``k.shape[-1]``)."""
+        return self.k.shape[-1]
 
     @property
-    @abstractmethod
     def batch_shape(self) -> torch.Size:
-        """Batch shape: the broadcast of the batch dimensions of ``A`` and ``k``."""
-        ...
+        """Batch shape: the broadcast of the batch dimensions of ``A`` and ``k`` (default: ``k.shape[:-1]``)."""
+        return self.k.shape[:-1]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -163,26 +148,11 @@ class EqualityConstraint(ABC):
     def device(self) -> torch.device:
         return self.k.device
 
-    @abstractmethod
-    def matvec(self, z: Tensor) -> Tensor:
-        """``A z``: ``(*sample, *batch, n) -> (*sample, *batch, a)``."""
-        ...
-
-    @abstractmethod
-    def rmatvec(self, u: Tensor) -> Tensor:
-        """``A^T u``: ``(*sample, *batch, a) -> (*sample, *batch, n)``."""
-        ...
-
-    @abstractmethod
+    # ------------------------------------------------------------------ products
     def matmul(self, X: Tensor) -> Tensor:
-        """``A X``: ``(*batch, n, m) -> (*batch, a, m)``."""
-        ...
-
-    @abstractmethod
-    def dense_matrix(self) -> Tensor:
-        """``A`` as a dense tensor ``(*batch, a, n)``. Only the constraint classes and :mod:`hardeq.testing`
-        call it; everyone else asks for what they need (see :meth:`dense_rows` for the dense baselines)."""
-        ...
+        """``A X``: ``(*batch, n, m) -> (*batch, a, m)``. Default: the columns of ``X`` as a sample of vectors
+        through :meth:`matvec`."""
+        return self.matvec(X.movedim(-1, 0)).movedim(0, -1)
 
     def dense_rows(self) -> Tensor:
         r"""Materialises ``A``: a dense ``(*batch, a, n)`` tensor, for algorithms defined on the entries of the
@@ -190,10 +160,14 @@ class EqualityConstraint(ABC):
         memory, which a structured constraint (sparse, grouped) never needs otherwise."""
         return self.dense_matrix()
 
-    @abstractmethod
     def logdet_gram_identity(self) -> Tensor:
-        r""":math:`\log\det(A A^\top)`, shape: the batch shape of ``A``; computed once per object."""
-        ...
+        r""":math:`\log\det(A A^\top)`, shape: the batch shape of ``A``; computed once per object. Default: a float64
+        QR of the row-normalised dense :math:`A^\top` (:class:`~hardeq.constraints._dense.RowSpaceFactors`, O(a^2 n),
+        no gradient w.r.t. ``A``)."""
+        factors = self.__dict__.get("_default_row_space")
+        if factors is None:
+            factors = self.__dict__["_default_row_space"] = RowSpaceFactors(self.dense_matrix())
+        return factors.logdet.to(self.dtype)
 
     @property
     def has_diagonal_gram(self) -> bool:
@@ -203,10 +177,11 @@ class EqualityConstraint(ABC):
 
     def diagonal_gram(self, variance: Tensor) -> Tensor | None:
         r"""The diagonal of :math:`A\,\mathrm{diag}(v)\,A^\top` (shape ``(*batch, a)``) when that matrix is
-        diagonal for every ``v``, else ``None``.
+        diagonal for every ``v`` (every column of ``A`` has at most one nonzero), else ``None``.
 
-        Conditioners use it to pick the O(n) path for a diagonal covariance (``variance``: ``(*batch, n)``)
-        without knowing the constraint's type. The default (dense ``A``) says ``None``.
+        The generic ``"grouped"`` pair registration uses it to pick the O(n) path for a diagonal covariance
+        (``variance``: ``(*batch, n)``) without knowing the constraint's type. The default (dense ``A``) says
+        ``None``.
         """
         return None
 
@@ -226,11 +201,10 @@ class EqualityConstraint(ABC):
         scale = self.abs_matvec(z.abs()) + self.k.abs()
         return (residual <= rtol * scale).all(-1)
 
-    @abstractmethod
     def abs_matvec(self, z_abs: Tensor) -> Tensor:
         r""":math:`|A|\,x` for ``x >= 0`` (``|A|`` elementwise): the size of the terms summed in each row,
-        ``(*sample, *batch, n) -> (*sample, *batch, a)``."""
-        ...
+        ``(*sample, *batch, n) -> (*sample, *batch, a)``. Default: dense ``|A|`` (O(a n) per vector)."""
+        return batch_mv(self.dense_matrix().abs(), z_abs)
 
     def matvec_and_scale(self, z: Tensor) -> tuple[Tensor, Tensor]:
         r""":math:`Az` and :math:`|A||z|` (the residual check needs both), each ``(*sample, *batch, a)``; a structure
@@ -244,17 +218,19 @@ class EqualityConstraint(ABC):
         return self.num_constraints * self.event_size
 
     def gram(self, covariance: Covariance) -> Tensor:
-        r""":math:`S = A\Sigma A^\top` under a :class:`~hardeq.Covariance`, ``(*batch, a, a)``."""
-        return covariance.sandwich(self.dense_matrix())
+        r""":math:`S = A\Sigma A^\top` under a :class:`~hardeq.Covariance`, ``(*batch, a, a)``: dispatched on the pair
+        of types (:func:`hardeq.constraints.pairs.gram`; specialise with :func:`~hardeq.constraints.register_pair`,
+        not by overriding)."""
+        return pairs.gram(self, covariance)
 
     def sqrt_gram_factor(self, covariance: Covariance) -> Tensor:
-        r""":math:`B^\top = F^\top A^\top` with :math:`\Sigma = FF^\top`, ``(*batch, m, a)``
-        (:math:`S = BB^\top`; the QR fallback factorises it)."""
-        return covariance.sqrt_t_matmul(self.dense_matrix().mT)
+        r""":math:`B^\top = F^\top A^\top` with :math:`\Sigma = FF^\top`, ``(*batch, m, a)`` (:math:`S = BB^\top`;
+        the QR fallback factorises it); dispatched like :meth:`gram`."""
+        return pairs.sqrt_gram_factor(self, covariance)
 
     def cross_covariance(self, covariance: Covariance) -> Tensor:
-        r""":math:`\Sigma A^\top = \mathrm{Cov}(z, Az)`, ``(*batch, n, a)``."""
-        return covariance.matmul(self.dense_matrix().mT)
+        r""":math:`\Sigma A^\top = \mathrm{Cov}(z, Az)`, ``(*batch, n, a)``; dispatched like :meth:`gram`."""
+        return pairs.cross_covariance(self, covariance)
 
     def orthonormal_decomposition(self) -> tuple[Tensor, Tensor, Tensor]:
         r"""Complete QR of :math:`A^\top` in float64: :math:`A^\top = [Q_A, N]\,[R; 0]`. Returns ``Q_A``
@@ -304,19 +280,73 @@ class EqualityConstraint(ABC):
         of each coordinate, a ``(n,)`` LongTensor; ``None`` for every other constraint."""
         return None
 
-    # ------------------------------------------------------------------ copies
-    @abstractmethod
+    @property
+    def group_sizes(self) -> Tensor | None:
+        """For grouped-sum constraints (:attr:`group_index` not ``None``): members per row, ``(a,)`` long; else
+        ``None``. Default: a count of :attr:`group_index`."""
+        index = self.group_index
+        return None if index is None else torch.bincount(index, minlength=self.num_constraints)
+
+    # ------------------------------------------------------------------ copies and configs
     def expand(self, batch_shape: torch.Size) -> EqualityConstraint:
-        """The constraint with ``k`` (and a batched ``A``) expanded to ``batch_shape``, sharing caches."""
-        ...
+        """The constraint with ``k`` (and a batched ``A``) expanded to ``batch_shape``, sharing caches. Default:
+        :meth:`with_k` of the expanded ``k`` (right for an ``A`` shared by the batch)."""
+        return self.with_k(self.k.expand(torch.Size(batch_shape) + self.k.shape[-1:]))
 
-    @abstractmethod
-    def with_k(self, k: Tensor) -> EqualityConstraint:
-        """The same ``A`` with a new right-hand side ``k`` (shape ``(*batch, a)``), sharing caches."""
-        ...
+    def to_config(self) -> dict[str, Any]:
+        """A JSON-serialisable description (nested lists, Python floats written exactly), read back by
+        :meth:`from_config`. Default: the dense equivalent, kind ``"linear"`` (``{"kind", "A", "k", "dtype"}``,
+        about ``20 a n`` bytes of JSON); a class with a compact form registers a kind and overrides this."""
+        return {"kind": "linear", "A": self.dense_matrix().detach().cpu().tolist(),
+                "k": self.k.detach().cpu().tolist(), "dtype": dtype_name(self.dtype)}
 
-    @abstractmethod
-    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> EqualityConstraint:
-        """A copy on ``device`` with floating-point tensors cast to ``dtype`` (group ids stay ``long``),
-        like ``Tensor.to``. Returns ``self`` when nothing changes."""
-        ...
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> EqualityConstraint:
+        """The constraint a :meth:`to_config` dict describes, built by the class registered for its ``"kind"``
+        (:func:`register_constraint_kind`; :func:`constraint_kinds` lists them).
+
+        Raises:
+            TypeError: ``config`` is not a dict, or describes a constraint that is not a ``cls``.
+            ValueError: unknown kind, missing keys, bad dtype or values.
+        """
+        if not isinstance(config, dict):
+            raise TypeError(f"config must be a dict from EqualityConstraint.to_config(), got {type(config).__name__}.")
+        kind = config.get("kind")
+        target = _KINDS.get(kind)
+        if target is None:
+            raise ValueError(f"unknown constraint spec kind {kind!r} in the config; registered kinds: "
+                             f"{constraint_kinds()}.")
+        out = target._from_config(config)
+        if not isinstance(out, cls):
+            raise TypeError(f"{cls.__name__}.from_config: the config describes a {type(out).__name__} (kind {kind!r}), "
+                            f"not a {cls.__name__}; call EqualityConstraint.from_config.")
+        return out
+
+
+# ---------------------------------------------------------------------------------------- generic pair operations
+@pairs.register_pair("gram", EqualityConstraint, pairs.ANY_COVARIANCE)
+def _gram(constraint: EqualityConstraint, covariance: Covariance) -> Tensor:
+    grouped = pairs.grouped_structure(constraint, covariance)
+    if grouped is not None:  # diagonal: no a x n product
+        return torch.diag_embed(grouped.gram_diagonal)
+    return covariance.sandwich(constraint.dense_matrix())
+
+
+@pairs.register_pair("sqrt_gram_factor", EqualityConstraint, pairs.ANY_COVARIANCE)
+def _sqrt_gram_factor(constraint: EqualityConstraint, covariance: Covariance) -> Tensor:
+    return covariance.sqrt_t_matmul(constraint.dense_matrix().mT)
+
+
+@pairs.register_pair("cross_covariance", EqualityConstraint, pairs.ANY_COVARIANCE)
+def _cross_covariance(constraint: EqualityConstraint, covariance: Covariance) -> Tensor:
+    return covariance.matmul(constraint.dense_matrix().mT)
+
+
+@pairs.register_pair("grouped", EqualityConstraint, pairs.ANY_COVARIANCE)
+def _grouped(constraint: EqualityConstraint, covariance: Covariance) -> pairs.Grouped | None:
+    r"""A diagonal covariance (:math:`w = \sigma^2`) with a constraint whose columns have at most one nonzero."""
+    if not covariance.is_diagonal or not constraint.has_diagonal_gram:
+        return None
+    v = covariance.variance
+    s = constraint.diagonal_gram(v)
+    return None if s is None else pairs.Grouped(v, s)

@@ -2,7 +2,7 @@ r""":class:`LinearConstraint`: a dense, possibly batched ``A`` of shape ``(*batc
 
 What depends on ``A`` alone (the rank verdict, :math:`\log\det(AA^\top)`, the orthonormal row basis) is
 computed once, lazily, from one float64 QR of the row-normalised :math:`A^\top`
-(:class:`~hardeq.constraints.base.RowSpaceFactors`) and shared by :meth:`~LinearConstraint.with_k`,
+(:class:`~hardeq.constraints._dense.RowSpaceFactors`) and shared by :meth:`~LinearConstraint.with_k`,
 :meth:`~LinearConstraint.expand` and every later ``LinearConstraint(A, k)`` built on the same ``A`` tensor
 (keyed by the tensor's identity and version counter, so an in-place change of ``A`` invalidates it). The
 per-step pattern ``LinearConstraint(A, k_step)`` therefore validates ``A`` once, not every step.
@@ -10,19 +10,20 @@ per-step pattern ``LinearConstraint(A, k_step)`` therefore validates ``A`` once,
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
 from .._utils import batch_mv, check_finite, check_same_dtype_device, check_tensor, validate_default
-from ..ops import gram_from_pairs, row_pairs
+from ..ops.gram_pairs import gram_from_pairs, row_pairs
+from . import pairs
 from ._cache import PerTensorCache
-from .base import (
-    EqualityConstraint,
-    RowSpaceFactors,
-    particular_dense,
-    project_dense,
-    same_row_space_dense,
-)
+from ._dense import RowSpaceFactors, particular_dense, project_dense, same_row_space_dense
+from .base import EqualityConstraint, config_dtype, dtype_name, register_constraint_kind, require_keys
+
+if TYPE_CHECKING:
+    from ..linalg.covariance import Covariance
 
 __all__ = ["LinearConstraint"]
 
@@ -39,6 +40,7 @@ def _remember(A: Tensor, factors: RowSpaceFactors, validated: bool) -> None:
     _FACTORS.put(A, (factors, validated))
 
 
+@register_constraint_kind("linear")
 class LinearConstraint(EqualityConstraint):
     r"""Dense linear equality constraint :math:`A z = k`.
 
@@ -165,7 +167,7 @@ class LinearConstraint(EqualityConstraint):
 
     def logdet_gram_identity(self) -> Tensor:
         r""":math:`\log\det(AA^\top) = 2\sum_i\log d_i + 2\sum_j\log|R_{jj}|` from the cached float64 QR of the
-        row-normalised :math:`A^\top` (see :class:`~hardeq.constraints.base.RowSpaceFactors`), cast to ``dtype``;
+        row-normalised :math:`A^\top` (see :class:`~hardeq.constraints._dense.RowSpaceFactors`), cast to ``dtype``;
         shape ``A.shape[:-2]``. Differentiable w.r.t. ``A`` (then recomputed per call)."""
         factors = self._cached_factors()
         if factors is None:
@@ -175,21 +177,6 @@ class LinearConstraint(EqualityConstraint):
             logdet = 2 * (d.log().sum(-1) + R.diagonal(dim1=-2, dim2=-1).abs().log().sum(-1))
             return logdet.to(self.A.dtype)
         return factors.logdet.to(self.A.dtype).expand(self.A.shape[:-2])
-
-    def gram(self, covariance) -> Tensor:
-        r""":math:`A\Sigma A^\top`. A shared 2-D ``A`` under a per-sample diagonal covariance: one GEMM of the
-        variances with the row-product matrix of ``A`` (``n x a(a+1)/2``, computed once per ``A`` tensor) when that
-        matrix is small; otherwise the covariance's own product."""
-        if covariance.is_diagonal and self.A.dim() == 2 and len(covariance.batch_shape) > 0 \
-                and not self.A.requires_grad:
-            pairs = _PAIRS.get(self.A)
-            if pairs is None:
-                pairs = row_pairs(self.A)
-                if pairs is not None:
-                    _PAIRS.put(self.A, pairs)
-            if pairs is not None:
-                return gram_from_pairs(pairs, covariance.variance, self.num_constraints)
-        return super().gram(covariance)
 
     @property
     def storage_numel(self) -> int:
@@ -241,6 +228,35 @@ class LinearConstraint(EqualityConstraint):
             return self
         return LinearConstraint(A, k, validate_args=False)
 
+    def to_config(self) -> dict:
+        """``{"kind": "linear", "A": [[...]], "k": [...], "dtype": ...}``: dense nested lists (about ``20 a n``
+        bytes of JSON; meant for small constraints), floats written exactly."""
+        return {"kind": "linear", "A": self.A.detach().cpu().tolist(), "k": self.k.detach().cpu().tolist(),
+                "dtype": dtype_name(self.dtype)}
+
+    @classmethod
+    def _from_config(cls, config: dict) -> LinearConstraint:
+        require_keys(config, "A", "k")
+        dtype = config_dtype(config)
+        return cls(torch.tensor(config["A"], dtype=dtype), torch.tensor(config["k"], dtype=dtype))
+
     def __repr__(self) -> str:
         return (f"LinearConstraint(a={self.num_constraints}, n={self.event_size}, "
                 f"batch_shape={tuple(self.batch_shape)})")
+
+
+@pairs.register_pair("gram", LinearConstraint, pairs.ANY_COVARIANCE)
+def _gram_linear(constraint: LinearConstraint, covariance: Covariance) -> Tensor:
+    r""":math:`A\Sigma A^\top`. A shared 2-D ``A`` under a per-sample diagonal covariance: one GEMM of the
+    variances with the row-product matrix of ``A`` (``n x a(a+1)/2``, computed once per ``A`` tensor) when that
+    matrix is small; otherwise the covariance's own product."""
+    A = constraint.A
+    if covariance.is_diagonal and A.dim() == 2 and len(covariance.batch_shape) > 0 and not A.requires_grad:
+        pairs_ = _PAIRS.get(A)
+        if pairs_ is None:
+            pairs_ = row_pairs(A)
+            if pairs_ is not None:
+                _PAIRS.put(A, pairs_)
+        if pairs_ is not None:
+            return gram_from_pairs(pairs_, covariance.variance, constraint.num_constraints)
+    return covariance.sandwich(A)

@@ -12,13 +12,18 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from .._utils import check_finite, check_same_dtype_device, check_tensor, validate_default
+from . import pairs
 from ._cache import PerTensorCache
-from .base import EqualityConstraint
+from .base import EqualityConstraint, config_dtype, dtype_name, register_constraint_kind, require_keys
+
+if TYPE_CHECKING:
+    from ..linalg.covariance import Covariance
 
 __all__ = ["SparseConstraint"]
 
@@ -95,6 +100,7 @@ class _GramFactors:
         return y / self.row_norms
 
 
+@register_constraint_kind("sparse")
 class SparseConstraint(EqualityConstraint):
     r"""Sparse linear equality constraint :math:`A z = k` with one ``A`` shared by every batch element.
 
@@ -241,23 +247,6 @@ class SparseConstraint(EqualityConstraint):
         return self._A.to_dense()
 
     # ------------------------------------------------------------------ what the conditioner asks for
-    def gram(self, covariance) -> Tensor:
-        r""":math:`A\Sigma A^\top`, ``(*batch, a, a)``. Diagonal :math:`\Sigma = \mathrm{diag}(v)`: the sparse
-        product :math:`(A\,\mathrm{diag}(v))A^\top` per batch element of ``v`` (O(sum_j c_j^2 + a^2) each,
-        differentiable w.r.t. ``v``). Other structures: the dense default (``A`` densified, O(a n) memory)."""
-        if not covariance.is_diagonal:
-            return super().gram(covariance)
-        v = covariance.variance  # shape: (*batch, n)
-        a = self.num_constraints
-        pairs = self._pair_matrix()
-        if pairs is not None:  # vec(G) = M v: one sparse-dense product for every batch element
-            return _spmm(pairs, v).reshape(v.shape[:-1] + (a, a))
-        A = self._A
-        crow, col, values = A.crow_indices(), A.col_indices(), A.values()
-        flat = v.reshape(-1, v.shape[-1])
-        grams = [_quiet(torch.matmul, _csr(crow, col, values * w[col], A.shape), self._At).to_dense() for w in flat]
-        return torch.stack(grams).reshape(v.shape[:-1] + (a, a))
-
     def _pair_matrix(self) -> Tensor | None:
         r"""The ``(a^2, n)`` CSR matrix :math:`M` with :math:`M_{(i,j),c} = A_{ic}A_{jc}`, so that
         :math:`\mathrm{vec}(A\,\mathrm{diag}(v)A^\top) = Mv`. Built once, in O(P log P) for the
@@ -351,6 +340,68 @@ class SparseConstraint(EqualityConstraint):
         At = _quiet(lambda: self._At.to(device=device, dtype=dtype))
         return self._with(A, At, k, {})
 
+    # ------------------------------------------------------------------ configs, copies and pickling
+    def to_config(self) -> dict:
+        """``{"kind": "sparse", "shape": [a, n], "crow_indices": [...], "col_indices": [...], "values": [...],
+        "k": [...], "dtype": ...}``: the CSR arrays of ``A`` (O(nnz) JSON), floats written exactly."""
+        A = self._A
+        return {"kind": "sparse", "shape": list(A.shape), "crow_indices": A.crow_indices().cpu().tolist(),
+                "col_indices": A.col_indices().cpu().tolist(), "values": A.values().detach().cpu().tolist(),
+                "k": self.k.detach().cpu().tolist(), "dtype": dtype_name(self.dtype)}
+
+    @classmethod
+    def _from_config(cls, config: dict) -> SparseConstraint:
+        require_keys(config, "shape", "crow_indices", "col_indices", "values", "k")
+        dtype = config_dtype(config)
+        shape = tuple(int(x) for x in config["shape"])
+        if len(shape) != 2:
+            raise ValueError(f"a sparse config's shape must be [a, n], got {config['shape']!r}.")
+        crow = torch.tensor(config["crow_indices"], dtype=torch.long)
+        col = torch.tensor(config["col_indices"], dtype=torch.long)
+        values = torch.tensor(config["values"], dtype=dtype)
+        if crow.shape != (shape[0] + 1,) or col.shape != values.shape or col.dim() != 1:
+            raise ValueError(f"a sparse config needs crow_indices of length a + 1 = {shape[0] + 1} and col_indices / "
+                             f"values of equal length, got {tuple(crow.shape)}, {tuple(col.shape)}, "
+                             f"{tuple(values.shape)}.")
+        A = _quiet(lambda: torch.sparse_csr_tensor(crow, col, values, shape, check_invariants=True))
+        return cls(A, torch.tensor(config["k"], dtype=dtype))
+
+    def __getstate__(self) -> dict:
+        """Sparse CSR tensors have no storage to copy: the state holds ``A`` and ``A^T`` as their index and value
+        arrays (``copy.deepcopy`` and ``pickle`` work on any constraint), and drops the caches (rebuilt on use)."""
+        state = dict(self.__dict__)
+        state["_A"], state["_At"] = _components(self._A), _components(self._At)
+        state["_shared"] = {}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        state["_A"], state["_At"] = _csr(*state["_A"]), _csr(*state["_At"])
+        self.__dict__.update(state)
+
     def __repr__(self) -> str:
         return (f"SparseConstraint(a={self.num_constraints}, n={self.event_size}, nnz={self.storage_numel}, "
                 f"batch_shape={tuple(self.batch_shape)})")
+
+
+def _components(A: Tensor) -> tuple:
+    return (A.crow_indices(), A.col_indices(), A.values(), tuple(A.shape))
+
+
+@pairs.register_pair("gram", SparseConstraint, pairs.ANY_COVARIANCE)
+def _gram_sparse(constraint: SparseConstraint, covariance: Covariance) -> Tensor:
+    r""":math:`A\Sigma A^\top`, ``(*batch, a, a)``. Diagonal :math:`\Sigma = \mathrm{diag}(v)`: the sparse
+    product :math:`(A\,\mathrm{diag}(v))A^\top` per batch element of ``v`` (O(sum_j c_j^2 + a^2) each,
+    differentiable w.r.t. ``v``). Other structures: the dense default (``A`` densified, O(a n) memory)."""
+    if not covariance.is_diagonal:
+        return covariance.sandwich(constraint.dense_matrix())
+    v = covariance.variance  # shape: (*batch, n)
+    a = constraint.num_constraints
+    pm = constraint._pair_matrix()
+    if pm is not None:  # vec(G) = M v: one sparse-dense product for every batch element
+        return _spmm(pm, v).reshape(v.shape[:-1] + (a, a))
+    A = constraint._A
+    crow, col, values = A.crow_indices(), A.col_indices(), A.values()
+    flat = v.reshape(-1, v.shape[-1])
+    grams = [_quiet(torch.matmul, _csr(crow, col, values * w[col], A.shape), constraint._At).to_dense() for w in flat]
+    return torch.stack(grams).reshape(v.shape[:-1] + (a, a))

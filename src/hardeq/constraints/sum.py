@@ -6,12 +6,13 @@ import torch
 from torch import Tensor
 
 from .._utils import check_finite, check_group_index, check_tensor, group_sizes, is_tracing, validate_default
-from ..ops import GroupSum
-from .base import EqualityConstraint
+from ..ops.group_sum import GroupSum
+from .base import EqualityConstraint, config_dtype, dtype_name, register_constraint_kind, require_keys
 
 __all__ = ["SumConstraint"]
 
 
+@register_constraint_kind("sum", "channel_sum")
 class SumConstraint(EqualityConstraint):
     r"""Grouped sum constraints: :math:`\sum_{i : g(i) = j} z_i = t_j` for every group ``j``.
 
@@ -84,6 +85,11 @@ class SumConstraint(EqualityConstraint):
         """The group id of each coordinate, ``(n,)`` (the ``index`` given to the constructor)."""
         return self.index
 
+    @property
+    def group_sizes(self) -> Tensor:
+        """Members per group, ``(a,)`` long (computed once, when the index was checked)."""
+        return self.counts
+
     def matvec(self, z: Tensor) -> Tensor:
         return self._group_sum(z)
 
@@ -115,11 +121,6 @@ class SumConstraint(EqualityConstraint):
 
     def abs_matvec(self, z_abs: Tensor) -> Tensor:
         return self.matvec(z_abs)
-
-    def gram(self, covariance) -> Tensor:
-        if covariance.is_diagonal:
-            return torch.diag_embed(self.diagonal_gram(covariance.variance))
-        return super().gram(covariance)
 
     def pinned_values(self) -> tuple[Tensor, Tensor] | None:
         """Members of groups of one: their value is the group's total."""
@@ -182,6 +183,33 @@ class SumConstraint(EqualityConstraint):
         if index is self.index:
             return self.with_k(k)
         return SumConstraint(index, k, validate_args=False)
+
+    def to_config(self) -> dict:
+        """``{"kind": "channel_sum", "channels": a, "event_size": n, "totals": [...], "dtype": ...}`` when the groups
+        are equal consecutive blocks (the channels of an image), else ``{"kind": "sum", "index": [n ints],
+        "totals": [...], "dtype": ...}``; ``totals`` of shape ``(*batch, a)`` as nested lists, floats exact."""
+        totals, dtype = self.k.detach().cpu().tolist(), dtype_name(self.dtype)
+        if self._group_sum.block is not None:
+            return {"kind": "channel_sum", "channels": self.num_constraints, "event_size": self.event_size,
+                    "totals": totals, "dtype": dtype}
+        return {"kind": "sum", "index": self.index.cpu().tolist(), "totals": totals, "dtype": dtype}
+
+    @classmethod
+    def _from_config(cls, config: dict) -> SumConstraint:
+        dtype = config_dtype(config)
+        if config.get("kind") == "channel_sum":
+            require_keys(config, "channels", "event_size", "totals")
+            C, n = int(config["channels"]), int(config["event_size"])
+            if C <= 0 or n % C:
+                raise ValueError(f"a channel_sum config needs event_size = C*H*W divisible by channels = C, got "
+                                 f"channels = {C}, event_size = {n}.")
+            totals = torch.tensor(config["totals"], dtype=dtype)
+            if totals.dim() < 1 or totals.shape[-1] != C:
+                raise ValueError(f"channel_sum totals must have shape (C,) or (*batch, C) with C = {C}, got "
+                                 f"{tuple(totals.shape)}.")
+            return cls(torch.arange(C).repeat_interleave(n // C), totals)
+        require_keys(config, "index", "totals")
+        return cls(torch.tensor(config["index"], dtype=torch.long), torch.tensor(config["totals"], dtype=dtype))
 
     def __repr__(self) -> str:
         return (f"SumConstraint(groups={self.num_constraints}, n={self.event_size}, "

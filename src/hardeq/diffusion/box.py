@@ -46,10 +46,15 @@ import math
 import torch
 from torch import Tensor
 
-from ..constraints import SumConstraint
+from ..constraints import EqualityConstraint, SumConstraint
 from .image_constraints import channel_sum_constraint, check_image_constraint
 
 __all__ = ["box_project", "box_feasible"]
+
+
+def _grouped(constraint: object) -> bool:
+    """Is ``constraint`` a grouped-sum constraint (it has a ``group_index``)?"""
+    return isinstance(constraint, EqualityConstraint) and constraint.group_index is not None
 
 
 def _as_sum_constraint(constraint: object, x: Tensor) -> SumConstraint:
@@ -58,8 +63,9 @@ def _as_sum_constraint(constraint: object, x: Tensor) -> SumConstraint:
             raise ValueError(f"box_project: totals need images of shape (B, C, H, W), got {tuple(x.shape)}; pass a "
                              f"hardeq.SumConstraint for other layouts.")
         constraint = channel_sum_constraint(x.shape, constraint)
-    if not isinstance(constraint, SumConstraint):
-        raise TypeError(f"box_project: constraint must be a hardeq.SumConstraint (e.g. channel_sum_constraint) or a "
+    if not _grouped(constraint):
+        raise TypeError(f"box_project: constraint must be a grouped-sum constraint such as hardeq.SumConstraint (e.g. "
+                        f"channel_sum_constraint) or a "
                         f"tensor of channel totals (C,) / (B, C), got {type(constraint).__name__}; a general "
                         f"LinearConstraint has no O(n log n) box projection (use a QP solver).")
     return check_image_constraint(constraint, x, owner="box_project")
@@ -97,7 +103,7 @@ def _check_box(lo: float, hi: float) -> tuple[float, float]:
 def box_feasible(constraint: SumConstraint, lo: float, hi: float, *, rtol: float = 0.0) -> Tensor:
     r"""Boolean ``(*batch, a)``: can group ``c`` (``m_c`` members) sum to :math:`k_c` inside ``[lo, hi]``, i.e.
     :math:`m_c lo \le k_c \le m_c hi` (up to ``rtol`` times :math:`m_c \max(|lo|, |hi|)`)?"""
-    m = constraint.counts.to(torch.float64)
+    m = constraint.group_sizes.to(torch.float64)
     k = constraint.k.to(torch.float64)
     slack = rtol * m * max(abs(lo), abs(hi))
     return (k >= m * lo - slack) & (k <= m * hi + slack)
@@ -151,21 +157,21 @@ def box_project(x: Tensor, constraint: SumConstraint | Tensor, variance: float |
     if not bool(ok.all()):
         b, c = (int(i) for i in (~ok).nonzero()[0])
         k = float(con.k.expand(B, -1)[b, c])
-        m = int(con.counts[c])
+        m = int(con.group_sizes[c])
         raise ValueError(f"box_project: group {c} of image {b} has {m} pixels in [{lo}, {hi}], so its total must lie "
                          f"in [{m * lo}, {m * hi}], got {k}. Rescale the totals to the box's space (for [0, 1] "
                          f"pixels: k01 = (k + m) / 2 from [-1, 1]) or widen the box.")
     mu = x.detach().reshape(B, n).to(torch.float64)
     v = _flat_variance(variance, x)
-    index = con.index  # (n,) group ids
+    index = con.group_index  # (n,) group ids
     a = con.num_constraints
     k = con.k.expand(B, a)
-    counts = con.counts.to(torch.float64)  # (a,)
+    counts = con.group_sizes.to(torch.float64)  # (a,)
 
     # breakpoints (B, 2n) and their slope changes, arranged in contiguous groups (0, 1, ...), each sorted
-    if bool((index[1:] >= index[:-1]).all()) and bool((con.counts == con.counts[0]).all()):
+    if bool((index[1:] >= index[:-1]).all()) and bool((con.group_sizes == con.group_sizes[0]).all()):
         # channel layout (equal contiguous groups): one batched sort of (B, a, 2m)
-        m2 = 2 * int(con.counts[0])
+        m2 = 2 * int(con.group_sizes[0])
         p = torch.stack([(lo - mu) / v, (hi - mu) / v], dim=-1).reshape(B, a, m2)
         d = torch.stack([v, -v], dim=-1).reshape(B, a, m2)
         p, o = torch.sort(p, dim=-1, stable=True)
@@ -180,7 +186,7 @@ def box_project(x: Tensor, constraint: SumConstraint | Tensor, variance: float |
         gid, o2 = torch.sort(torch.cat([index, index])[o1], dim=1, stable=True)
         p, d = p.gather(1, o2), d.gather(1, o2)
     # per-group cumulative sums: global cumsums minus the value before the group's start
-    size2 = 2 * con.counts  # (a,) entries per group
+    size2 = 2 * con.group_sizes  # (a,) entries per group
     start = torch.cumsum(size2, 0) - size2  # (a,)
     S_all, DP_all = torch.cumsum(d, 1), torch.cumsum(d * p, 1)
     zero = torch.zeros(B, 1, dtype=torch.float64, device=x.device)
@@ -196,7 +202,7 @@ def box_project(x: Tensor, constraint: SumConstraint | Tensor, variance: float |
     pj, gj, Sj = p.gather(1, j), g.gather(1, j), S.gather(1, j)
     step = torch.where(Sj > 0, (k - gj) / torch.where(Sj > 0, Sj, torch.ones_like(Sj)), torch.zeros_like(Sj))
     lam = torch.where(cnt == 0, pj, pj + step)
-    lam = torch.where(cnt == 2 * con.counts, p[:, start + size2 - 1], lam)  # k == m hi
+    lam = torch.where(cnt == 2 * con.group_sizes, p[:, start + size2 - 1], lam)  # k == m hi
     lam_i = lam.gather(1, index.expand(B, n))
     y = (mu + lam_i * v).clamp(lo, hi)
     # one Newton step on the active set removes the cumulative sums' round-off
@@ -232,8 +238,9 @@ def check_final(final: object, box: object, constraint: object) -> tuple[float, 
         return None
     if constraint is None:
         raise ValueError("final='box' projects onto the constraint and the box, but constraint is None.")
-    if not isinstance(constraint, SumConstraint):
-        raise TypeError(f"final='box' needs a hardeq.SumConstraint (e.g. channel_sum_constraint), got "
+    if not _grouped(constraint):
+        raise TypeError(f"final='box' needs a grouped-sum constraint such as hardeq.SumConstraint (e.g. "
+                        f"channel_sum_constraint), got "
                         f"{type(constraint).__name__}.")
     if not isinstance(box, (tuple, list)) or len(box) != 2:
         raise ValueError(f"box must be a pair (lo, hi) such as (-1.0, 1.0) or (0.0, 1.0), got {box!r}.")

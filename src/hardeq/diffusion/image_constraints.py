@@ -104,13 +104,13 @@ def validate_image_constraint(constraint: object, shape: tuple[int, ...], *,
     ``(B, n)``; return it unchanged.
 
     Raises:
-        TypeError: ``constraint`` is not a :class:`~hardeq.LinearConstraint` / :class:`~hardeq.SumConstraint`.
+        TypeError: ``constraint`` is not a :class:`~hardeq.EqualityConstraint`.
         ValueError: its ``event_size`` is not ``n = prod(image_shape)`` or its batch shape is neither ``()`` nor
             ``(B,)`` (nor ``(1,)``).
     """
     if not isinstance(constraint, EqualityConstraint):
-        raise TypeError(f"{owner}: constraint must be a hardeq.LinearConstraint or hardeq.SumConstraint (e.g. from "
-                        f"channel_sum_constraint), got {type(constraint).__name__}.")
+        raise TypeError(f"{owner}: constraint must be a hardeq.EqualityConstraint (e.g. from channel_sum_constraint), "
+                        f"got {type(constraint).__name__}.")
     B, n = shape[0], math.prod(shape[1:])
     if constraint.event_size != n:
         raise ValueError(f"{owner}: the constraint acts on vectors of size {constraint.event_size}, but images of "

@@ -224,8 +224,9 @@ class ConstrainedScheduler(SchedulerMixin, ConfigMixin):
         missing = spec.unsaved_entries(self._internal_dict)
         if missing:
             raise ValueError(f"ConstrainedScheduler.save_pretrained: {', '.join(missing)} cannot be written as JSON, "
-                             "so the saved scheduler would not reproduce this one. Use a channel-sum / SumConstraint "
-                             "/ LinearConstraint, a built-in schedule and a float or None scale, or pass the others "
+                             "so the saved scheduler would not reproduce this one. Use a hardeq constraint (every "
+                             "EqualityConstraint saves its to_config()), a built-in schedule and a float or None "
+                             "scale, or pass the others "
                              "again when loading: ConstrainedScheduler.from_pretrained(path, scale=...).")
         super().save_config(save_directory, push_to_hub=push_to_hub, **kwargs)
 
@@ -237,8 +238,8 @@ class ConstrainedScheduler(SchedulerMixin, ConfigMixin):
     @constraint.setter
     def constraint(self, value: EqualityConstraint | dict | None) -> None:
         if value is not None and not isinstance(value, (EqualityConstraint, dict)):
-            raise TypeError("constraint must be a hardeq.LinearConstraint or hardeq.SumConstraint (e.g. from "
-                            f"channel_sum_constraint), a constraint spec dict or None, got {type(value).__name__}.")
+            raise TypeError("constraint must be a hardeq.EqualityConstraint (e.g. from channel_sum_constraint), a "
+                            f"config dict from its to_config() or None, got {type(value).__name__}.")
         value = spec.constraint_from_spec(value) if isinstance(value, dict) else value
         self._constraint = value
         self.register_to_config(constraint=spec.constraint_spec(value))

@@ -154,7 +154,7 @@ class ConstrainedNormal(Distribution):
         check_tensor("loc", loc, min_dim=1)
         if not isinstance(constraint, EqualityConstraint):
             raise TypeError(
-                "constraint must be a hardeq.LinearConstraint or hardeq.SumConstraint, got "
+                "constraint must be a hardeq.EqualityConstraint (e.g. hardeq.LinearConstraint), got "
                 f"{type(constraint).__name__}."
             )
         n = loc.shape[-1]

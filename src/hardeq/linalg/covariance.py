@@ -10,6 +10,10 @@ unless the user supplied one (``scale_tril``).
   :math:`F = [\mathrm{diag}(\sigma), W]` (``n x (n + r)``; the first ``n`` noise entries drive the diagonal
   part, the last ``r`` the factor); inverse and log-determinant through the ``r x r`` capacitance matrix
   :math:`C = I + W^\top D^{-1} W` (Woodbury), as in :class:`torch.distributions.LowRankMultivariateNormal`.
+* :class:`~hardeq.BlockDiagonalCovariance` (:mod:`hardeq.linalg.block_diagonal`): one low-rank + diagonal block per
+  group (per graph of a PyG batch), Woodbury per group.
+
+A new structure implements the six abstract methods of :class:`Covariance` (see there); the rest are defaults.
 
 Every structure also states itself as :math:`\Sigma = \mathrm{diag}(d) + VV^\top` (:meth:`Covariance.diag_part`,
 :meth:`Covariance.factor_part`; either may be absent), which gives pairwise operations a generic form.
@@ -24,6 +28,7 @@ Batch dimensions: parameters carry leading batch dimensions ``B``; vectors passe
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+import math
 from functools import lru_cache
 from typing import Callable
 
@@ -32,7 +37,7 @@ from torch import Tensor
 from torch.distributions import constraints
 
 from .._utils import batch_mv, check_same_dtype_device, check_tensor, stale_without_graph
-from ..ops import gram_from_pairs, row_pairs
+from ..ops.gram_pairs import gram_from_pairs, row_pairs
 from .triangular import tri_solve_vec
 
 __all__ = [
@@ -48,7 +53,30 @@ __all__ = [
 class Covariance(ABC):
     r"""A symmetric positive definite :math:`\Sigma` of shape ``(*batch_shape, n, n)``, held in structured form.
 
-    Subclasses implement the abstract methods; everything else derives from them.
+    **Adding a structure.** Set :attr:`event_size`, :attr:`noise_size`, :attr:`batch_shape` and
+    :attr:`arg_constraints` in the constructor and implement the six abstract methods:
+
+    * :meth:`tensors` -- the parameter tensors (for gradients, devices, dtypes, :meth:`with_tensors`);
+    * :meth:`sqrt_matmul` / :meth:`sqrt_t_matmul` -- :math:`FX` and :math:`F^\top Y` for a square root
+      :math:`\Sigma = FF^\top` (``F``: ``n x m``);
+    * :meth:`diagonal` -- :math:`\mathrm{diag}\,\Sigma`;
+    * :meth:`logdet` -- :math:`\log\det\Sigma`;
+    * :meth:`inv_matmul` -- :math:`\Sigma^{-1}X`.
+
+    Everything else (:meth:`matvec`, :meth:`sqrt_matvec`, :meth:`inv_matvec`, :meth:`inv_quad`,
+    :meth:`inv_quad_matrix`, :meth:`inv_diagonal`, :meth:`dense`, :meth:`diag_part` / :meth:`factor_part`,
+    :meth:`matmul`, :meth:`sandwich`, :meth:`scaled`, :meth:`check_values`, :meth:`to`, :meth:`max_abs_sqrt`,
+    :meth:`reparameterize_`) has a default built from those six; override one only where the structure makes it
+    cheaper. A rebuild with new parameter values goes through :meth:`with_tensors` (default:
+    ``type(self)(*tensors)``; override it when the constructor takes more than the tensors, e.g. group ids).
+    Pairs with a constraint (``A\Sigma A^\top``, :math:`\Sigma A^\top`, the O(n) grouped path) are registered with
+    :func:`hardeq.constraints.register_pair`, pairs of covariances (:math:`\mathrm{tr}(\Sigma_p^{-1}\Sigma_q)`)
+    with :func:`register_trace_inv_mul`. :class:`hardeq.testing.CovarianceTestCase` checks a structure against a
+    dense float64 oracle.
+
+    Attributes read by callers (declared here, so no caller relies on an unwritten contract): :attr:`event_size`,
+    :attr:`noise_size`, :attr:`batch_shape`, :attr:`arg_constraints`, :attr:`dtype`, :attr:`device`,
+    :attr:`variance` (:math:`\mathrm{diag}\,\Sigma`, every structure) and :attr:`is_diagonal`.
     """
 
     #: ``n``
@@ -57,45 +85,14 @@ class Covariance(ABC):
     noise_size: int
     #: batch shape of the parameters
     batch_shape: torch.Size
-    #: the parameters' names and their ``torch.distributions.constraints`` (what ``arg_constraints`` reports)
+    #: the parameters' names and their ``torch.distributions.constraints``, in the order of :meth:`tensors`
+    #: (what ``arg_constraints`` reports; ``event_dim`` of each says how many trailing dimensions are not batch)
     arg_constraints: dict = {}  # noqa: RUF012
 
-    # ------------------------------------------------------------------ identity
+    # ------------------------------------------------------------------ the six abstract methods
     @abstractmethod
     def tensors(self) -> tuple[Tensor, ...]:
         """The parameter tensors, in constructor order (for gradients, devices and dtypes)."""
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.tensors()[0].dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.tensors()[0].device
-
-    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "Covariance":
-        """A copy on ``device`` / in ``dtype`` (like ``Tensor.to``); ``self`` when nothing changes."""
-        moved = tuple(t.to(device=device, dtype=dtype) for t in self.tensors())
-        if all(m is t for m, t in zip(moved, self.tensors())):
-            return self
-        return type(self)(*moved)
-
-    @abstractmethod
-    def check_values(self) -> None:
-        """Raise ``ValueError`` (naming the parameter) unless the values are finite and valid."""
-
-    # ------------------------------------------------------------------ Sigma and its square root
-    @abstractmethod
-    def diagonal(self) -> Tensor:
-        r""":math:`\mathrm{diag}\,\Sigma`, ``(*batch, n)``."""
-
-    @abstractmethod
-    def matvec(self, x: Tensor) -> Tensor:
-        r""":math:`\Sigma x`: ``(*sample, *batch, n) -> (*sample, *batch, n)``."""
-
-    @abstractmethod
-    def sqrt_matvec(self, noise: Tensor) -> Tensor:
-        r""":math:`F\varepsilon`: ``(*sample, *batch, m) -> (*sample, *batch, n)``."""
 
     @abstractmethod
     def sqrt_matmul(self, X: Tensor) -> Tensor:
@@ -106,64 +103,145 @@ class Covariance(ABC):
         r""":math:`F^\top Y`: ``(*batch, n, p) -> (*batch, m, p)``."""
 
     @abstractmethod
-    def dense(self) -> Tensor:
-        r""":math:`\Sigma` as a dense ``(*batch, n, n)`` tensor (formed only when asked for)."""
-
-    @abstractmethod
-    def diag_part(self) -> Tensor | None:
-        r"""``d`` in :math:`\Sigma = \mathrm{diag}(d) + VV^\top`, ``(*batch, n)``, or ``None`` if zero."""
-
-    @abstractmethod
-    def factor_part(self) -> Tensor | None:
-        r"""``V`` in :math:`\Sigma = \mathrm{diag}(d) + VV^\top`, ``(*batch, n, p)``, or ``None`` if absent."""
-
-    # ------------------------------------------------------------------ inverse and determinant
-    @abstractmethod
-    def inv_matvec(self, x: Tensor) -> Tensor:
-        r""":math:`\Sigma^{-1} x`: ``(*sample, *batch, n) -> (*sample, *batch, n)``."""
-
-    def inv_quad(self, x: Tensor) -> Tensor:
-        r""":math:`x^\top\Sigma^{-1}x`: ``(*sample, *batch, n) -> (*sample, *batch)``."""
-        return (x * self.inv_matvec(x)).sum(-1)
-
-    @abstractmethod
-    def inv_quad_matrix(self, X: Tensor) -> Tensor:
-        r""":math:`\mathrm{tr}(X^\top\Sigma^{-1}X)` for ``X`` of shape ``(*batch, n, p)``; returns ``(*batch)``."""
-
-    @abstractmethod
-    def inv_diagonal(self) -> Tensor:
-        r""":math:`\mathrm{diag}\,\Sigma^{-1}`, ``(*batch, n)``."""
+    def diagonal(self) -> Tensor:
+        r""":math:`\mathrm{diag}\,\Sigma`, ``(*batch, n)``."""
 
     @abstractmethod
     def logdet(self) -> Tensor:
         r""":math:`\log\det\Sigma`, ``(*batch)``."""
 
-    # ------------------------------------------------------------------ structure the conditioner asks for
+    @abstractmethod
+    def inv_matmul(self, X: Tensor) -> Tensor:
+        r""":math:`\Sigma^{-1}X`: ``(*batch, n, p) -> (*batch, n, p)``."""
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensors()[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors()[0].device
+
+    def with_tensors(self, *tensors: Tensor) -> "Covariance":
+        """The same structure with these parameter tensors (in the order of :meth:`tensors`).
+        Default: ``type(self)(*tensors)``."""
+        return type(self)(*tensors)
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "Covariance":
+        """A copy on ``device`` / in ``dtype`` (like ``Tensor.to``); ``self`` when nothing changes."""
+        moved = tuple(t.to(device=device, dtype=dtype) for t in self.tensors())
+        if all(m is t for m, t in zip(moved, self.tensors())):
+            return self
+        return self.with_tensors(*moved)
+
+    def check_values(self) -> None:
+        """Raise ``ValueError`` (naming the parameter) unless the values are finite and satisfy
+        :attr:`arg_constraints`. Default: both checks for every parameter, in the order of :meth:`tensors`."""
+        from .._utils import check_finite
+
+        for (name, constraint), value in zip(self.arg_constraints.items(), self.tensors()):
+            check_finite(name, value)
+            if not bool(constraint.check(value).all()):
+                raise ValueError(f"{name} (shape {tuple(value.shape)}) must satisfy {constraint}, but some entries "
+                                 "do not.")
+
+    # ------------------------------------------------------------------ Sigma and its square root
+    @property
+    def variance(self) -> Tensor:
+        r"""The marginal variances :math:`\mathrm{diag}\,\Sigma`, ``(*batch, n)`` (every structure; the same as
+        :meth:`diagonal`)."""
+        return self.diagonal()
+
     @property
     def is_diagonal(self) -> bool:
-        r"""True when :math:`\Sigma` is diagonal for every value of the parameters (then :attr:`variance` holds it)."""
+        r"""True when :math:`\Sigma` is diagonal for every value of the parameters (then :math:`\Sigma =
+        \mathrm{diag}(`:attr:`variance`:math:`)`). Default: ``False``."""
         return False
 
+    def matmul(self, X: Tensor) -> Tensor:
+        r""":math:`\Sigma X = F(F^\top X)`: ``(*batch, n, p) -> (*batch, n, p)``."""
+        return self.sqrt_matmul(self.sqrt_t_matmul(X))
+
+    def matvec(self, x: Tensor) -> Tensor:
+        r""":math:`\Sigma x`: ``(*sample, *batch, n) -> (*sample, *batch, n)`` (sample dimensions folded into the
+        columns of one :meth:`matmul`)."""
+        return _fold(self.matmul, x, len(self.batch_shape))
+
+    def sqrt_matvec(self, noise: Tensor) -> Tensor:
+        r""":math:`F\varepsilon`: ``(*sample, *batch, m) -> (*sample, *batch, n)``."""
+        return _fold(self.sqrt_matmul, noise, len(self.batch_shape))
+
+    def _dense_sqrt(self) -> Tensor:
+        eye = torch.eye(self.noise_size, dtype=self.dtype, device=self.device)
+        return self.sqrt_matmul(eye.expand(self.batch_shape + eye.shape))
+
+    def dense(self) -> Tensor:
+        r""":math:`\Sigma` as a dense ``(*batch, n, n)`` tensor (formed only when asked for). Default: :math:`FF^\top`
+        from ``F`` applied to the identity, O(n m) memory."""
+        F = self._dense_sqrt()
+        return F @ F.mT
+
+    def diag_part(self) -> Tensor | None:
+        r"""``d`` in :math:`\Sigma = \mathrm{diag}(d) + VV^\top`, ``(*batch, n)``, or ``None`` if zero (default)."""
+        return None
+
+    def factor_part(self) -> Tensor | None:
+        r"""``V`` in :math:`\Sigma = \mathrm{diag}(d) + VV^\top`, ``(*batch, n, p)``, or ``None`` if absent.
+        Default: ``V = F`` (dense, ``n x m``); a structure with a diagonal part overrides both."""
+        return self._dense_sqrt()
+
+    # ------------------------------------------------------------------ inverse and determinant
+    def inv_matvec(self, x: Tensor) -> Tensor:
+        r""":math:`\Sigma^{-1} x`: ``(*sample, *batch, n) -> (*sample, *batch, n)``."""
+        return _fold(self.inv_matmul, x, len(self.batch_shape))
+
+    def inv_quad(self, x: Tensor) -> Tensor:
+        r""":math:`x^\top\Sigma^{-1}x`: ``(*sample, *batch, n) -> (*sample, *batch)``."""
+        return (x * self.inv_matvec(x)).sum(-1)
+
+    def inv_quad_matrix(self, X: Tensor) -> Tensor:
+        r""":math:`\mathrm{tr}(X^\top\Sigma^{-1}X)` for ``X`` of shape ``(*batch, n, p)``; returns ``(*batch)``."""
+        return (X * self.inv_matmul(X)).sum((-2, -1))
+
+    def inv_diagonal(self) -> Tensor:
+        r""":math:`\mathrm{diag}\,\Sigma^{-1}`, ``(*batch, n)``. Default: :meth:`inv_matmul` of the identity's
+        columns in chunks (``n x chunk`` at a time: O(n) inverse products, never ``n x n`` at once)."""
+        n, batch = self.event_size, self.batch_shape
+        step = max(1, _CHUNK_ELEMS // max(1, math.prod(batch) * n))
+        eye = torch.eye(n, dtype=self.dtype, device=self.device)
+        parts = [self.inv_matmul(eye[:, j:j + step].expand(batch + (n, min(step, n - j)))).diagonal(-j, -2, -1)
+                 for j in range(0, n, step)]
+        return torch.cat(parts, -1)
+
+    # ------------------------------------------------------------------ what the conditioner asks for
     @property
     def param_numel(self) -> int:
         """Number of parameter entries (what a cached product may cost without exceeding the inputs)."""
         return sum(t.numel() for t in self.tensors())
 
     def max_abs_sqrt(self) -> Tensor:
-        r"""Largest absolute entry of the square root ``F`` per batch element, ``(*batch, 1)``, detached.
+        r"""A normalising scale ``c`` per batch element, ``(*batch, 1)``, detached, with
+        :math:`\max_{ij}|F_{ij}| \le c \le \sqrt m\,\max_{ij}|F_{ij}|`. Default: :math:`\sqrt{\max_i\Sigma_{ii}}`
+        (the largest row norm of ``F``); the built-in structures return :math:`\max|F_{ij}|` itself.
 
         The conditioner divides ``F`` by it, so that scales of 1e-20 or 1e20 neither under- nor overflow in
         :math:`A\Sigma A^\top` (the gain is invariant to :math:`\Sigma \to \Sigma / c^2`)."""
         with torch.no_grad():
             return self.diagonal().amax(-1, keepdim=True).sqrt()
 
-    @abstractmethod
     def scaled(self, c: Tensor) -> "Covariance":
-        """The same structure with square root ``F / c`` (``c``: ``(*batch, 1)``, broadcastable)."""
+        """The same structure with square root ``F / c`` (``c``: ``(*batch, 1)``, broadcastable).
 
-    def matmul(self, X: Tensor) -> Tensor:
-        r""":math:`\Sigma X`: ``(*batch, n, p) -> (*batch, n, p)``."""
-        return self.sqrt_matmul(self.sqrt_t_matmul(X))
+        Default: every parameter divided by ``c`` (aligned by the ``event_dim`` of its entry of
+        :attr:`arg_constraints`) and :meth:`with_tensors`: right when ``F`` is linear in each parameter, as for
+        every built-in structure; override it otherwise (the conformance test checks it)."""
+        lead = c.squeeze(-1)
+        out = []
+        for constraint, t in zip(self.arg_constraints.values(), self.tensors()):
+            e = constraint.event_dim
+            out.append(t / lead.reshape(lead.shape + (1,) * e))
+        return self.with_tensors(*out)
 
     def sandwich(self, A: Tensor) -> Tensor:
         r""":math:`A\Sigma A^\top` for a dense ``A`` of shape ``(*batch_A, a, n)``; returns ``(*batch, a, a)``.
@@ -178,6 +256,18 @@ class Covariance(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(n={self.event_size}, batch_shape={tuple(self.batch_shape)})"
+
+
+def _fold(op: Callable[[Tensor], Tensor], x: Tensor, batch_dims: int) -> Tensor:
+    r"""Apply a matrix operation ``op: (*batch, q, p) -> (*batch', r, p)`` to vectors ``x`` of shape
+    ``(*sample, *batch, q)``: the sample dimensions become the ``p`` columns of one call."""
+    lead = x.shape[:-1]
+    if len(lead) <= batch_dims:
+        return op(x.unsqueeze(-1)).squeeze(-1)
+    sample, batch = lead[:len(lead) - batch_dims], lead[len(lead) - batch_dims:]
+    X = x.reshape((-1,) + batch + x.shape[-1:]).movedim(0, -1)  # (*batch, q, N)
+    out = op(X).movedim(-1, 0)  # (N, *batch', r)
+    return out.reshape(sample + out.shape[1:])
 
 
 def _check_positive(name: str, value: Tensor) -> None:
@@ -254,6 +344,9 @@ class DiagonalCovariance(Covariance):
 
     def inv_matvec(self, x: Tensor) -> Tensor:
         return x / self.variance
+
+    def inv_matmul(self, X: Tensor) -> Tensor:
+        return X / self.variance.unsqueeze(-1)
 
     def inv_quad(self, x: Tensor) -> Tensor:
         return (x / self.scale).square().sum(-1)
@@ -349,6 +442,10 @@ class FullCovariance(Covariance):
 
     def inv_matvec(self, x: Tensor) -> Tensor:
         return tri_solve_vec(self.scale_tril.mT, self._whiten(x), upper=True)
+
+    def inv_matmul(self, X: Tensor) -> Tensor:
+        Y = torch.linalg.solve_triangular(self.scale_tril, X, upper=False)
+        return torch.linalg.solve_triangular(self.scale_tril.mT, Y, upper=True)
 
     def inv_quad(self, x: Tensor) -> Tensor:
         return self._whiten(x).square().sum(-1)
@@ -458,6 +555,12 @@ class LowRankCovariance(Covariance):
         t = tri_solve_vec(L, batch_mv(self.cov_factor.mT, Dinv_x), upper=False)
         t = tri_solve_vec(L.mT, t, upper=True)
         return Dinv_x - batch_mv(self.cov_factor, t) / self.cov_diag
+
+    def inv_matmul(self, X: Tensor) -> Tensor:
+        Dinv_X = X / self.cov_diag.unsqueeze(-1)
+        L = self.capacitance_tril
+        T = torch.cholesky_solve(self.cov_factor.mT @ Dinv_X, L)
+        return Dinv_X - (self.cov_factor @ T) / self.cov_diag.unsqueeze(-1)
 
     def inv_quad(self, x: Tensor) -> Tensor:
         # x^T Sigma^-1 x = |x / sigma|^2 - |L_C^{-1} W^T D^{-1} x|^2

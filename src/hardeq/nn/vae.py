@@ -36,7 +36,7 @@ def _check_constraint(constraint: EqualityConstraint | None, size: int, name: st
     if constraint is None:
         return
     if not isinstance(constraint, EqualityConstraint):
-        raise TypeError(f"constraint must be a hardeq.LinearConstraint, hardeq.SumConstraint or None, got "
+        raise TypeError(f"constraint must be a hardeq.EqualityConstraint (e.g. hardeq.SumConstraint) or None, got "
                         f"{type(constraint).__name__}.")
     if constraint.event_size != size:
         raise ValueError(f"constraint acts on vectors of size {constraint.event_size}, but {name} = {size}.")
@@ -211,8 +211,8 @@ class ConstrainedGaussianObservation(nn.Module):
                  max_log_var: float = 6.0) -> None:
         super().__init__()
         if constraint is not None and not isinstance(constraint, EqualityConstraint):
-            raise TypeError(f"constraint must be a hardeq.LinearConstraint, hardeq.SumConstraint or None, got "
-                            f"{type(constraint).__name__}.")
+            raise TypeError(f"constraint must be a hardeq.EqualityConstraint (e.g. hardeq.SumConstraint) or None, "
+                            f"got {type(constraint).__name__}.")
         if not min_log_var < max_log_var:
             raise ValueError(f"min_log_var must be below max_log_var, got {min_log_var} and {max_log_var}.")
         self.constraint, self.min_log_var, self.max_log_var = constraint, float(min_log_var), float(max_log_var)

@@ -25,6 +25,9 @@ to the same relative tolerances against the conditioning-free part of their size
 
 from __future__ import annotations
 
+import copy
+import json
+import pickle
 from collections.abc import Iterator
 
 from abc import ABC, abstractmethod
@@ -317,6 +320,30 @@ class ConstraintTestCase(ABC):
         t = c.to(dtype=other)
         assert t.dtype == other and type(t) is type(c)
         torch.testing.assert_close(t.dense_matrix(), c.dense_matrix().to(other), rtol=0, atol=0)
+
+    # ------------------------------------------------------------------ configs and copies
+    def test_config_round_trip(self, dtype: torch.dtype, batch_shape: tuple[int, ...]) -> None:
+        """``to_config`` survives JSON and ``EqualityConstraint.from_config`` rebuilds the same ``A`` and ``k``, bit
+        for bit, in the same dtype (the same class when the class registered a kind)."""
+        from ..constraints import constraint_kinds
+
+        c, A, k = self._case(dtype, batch_shape)
+        config = json.loads(json.dumps(c.to_config()))
+        assert config["kind"] in constraint_kinds(), f"kind {config['kind']!r} is not registered"
+        back = EqualityConstraint.from_config(config)
+        assert back.dtype == dtype and back.batch_shape == c.batch_shape
+        if type(c).to_config is not EqualityConstraint.to_config:  # a class with its own kind comes back as itself
+            assert type(back) is type(c), (type(back), type(c))
+        assert torch.equal(back.dense_matrix().expand(c.dense_matrix().shape), c.dense_matrix())
+        assert torch.equal(back.k.expand(c.k.shape), c.k)
+
+    def test_deepcopy_and_pickle(self, dtype: torch.dtype, batch_shape: tuple[int, ...]) -> None:
+        c, A, k = self._case(dtype, batch_shape)
+        z = self._rand(3, *c.batch_shape, A.shape[-1], dtype=dtype)
+        for other in (copy.deepcopy(c), pickle.loads(pickle.dumps(c))):
+            assert type(other) is type(c)
+            assert torch.equal(other.matvec(z), c.matvec(z)) and torch.equal(other.k, c.k)
+            assert torch.equal(other.project(z), c.project(z))
 
     # ------------------------------------------------------------------ gradients
     def test_gradients(self, batch_shape: tuple[int, ...]) -> None:

@@ -1,15 +1,24 @@
-r"""Grouped closed form: the constraint's Gram matrix is diagonal under a diagonal covariance.
+r"""Grouped closed form: the constraint's Gram matrix is diagonal, with an O(n) cross covariance.
 
-For a :class:`~hardeq.SumConstraint` (and any constraint whose :meth:`~hardeq.EqualityConstraint.diagonal_gram`
-is not ``None``) and :math:`\Sigma = \mathrm{diag}(\sigma^2)`: :math:`S = \mathrm{diag}(s)` with
-:math:`s_g = \sum_{i \in g}\sigma_i^2`, so
+The pair registry (:func:`hardeq.constraints.pairs.grouped_structure`) says when this applies: :math:`\Sigma A^\top
+= \mathrm{diag}(w)A^\top` for a vector ``w`` and :math:`S = A\,\mathrm{diag}(w)A^\top = \mathrm{diag}(s)`. Both hold
+when every column of ``A`` has at most one nonzero (:math:`A_{g(i), i} = a_i`, any value or sign; a coordinate in no
+row has :math:`a_i = 0`) and (generic registration) :math:`\Sigma = \mathrm{diag}(\sigma^2)`, with
+:math:`w = \sigma^2` and :math:`s_g = \sum_{i \in g} a_i^2\sigma_i^2`; or (registered for
+:class:`~hardeq.BlockDiagonalCovariance` and a :class:`~hardeq.SumConstraint`) when every block of :math:`\Sigma`
+lies inside one group, with :math:`w_i = (\Sigma\mathbf 1_{g(i)})_i`. (In general: :math:`\Sigma` couples no two
+coordinates of different rows of ``A``, the contract of a ``"grouped"`` registration.) Then
 
 .. math::
-    Kr = \sigma^2 \odot A^\top(r / s), \qquad
-    \bar\sigma_i^2 = \sigma_i^2 - \sigma_i^4 / s_{g(i)}, \qquad \log\det S = \textstyle\sum_g \log s_g.
+    Kr = w \odot A^\top(r / s), \qquad
+    \bar\Sigma_{ii} = \Sigma_{ii} - w_i^2 a_i^2 / s_{g(i)} = \Sigma_{ii} - \big(w_i (A^\top s^{-1/2})_i\big)^2,
+    \qquad \log\det S = \textstyle\sum_g \log s_g,
 
-Every operation is a group sum or a gather: O(n) per vector. Coordinates the constraint alone determines
-(:meth:`~hardeq.EqualityConstraint.pinned_values`, e.g. a group of one) are set to their value exactly.
+since :math:`(A^\top s^{-1/2})_i = a_i / \sqrt{s_{g(i)}}` when column ``i`` has one nonzero (0 for a coordinate in
+no row, which keeps :math:`\Sigma_{ii}`). Every operation is a product with :math:`A` or :math:`A^\top` and an
+elementwise one: O(n) per vector for a :class:`~hardeq.SumConstraint`, O(nnz) for a sparse one. Coordinates the
+constraint alone determines (:meth:`~hardeq.EqualityConstraint.pinned_values`, e.g. a group of one) are set to
+their value exactly.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from ...constraints import pairs
 from .factor import Factor, check_pivots
 
 if TYPE_CHECKING:
@@ -32,7 +42,8 @@ class GroupedFactor(Factor):
     r"""The O(n) factor of a diagonal Gram matrix (see the module docstring).
 
     Attributes:
-        v: normalised variances :math:`\sigma^2 / c^2`, ``(*batch, n)``.
+        v: the normalised weights :math:`w / c^2` (:math:`\Sigma'A^\top = \mathrm{diag}(v)A^\top`; the
+            normalised variances :math:`\sigma^2 / c^2` for a diagonal covariance), ``(*batch, n)``.
         s: normalised diagonal of :math:`S' = S / c^2`, ``(*batch, a)``.
     """
 
@@ -50,14 +61,11 @@ class GroupedFactor(Factor):
     @classmethod
     def build(cls, cov: "Covariance", constraint: "EqualityConstraint", c: Tensor, *,
               checked: bool = True) -> "GroupedFactor | None":
-        """The factor, or ``None`` when the covariance is not diagonal or the Gram matrix is not diagonal."""
-        if not cov.is_diagonal or not constraint.has_diagonal_gram:
+        """The factor, or ``None`` when the pair has no grouped structure (see the module docstring)."""
+        grouped = pairs.grouped_structure(constraint, cov.scaled(c))
+        if grouped is None:
             return None
-        v = cov.scaled(c).variance
-        s = constraint.diagonal_gram(v)
-        if s is None:
-            return None
-        return cls(cov, constraint, c, v, s, checked=checked)
+        return cls(cov, constraint, c, grouped.weight, grouped.gram_diagonal, checked=checked)
 
     def gain(self, residual: Tensor) -> Tensor:
         return self.v * self.constraint.rmatvec(residual / self.s)
@@ -86,9 +94,17 @@ class GroupedFactor(Factor):
     def logdet(self) -> Tensor:
         return self.s.log().sum(-1) + 2 * self.s.shape[-1] * self.c.squeeze(-1).log()
 
+    def _weight(self) -> Tensor:
+        r""":math:`a_i^2 / s_{g(i)} = (A^\top s^{-1/2})_i^2` (one nonzero per column), 0 for a coordinate in no row."""
+        return self.constraint.rmatvec(self.s.rsqrt()).square()
+
+    def _diagonal(self) -> Tensor:
+        r""":math:`\mathrm{diag}\,\Sigma' = \mathrm{diag}\,\Sigma / c^2` (``v`` itself for a diagonal covariance)."""
+        return self.v if self.cov.is_diagonal else self.cov.scaled(self.c).diagonal()
+
     def variance(self) -> Tensor:
-        v = self.v  # sigma_i^2 - sigma_i^4 / s_g(i), in normalised variances (no overflow)
-        return ((v - v.square() / self.constraint.rmatvec(self.s)) * self.c.square()).clamp_min(0)
+        v = self.v  # Sigma'_ii - w'_i^2 a_i^2 / s'_g(i), in normalised quantities (no overflow)
+        return ((self._diagonal() - v.square() * self._weight()) * self.c.square()).clamp_min(0)
 
     def gain_factor(self) -> Tensor:
         # G = Sigma A^T S^-1/2 = c Sigma' A^T / sqrt(s')
@@ -96,8 +112,13 @@ class GroupedFactor(Factor):
         return cross / self.s.sqrt().unsqueeze(-2) * self.c.unsqueeze(-1)
 
     def trace_correction(self, other: "Covariance") -> Tensor:
-        if not other.is_diagonal:
-            return super().trace_correction(other)
-        # sum_i Sigma_ii^2 / (Sigma_p,ii s_g(i)) = sum_i (Sigma_ii / Sigma_p,ii) (v_i / s'_g(i)): scale-free ratio
-        ratio = self.v / self.constraint.rmatvec(self.s)
-        return (self.cov.diagonal() / other.diagonal() * ratio).sum(-1)
+        if other.is_diagonal:
+            # sum_i w_i^2 a_i^2 / (Sigma_p,ii s_g(i)) = sum_i (w_i / Sigma_p,ii) (w'_i a_i^2 / s'_g(i)): scale-free
+            ratio = self.v * self._weight()
+            return (self.v * self.c.square() / other.variance * ratio).sum(-1)
+        if pairs.grouped_structure(self.constraint, other) is not None:
+            # Sigma_p^{-1} does not couple rows either: G's columns (w_i a_i / sqrt(s_g) on the coordinates of row g)
+            # add up to one n-vector without mixing, and tr(G^T Sigma_p^{-1} G) is one inverse quadratic form
+            compact = self.v * self.constraint.rmatvec(self.s.rsqrt()) * self.c
+            return other.inv_quad(compact)
+        return super().trace_correction(other)

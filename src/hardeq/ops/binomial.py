@@ -1,14 +1,6 @@
-r"""Low-level tensor operations shared by constraints, distributions and estimators.
-
-* Grouped sums with precise two-level summation (:class:`GroupSum`, :func:`group_sum`) and the gather back
-  to group members (:func:`gather`): the operator :math:`A` of a :class:`~hardeq.SumConstraint` and the
-  normaliser of a grouped multinomial.
-* Binomial log-pmf and cdf (:func:`binomial_log_pmf`, :func:`binomial_cdf`), differentiable in the
-  probability, and exact binomial draws at any count up to :math:`2^{53}` (:func:`binomial_sample`), for the
-  Poisson/multinomial family.
-
-Nothing here knows about distributions or constraints; it sits below both.
-"""
+r"""Binomial and multinomial arithmetic for the Poisson/multinomial family: log-pmfs in Loader's saddle-point form
+(:func:`binomial_log_pmf`, :func:`multinomial_log_pmf`), the cdf (:func:`binomial_cdf`), differentiable in the
+probability, and exact binomial draws at any count up to :math:`2^{53}` (:func:`binomial_sample`)."""
 
 from __future__ import annotations
 
@@ -17,99 +9,10 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = [
-    "GroupSum",
-    "group_sum",
-    "gather",
-    "group_probs",
-    "binomial_log_pmf",
-    "binomial_cdf",
-    "binomial_sample",
-    "multinomial_log_pmf",
-]
+from .group_sum import group_sum
 
-#: coordinates per chunk in the two-level summation
-SUM_CHUNK = 1024
-
-
-class GroupSum:
-    r"""Per-group sums :math:`(Ax)_j = \sum_{i : g(i) = j} x_i` by a two-level summation.
-
-    Coordinates are scattered into ``(chunk, group)`` slots (chunks of :data:`SUM_CHUNK` consecutive
-    coordinates), then the chunks are reduced with ``torch.sum`` (pairwise). A plain ``index_add``
-    accumulates sequentially, with relative error ~ ``n eps`` (1.3e-4 at n = 1e6 in float32); this one has
-    ~ ``(SUM_CHUNK + log n) eps``. The slot layout is computed once per ``index``.
-
-    Args:
-        index (LongTensor): group id of each coordinate, ``(n,)``, values in ``[0, num_groups)``.
-        num_groups (int): ``a``.
-
-    Shapes:
-        ``__call__``: ``(*, n) -> (*, a)``; :meth:`matmul`: ``(*, n, m) -> (*, a, m)``.
-    """
-
-    def __init__(self, index: Tensor, num_groups: int) -> None:
-        n = index.shape[0]
-        chunk = max(SUM_CHUNK, num_groups)
-        self.index = index
-        self.num_groups = num_groups
-        self.num_chunks = -(-n // chunk)
-        chunk_of = torch.arange(self.num_chunks, device=index.device).repeat_interleave(chunk)[:n]
-        self.slot = index if self.num_chunks == 1 else chunk_of * num_groups + index
-        #: size of each group when the groups are equal consecutive blocks (one sum; the channels of an image;
-        #: equal graphs), else None. Then a sum is a reshape + ``torch.sum`` (pairwise, vectorised) and the
-        #: gather an ``expand``: no scatter, which accumulates serially (10-50x slower for few groups).
-        self.block = _equal_block_size(index, num_groups)
-
-    def __call__(self, x: Tensor) -> Tensor:
-        a = self.num_groups
-        if self.block is not None:
-            return x.reshape(x.shape[:-1] + (a, self.block)).sum(-1)
-        out = x.new_zeros(x.shape[:-1] + (self.num_chunks * a,)).index_add(-1, self.slot, x)
-        return out.view(x.shape[:-1] + (self.num_chunks, a)).sum(-2)
-
-    def matmul(self, X: Tensor) -> Tensor:
-        a, m = self.num_groups, X.shape[-1]
-        if self.block is not None:
-            return X.reshape(X.shape[:-2] + (a, self.block, m)).sum(-2)
-        out = X.new_zeros(X.shape[:-2] + (self.num_chunks * a, m)).index_add(-2, self.slot, X)
-        return out.view(X.shape[:-2] + (self.num_chunks, a, m)).sum(-3)
-
-    def broadcast(self, u: Tensor) -> Tensor:
-        """Each group's value to its members, ``(*, a) -> (*, n)`` (:math:`A^\top u`)."""
-        if self.block is not None:
-            return u.unsqueeze(-1).expand(u.shape + (self.block,)).reshape(u.shape[:-1] + (-1,))
-        return u.index_select(-1, self.index)
-
-    def to(self, device: torch.device | str | None) -> "GroupSum":
-        return GroupSum(self.index.to(device=device), self.num_groups)
-
-
-def _equal_block_size(index: Tensor, num_groups: int) -> int | None:
-    """``n / a`` if ``index`` is ``0..0 1..1 ... (a-1)..(a-1)`` in equal blocks, else None (O(n), once)."""
-    n = index.shape[0]
-    if num_groups < 1 or n % num_groups:
-        return None
-    block = n // num_groups
-    expected = torch.arange(num_groups, device=index.device).repeat_interleave(block)
-    return block if torch.equal(index, expected) else None
-
-
-def group_sum(x: Tensor, index: Tensor | None, num_groups: int = 1) -> Tensor:
-    r"""Per-group sums ``(*, n) -> (*, a)``; without ``index``, the sum over all coordinates, ``(*, 1)``."""
-    if index is None:
-        return x.sum(-1, keepdim=True)
-    return GroupSum(index, num_groups)(x)
-
-
-def gather(x: Tensor, index: Tensor | None) -> Tensor:
-    """Broadcast a per-group value to the group's members: ``(*, a) -> (*, n)`` (``(*, 1)`` without index)."""
-    return x if index is None else x.index_select(-1, index)
-
-
-def group_probs(rate: Tensor, index: Tensor | None, num_groups: int = 1) -> Tensor:
-    r""":math:`p_i = \theta_i / \sum_{j : g(j) = g(i)} \theta_j`, shape of ``rate`` ``(*batch, n)``. O(n)."""
-    return rate / gather(group_sum(rate, index, num_groups), index)
+__all__ = ["binomial_log_pmf", "binomial_cdf", "binomial_sample", "multinomial_log_pmf", "BINOMIAL_CHUNK",
+           "MAX_EXACT_COUNT", "CDF_MAX_TERMS"]
 
 
 def _stirlerr(m: Tensor) -> Tensor:
@@ -390,30 +293,3 @@ def _cdf_with_edges(j: Tensor, k: Tensor, p: Tensor) -> Tensor:
     atom = k * (p >= 1)
     edge = (j >= torch.where(interior, torch.where(j < 0, one, k), atom)).to(p.dtype)
     return torch.where(inside, F, edge)
-
-
-#: largest n * a(a+1)/2 for the row-product matrix of a Gram under a per-sample diagonal covariance
-PAIR_ELEMS = 1 << 25
-
-
-def row_pairs(A: Tensor) -> Tensor | None:
-    r"""The row-product matrix ``P`` of a 2-D ``A`` (``a x n``): ``P[(i, l), j] = A_ij A_lj`` for ``i <= l``, shape
-    ``(a(a+1)/2, n)``, so that :math:`A\,\mathrm{diag}(v)A^\top` for a batch of ``v`` is one GEMM ``v @ P^T``
-    (:func:`gram_from_pairs`); ``None`` when it would exceed :data:`PAIR_ELEMS` elements."""
-    a, n = A.shape
-    if n * a * (a + 1) // 2 > PAIR_ELEMS:
-        return None
-    iu = torch.triu_indices(a, a, device=A.device)
-    return A[iu[0]] * A[iu[1]]
-
-
-def gram_from_pairs(pairs: Tensor, variance: Tensor, a: int) -> Tensor:
-    r""":math:`A\,\mathrm{diag}(v)A^\top` for ``variance`` ``v`` of shape ``(*batch, n)`` from :func:`row_pairs`:
-    ``(*batch, a, a)``, one GEMM; symmetric to the last bit."""
-    n = variance.shape[-1]
-    flat = variance.reshape(-1, n) @ pairs.mT  # (B, a(a+1)/2)
-    iu = torch.triu_indices(a, a, device=variance.device)
-    S = flat.new_zeros(flat.shape[0], a, a)
-    S[:, iu[0], iu[1]] = flat
-    S[:, iu[1], iu[0]] = flat
-    return S.reshape(variance.shape[:-1] + (a, a))
