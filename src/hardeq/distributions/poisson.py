@@ -15,7 +15,7 @@ from ..estimators import poisson as _poisson_estimators  # noqa: F401  (register
 from ..ops import MAX_EXACT_COUNT, binomial_sample, gather, group_probs, group_sum, multinomial_log_pmf
 from ..estimators.registry import get_estimator
 from .poisson_losses import binomial_expected_l1, binomial_expected_l2
-from ..ops import _bd0, _stirlerr, binomial_log_pmf  # entropy: Loader's terms, no lgamma(k + 1) to cancel
+from ..ops.binomial import _bd0, _stirlerr, binomial_log_pmf  # entropy: Loader's terms, no lgamma(k + 1) to cancel
 
 __all__ = ["ENTROPY_MAX_TERMS", "ConstrainedPoisson", "grouped_multinomial"]
 
