@@ -23,8 +23,6 @@ from .contract import positive_int
 
 __all__ = ["main", "build_parser"]
 
-PRESET_ALIASES = {"quick": "quick", "cpu": "cpu", "full": "cpu", "paper": "paper"}
-
 
 def _describe(name: str, meta: dict) -> str:
     default = meta.get("default_preset", "quick")

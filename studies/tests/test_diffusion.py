@@ -211,16 +211,17 @@ def _tiny_unet(channels: int = 1):
 def test_ddpm_last_step_branch_is_the_loops_last_step():
     """Capturing x_1 and running a one-step ddpm_sample from it reproduces the full loop's output exactly, so
     the unconstrained and the constrained last step share the trajectory."""
-    from hardeq.diffusion import ddpm_sample, make_betas
+    from hardeq.diffusion import DDPMOptions, ddpm_sample, make_betas
     from hardeq_studies.diffusion.sampling import sample_group
 
     unet = _tiny_unet()
     betas = make_betas(6, 1e-3, 0.2)
     x_T = torch.randn(3, 1, 32, 32, generator=torch.Generator().manual_seed(5))
     keep = {}
-    full = ddpm_sample(unet, (3, 1, 32, 32), betas=betas, noise=x_T, generator=torch.Generator().manual_seed(1),
+    full = ddpm_sample(unet, (3, 1, 32, 32), DDPMOptions(betas=betas), noise=x_T,
+                       generator=torch.Generator().manual_seed(1),
                        callback=lambda i, t, x, x0: keep.setdefault("x1", x.clone()) if i == 4 else None)
-    again = ddpm_sample(unet, (3, 1, 32, 32), betas=betas[:1], noise=keep["x1"])
+    again = ddpm_sample(unet, (3, 1, 32, 32), DDPMOptions(betas=betas[:1]), noise=keep["x1"])
     torch.testing.assert_close(again, full, rtol=0, atol=0)
     totals = torch.tensor([100.0], dtype=torch.float64)
     kw = dict(shape=(1, 32, 32), totals=totals, model_totals=model_totals(totals, 1024), seed=3, betas=betas,
@@ -252,15 +253,18 @@ def test_deterministic_ddpm_last_step_is_the_orthogonal_projection():
     """DDPM's own last step returns x0_hat (variance 0), and the conditional mean of N(x0_hat, beta_0 I) given the
     constraint is the orthogonal projection of x0_hat: from the same noise, the two samplers agree to round-off
     (so the row decides nothing about a distribution-aware benefit). The sampled conditioned step does not."""
-    from hardeq.diffusion import channel_sum_constraint, ddpm_sample, make_betas, project_onto
+    from hardeq.diffusion import DDPMOptions, channel_sum_constraint, ddpm_sample, make_betas, project_onto
 
     unet = _tiny_unet(3)
     betas = make_betas(8, 1e-3, 0.2)
     con = channel_sum_constraint((4, 3, 32, 32), torch.tensor([-100.0, 20.0, 0.0]))
-    kw = dict(betas=betas, noise=torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(2)))
-    plain = ddpm_sample(unet, (4, 3, 32, 32), generator=torch.Generator().manual_seed(9), **kw)
-    det = ddpm_sample(unet, (4, 3, 32, 32), con, deterministic=True, generator=torch.Generator().manual_seed(9), **kw)
-    sampled = ddpm_sample(unet, (4, 3, 32, 32), con, generator=torch.Generator().manual_seed(9), **kw)
+    opts = DDPMOptions(betas=betas)
+    kw = dict(noise=torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(2)))
+    plain = ddpm_sample(unet, (4, 3, 32, 32), opts, generator=torch.Generator().manual_seed(9), **kw)
+    det = ddpm_sample(unet, (4, 3, 32, 32), opts, constraint=con, deterministic=True,
+                      generator=torch.Generator().manual_seed(9), **kw)
+    sampled = ddpm_sample(unet, (4, 3, 32, 32), opts, constraint=con, generator=torch.Generator().manual_seed(9),
+                          **kw)
     projected = project_onto(con, plain)
     diff = float((det - projected).abs().max())
     assert diff < 1e-5 * float(projected.abs().max())  # round-off of float32

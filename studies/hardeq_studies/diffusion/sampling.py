@@ -6,7 +6,7 @@ the same noise:
 * **DDPM group** (paper Table 3): one 1000-step ancestral trajectory per image. Its last step is taken four
   times from the same :math:`x_1`: unconstrained (``DDPM``), conditioned on the constraint (``DDPM + ours``, the
   exact last step of :func:`hardeq.diffusion.ddpm_sample`, computed as a one-step ``ddpm_sample`` with
-  ``betas = betas[:1]`` and ``noise = x_1``, which is that loop's last step), its conditional mean
+  ``DDPMOptions(betas=betas[:1])`` and ``noise = x_1``, which is that loop's last step), its conditional mean
   (``deterministic=True``) and the conditional mode in the pixel box (``final="box"``, :func:`~hardeq.diffusion.
   box_project`). The unconstrained output is also repaired after the fact: orthogonal (KKT) projection onto the
   constraint (``+ projection``), and the projection followed by clipping to the pixel range
@@ -31,7 +31,7 @@ pixels outside ``[0, 1]``.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -183,27 +183,30 @@ def sample_group(model: nn.Module, group: str, *, shape: tuple[int, int, int], n
                 captured["x1"] = x.clone()
 
         step_gen = torch.Generator(device=device).manual_seed(int(seed) + 2)
-        y = diffusion.ddpm_sample(model, (n, C, H, W), betas=betas, noise=x_T, generator=step_gen,
-                                  callback=keep_x1, device=device)
+        y = diffusion.ddpm_sample(model, (n, C, H, W), diffusion.DDPMOptions(betas=betas, device=device), noise=x_T,
+                                  generator=step_gen, callback=keep_x1)
+        last_step = diffusion.DDPMOptions(betas=betas[:1], device=device)  # the loop's last step, from x_1
 
-        def last(**kw: Any) -> Tensor:
-            return diffusion.ddpm_sample(model, (n, C, H, W), con, betas=betas[:1], noise=captured["x1"],
-                                         device=device, **kw)
+        def last(options: Any, **kw: Any) -> Tensor:
+            return diffusion.ddpm_sample(model, (n, C, H, W), options, constraint=con, noise=captured["x1"], **kw)
 
-        outs = {"ddpm": y, "ddpm+ours": last(condition_generator=cond_gen, deterministic=deterministic),
-                "ddpm+ours+det": last(deterministic=True), "ddpm+ours+box": last(final="box")}
+        outs = {"ddpm": y,
+                "ddpm+ours": last(replace(last_step, deterministic=deterministic), condition_generator=cond_gen),
+                "ddpm+ours+det": last(replace(last_step, deterministic=True)),
+                "ddpm+ours+box": last(replace(last_step, final="box"))}
         base = "ddpm"
     elif group == "ddim":
-        y = diffusion.ddim_sample(model, (n, C, H, W), ddim_steps, betas=betas, eta=eta, noise=x_T,
-                                  generator=gen, device=device)
+        opts = diffusion.DDIMOptions(num_steps=ddim_steps, betas=betas, eta=eta, device=device)
+        y = diffusion.ddim_sample(model, (n, C, H, W), opts, noise=x_T, generator=gen)
         outs = {"ddim": y}
         base = "ddim"
     elif group.startswith("ddim@"):
         text, suffix = split_group(group)
-        y = diffusion.ddim_sample(model, (n, C, H, W), ddim_steps, con, parse_schedule(text), betas=betas, eta=eta,
-                                  noise=x_T, generator=gen, condition_generator=cond_gen,
-                                  deterministic=deterministic or suffix == "+det",
-                                  final="box" if suffix == "+box" else None, device=device)
+        opts = diffusion.DDIMOptions(num_steps=ddim_steps, betas=betas, eta=eta, device=device,
+                                     deterministic=deterministic or suffix == "+det",
+                                     final="box" if suffix == "+box" else None)
+        y = diffusion.ddim_sample(model, (n, C, H, W), opts, constraint=con, schedule=parse_schedule(text), noise=x_T,
+                                  generator=gen, condition_generator=cond_gen)
         return {group: _summary(y, totals, box=suffix == "+box")}
     else:
         raise ValueError(f"unknown sampling group {group!r}.")
@@ -214,7 +217,3 @@ def sample_group(model: nn.Module, group: str, *, shape: tuple[int, int, int], n
         diff = (outs["ddpm+ours+det"].double() - outs["ddpm+project"].double()).abs()
         res["ddpm+ours+det"]["diff_to_projection"] = diff.flatten(1).max(1).values.cpu()
     return res
-
-
-def describe_variants(variants: list[Variant]) -> list[dict[str, Any]]:
-    return [{"key": v.key, "label": v.label, "group": v.group, "post": v.post, "exact": v.exact} for v in variants]
