@@ -42,7 +42,7 @@ from .metrics import (
     frechet_to_reference,
 )
 from .model import build_unet, classifier_outputs, count_parameters, train_classifier, train_denoiser
-from .sampling import Variant, ddim_variants, ddpm_variants, parse_schedule
+from .sampling import Variant, ddim_variants, ddpm_variants, describe_samplers, parse_schedule
 
 __all__ = ["settings", "tables_of", "comparisons", "run", "TABLE_TITLES", "Denoiser", "Classifier", "Samples",
            "Evaluation", "train_denoiser_stage", "train_classifier_stage", "sampling_stage", "evaluate_stage"]
@@ -52,6 +52,9 @@ TABLE_TITLES = {"3": "DDPM and the constrained last step (paper Table 3)",
                 "6": "conditioning schedules of DDIM (paper Table 6)",
                 "7": "Start N End N (paper Table 7)"}
 REAL = "real images (train split)"
+#: the unconstrained samplers, the constrained DDPM step and the projections they are compared with: with
+#: ``fid.rows = "deciding"`` only these rows (and the headline DDIM schedule, and the real images) get an FID
+DECIDING = ("ddpm", "ddpm+ours", "ddpm+project", "ddim", "ddim+project")
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -77,8 +80,9 @@ def settings(config: dict[str, Any], preset: str, dataset: str | None = None) ->
 
 
 def tables_of(s: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The comparisons: per table its variants (baseline first), the number of images ``n`` and whether the
-    Inception FID is computed."""
+    """The comparisons: per table its variants (baseline first), the number of images ``n`` per noise seed, whether
+    the Inception FID is computed (``fid``) and for which rows (``fid_rows``: every row, or with ``fid.rows =
+    "deciding"`` the rows that decide the paper's claims, :data:`DECIDING` and the headline schedule)."""
     sm = s["sampling"]
     head = sm["headline"]
     ddpm = ddpm_variants()
@@ -95,9 +99,12 @@ def tables_of(s: dict[str, Any]) -> dict[str, dict[str, Any]]:
                  "n": int(sm["n_ddim"])},
            "6": {"variants": [ddim["ddim"], *[sched(t) for t in s["tables"]["6"]]], "n": int(sm["n_sweep"])},
            "7": {"variants": [ddim["ddim"], *[sched(t) for t in s["tables"]["7"]]], "n": int(sm["n_sweep"])}}
+    deciding = {*DECIDING, sched(head).key}
+    every_row = s["fid"].get("rows", "all") == "all"
     for k, t in out.items():
         t["fid"] = k in fid_tables
         t["title"] = TABLE_TITLES[k]
+        t["fid_rows"] = [v.key for v in t["variants"] if t["fid"] and (every_row or v.key in deciding)]
     return out
 
 
@@ -113,7 +120,7 @@ def comparisons(table: str, variants: list[Variant]) -> dict[str, list[tuple[str
         out["residual"] = [("ddpm+ours", "ddpm"), ("ddpm+ours+box", "ddpm")]
         out["residual_u8"] = [("ddpm+ours+box", "ddpm+ours"), ("ddpm+ours+box", "ddpm+project+clip")]
         out["set"] = [("ddpm+ours", "ddpm"), ("ddpm+ours+det", "ddpm"), ("ddpm+ours+box", "ddpm"),
-                      ("ddpm+ours+det", "ddpm+project")]
+                      ("ddpm+ours", "ddpm+project"), ("ddpm+ours+det", "ddpm+project")]
     elif table == "4" and head is not None:
         out["residual"] = [(head, "ddim"), (head + "+box", "ddim")]
         out["residual_u8"] = [(head + "+box", head), (head + "+box", "ddim+project+clip")]
@@ -407,11 +414,13 @@ def _evaluate_table(tk: str, t: dict[str, Any], s: dict[str, Any], data: ImageDa
     if t["fid"] and inc is not None:  # inc is None only when no table has t["fid"]
         inc_ref = inc.reference
         ti = time.perf_counter()
-        feats = {v.label: [inc(v.key, si, per[v.key][si]["images"]) for si in range(seeds)] for v in variants}
+        feats = {v.label: [inc(v.key, si, per[v.key][si]["images"]) for si in range(seeds)] for v in variants
+                 if v.key in t["fid_rows"]}
         feats[REAL] = [inc(f"real{si}", si, reals[si]) for si in range(seeds)]
         inc_vals = {k: [frechet_to_reference(f, inc_ref) for f in fs] for k, fs in feats.items()}
-        inc_boot = bootstrap_frechet(feats, inc_ref, baseline=base.label, replicates=int(s["fid"]["bootstrap"]),
-                                     seed=seed + 23, pairs=set_pairs)
+        inc_boot = bootstrap_frechet(feats, inc_ref, baseline=base.label if base.label in feats else None,
+                                     replicates=int(s["fid"]["bootstrap"]), seed=seed + 23,
+                                     pairs=[(a, b) for a, b in set_pairs if a in feats and b in feats])
         inc.seconds += time.perf_counter() - ti
     pt = paper.get(tk, {})
     for label, v in [(v.label, v) for v in variants] + [(REAL, None)]:
@@ -430,7 +439,7 @@ def _evaluate_table(tk: str, t: dict[str, Any], s: dict[str, Any], data: ImageDa
         _record(records, common, "classifier_score", [classifier_score(p) for p in cl_probs[label]])
         _record(records, common, "classifier_confidence", [float(p.max(1).values.double().mean())
                                                            for p in cl_probs[label]])
-        if t["fid"]:
+        if label in inc_vals:
             b = inc_boot.get(label, {})
             _record(records, common, "fid", inc_vals[label], paper=pv.get("fid"), bootstrap_std=b.get("std"),
                     ci95_diff=[b["diff_lo"], b["diff_hi"]] if "diff_lo" in b and v is not None else None,
@@ -456,8 +465,8 @@ def _evaluate_table(tk: str, t: dict[str, Any], s: dict[str, Any], data: ImageDa
             significance.append({"table": tk, "a": a, "b": b, "metric": metric, "n": n * seeds,
                                  "test": "paired bootstrap over images", "mean_a": ma, "mean_b": mb,
                                  "mean_diff": ma - mb, "ci95": [vs["diff_lo"], vs["diff_hi"]],
-                                 "p": vs["p"], "replicates": int(s["fid"]["bootstrap"] if metric == "fid"
-                                                                 else s["classifier_bootstrap"])})
+                                 "p": vs["p"], "replicates": vs["replicates"],
+                                 "p_floor": 2 / (vs["replicates"] + 1)})
 
 
 def evaluate_stage(s: dict[str, Any], data: ImageData, tables: dict[str, dict[str, Any]], samples: Samples,
@@ -521,13 +530,37 @@ def run(s: dict[str, Any], *, preset: str, checkpoint_dir: Path, paper: dict[str
     timing.update(ev.timing)
     timing["total_s"] = time.perf_counter() - t0
     return {"records": ev.records, "significance": ev.significance, "tables": _table_meta(tables),
-            "checks": ev.checks, "data": data.describe(),
+            "checks": ev.checks, "data": data.describe(), "samplers": describe_samplers(s),
+            "fid_protocol": fid_protocol(s, tables, ev.records, data),
             "model": _model_facts(s, denoiser, classifier, any(t["fid"] for t in tables.values())),
             "timing": timing, "grids": _grids(data, tables, samples), "group_sizes": samples.sizes}
 
 
+def fid_protocol(s: dict[str, Any], tables: dict[str, dict[str, Any]], records: list[dict[str, Any]],
+                 data: ImageData) -> dict[str, Any] | None:
+    """What an FID of this run can decide: per table with an FID the images per noise seed, the noise seeds, the
+    rows with an FID, the real-vs-real FID at the same sizes (``n`` real training images per seed against the same
+    reference: the FID of a perfect sampler at this budget) and the bootstrap's replicates and p-value floor;
+    ``None`` without the Inception FID."""
+    fid = s["fid"]
+    if not any(t["fid"] for t in tables.values()):
+        return None
+    R = int(fid["bootstrap"])
+    real = {r["table"]: r for r in records if r["metric"] == "fid" and r["variant"] == "real"}
+    split = fid.get("reference_split", "test")
+    pool = data.test if split == "test" else data.train
+    return {"n_reference": min(int(fid["n_reference"]), pool.shape[0]), "reference_split": split,
+            "seeds": int(s["seeds"]), "bootstrap_replicates": R, "p_floor": 2 / (R + 1) if R >= 2 else None,
+            "rows": fid.get("rows", "all"),
+            "tables": {k: {"n_per_seed": t["n"], "rows": [v.label for v in t["variants"] if v.key in t["fid_rows"]],
+                           "real_vs_real": {"mean": real[k]["mean"], "std": real[k]["std"],
+                                            "per_seed": real[k]["per_seed"]} if k in real else None}
+                       for k, t in tables.items() if t["fid"]}}
+
+
 def _table_meta(tables: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {k: {"title": t["title"], "n": t["n"], "fid": t["fid"], "baseline": t["variants"][0].label,
+                "fid_rows": [v.label for v in t["variants"] if v.key in t["fid_rows"]],
                 "variants": [{"key": v.key, "label": v.label, "exact": v.exact, "group": v.group}
                              for v in t["variants"]]} for k, t in tables.items()}
 
