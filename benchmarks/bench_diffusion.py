@@ -6,10 +6,11 @@ The denoiser is the ``diffusion`` study's small U-Net (the ``cpu`` preset's ``di
 images (MNIST's shape), with the per-image brightness constraint (:func:`~hardeq.diffusion.channel_sum_constraint`).
 Two samplers, each against its unconstrained run measured in the same process:
 
-* **DDPM last step**: ``ddpm_sample(model, shape)`` (T = 1000 steps) against ``ddpm_sample(model, shape,
-  constraint)``, whose last step is an exact conditional sample (one :func:`constrained_x0`);
-* **DDIM Start 3 End 3**: ``ddim_sample(model, shape, 50)`` against ``ddim_sample(model, shape, 50, constraint,
-  StartEnd(3, 3))`` (six conditioned :math:`\hat x_0`-predictions and the recomputed :math:`\varepsilon`).
+* **DDPM last step**: ``ddpm_sample(model, shape, DDPMOptions())`` (T = 1000 steps) against the same call with
+  ``constraint=c``, whose last step is an exact conditional sample (one :func:`constrained_x0`);
+* **DDIM Start 3 End 3**: ``ddim_sample(model, shape, DDIMOptions(num_steps=50))`` against the same call with
+  ``constraint=c, schedule=StartEnd(3, 3)`` (six conditioned :math:`\hat x_0`-predictions and the recomputed
+  :math:`\varepsilon`).
 
 Two measurements per sampler:
 
@@ -45,6 +46,8 @@ import torch
 
 import hardeq
 from hardeq.diffusion import (
+    DDIMOptions,
+    DDPMOptions,
     StartEnd,
     channel_sum_constraint,
     constrained_x0,
@@ -128,12 +131,15 @@ def main() -> None:
         est_ddpm = t_cond / (T * t_eval)
         est_ddim = n_cond * (t_cond + t_eps) / (args.ddim_steps * t_eval)
         # whole loops
+        ddpm_opts = DDPMOptions(betas=betas)
+        ddim_opts = DDIMOptions(num_steps=args.ddim_steps, betas=betas)
         ddpm = _interleaved({
-            "unconstrained": lambda: ddpm_sample(model, shape, betas=betas, generator=seeded()),
-            "constrained": lambda: ddpm_sample(model, shape, con, betas=betas, generator=seeded())}, args.rounds)
+            "unconstrained": lambda: ddpm_sample(model, shape, ddpm_opts, generator=seeded()),
+            "constrained": lambda: ddpm_sample(model, shape, ddpm_opts, constraint=con, generator=seeded())},
+            args.rounds)
         ddim = _interleaved({
-            "unconstrained": lambda: ddim_sample(model, shape, args.ddim_steps, betas=betas, generator=seeded()),
-            "constrained": lambda: ddim_sample(model, shape, args.ddim_steps, con, sched, betas=betas,
+            "unconstrained": lambda: ddim_sample(model, shape, ddim_opts, generator=seeded()),
+            "constrained": lambda: ddim_sample(model, shape, ddim_opts, constraint=con, schedule=sched,
                                                generator=seeded())}, args.rounds)
     rows = [("DDPM, constrained last step", T, 1, ddpm, est_ddpm),
             (f"DDIM, {sched.label}", args.ddim_steps, n_cond, ddim, est_ddim)]

@@ -133,6 +133,26 @@ def test_gram_path_equals_the_dense_formula():
     assert dense == pytest.approx(fid, rel=1e-6)
 
 
+@pytest.mark.parametrize("n, d", [(40, 64), (300, 12), (13, 12)], ids=["gram", "dense", "n-1=d"])
+def test_bootstrap_replicate_equals_the_distance_of_the_resampled_rows(n, d):
+    """A bootstrap replicate is computed from the counts of the drawn rows (an m x m eigenproblem over the distinct
+    rows for n - 1 < d, a weighted covariance otherwise); it equals frechet_to_reference of the resampled rows
+    themselves (a dense float64 oracle: the distance of the rows as drawn, repeats and all)."""
+    from hardeq_studies.diffusion.metrics import _Resampler
+
+    g = torch.Generator().manual_seed(n + d)
+    ref = Reference.from_features(torch.randn(4 * d, d, generator=g, dtype=torch.float64)
+                                  * torch.linspace(0.3, 2.0, d, dtype=torch.float64) + 0.2)
+    feats = torch.randn(n, d, generator=g) + 0.5
+    r = _Resampler(feats, ref)
+    assert r.distance(torch.ones(n, dtype=torch.long)) == pytest.approx(frechet_to_reference(feats, ref), rel=1e-9)
+    for _ in range(5):
+        idx = torch.randint(0, n, (n,), generator=g)
+        assert idx.unique().numel() < n  # repeats: the case the counts handle
+        expected = frechet_to_reference(feats[idx], ref)
+        assert r.distance(torch.bincount(idx, minlength=n)) == pytest.approx(expected, rel=1e-7)
+
+
 def test_paired_bootstrap_and_classifier_score():
     torch.manual_seed(2)
     ref = Reference.from_features(torch.randn(400, 8, dtype=torch.float64))
@@ -143,7 +163,7 @@ def test_paired_bootstrap_and_classifier_score():
     assert res["shifted"]["diff_lo"] > 0 and res["base"]["std"] > 0
     res = bootstrap_frechet({"base": [a], "same": [a.clone()], "shifted": [a + 1.0]}, ref, baseline="base",
                             replicates=30, pairs=[("shifted", "base"), ("same", "base")])
-    assert res["same"]["vs"]["base"] == {"diff_lo": 0.0, "diff_hi": 0.0, "p": 1.0}
+    assert res["same"]["vs"]["base"] == {"diff_lo": 0.0, "diff_hi": 0.0, "p": 1.0, "replicates": 30}
     assert res["shifted"]["vs"]["base"]["diff_lo"] > 0 and res["shifted"]["vs"]["base"]["p"] == pytest.approx(2 / 31)
     assert bootstrap_p(np.array([1.0, -1.0, 2.0])) == 1.0 and bootstrap_p(np.zeros(5)) == 1.0
     assert classifier_score(torch.eye(10)) == pytest.approx(10.0)
@@ -161,13 +181,20 @@ def test_preset_settings_and_tables():
     assert cpu["diffusion"] == {"num_train_timesteps": 1000, "beta_start": 1e-4, "beta_end": 0.02,
                                 "beta_schedule": "linear"}
     tables = tables_of(cpu)
-    assert [tables[k]["n"] for k in "3467"] == [200, 600, 200, 200]
-    assert cpu["train"]["steps"] == 2000 and cpu["threads"] == 1
+    # the issue's MNIST protocol: >= 1,000 images per noise seed, 3 seeds, >= 10,000 reference images, >= 2,000
+    # bootstrap replicates for the deciding rows
+    assert [tables[k]["n"] for k in "3467"] == [1000, 1000, 200, 200] and cpu["seeds"] == 3
+    assert cpu["fid"]["n_reference"] == 10_000 and cpu["fid"]["bootstrap"] >= 2000
+    assert cpu["train"]["steps"] == 2000 and cpu["threads"] == 2
     assert [len(tables[k]["variants"]) for k in "34"] == [6, 6]
+    assert tables["3"]["fid_rows"] == ["ddpm", "ddpm+ours", "ddpm+project"]
+    assert tables["4"]["fid_rows"] == ["ddim", "ddim@StartEnd(3, 3)", "ddim+project"]
     cpu_cifar = settings(config, "cpu", "cifar10")
-    assert cpu_cifar["dataset"] == "cifar10" and cpu_cifar["train"]["steps"] == 2500
-    assert cpu_cifar["unet"] == cpu["unet"] and cpu_cifar["sampling"] == cpu["sampling"]
+    assert cpu_cifar["dataset"] == "cifar10" and cpu_cifar["train"]["steps"] == 2500 and cpu_cifar["seeds"] == 1
+    assert cpu_cifar["unet"] == cpu["unet"] and cpu_cifar["sampling"]["n_ddim"] == 600
+    assert len(tables_of(cpu_cifar)["4"]["fid_rows"]) == 6  # CIFAR-10: every row, as before
     assert [tables[k]["fid"] for k in "3467"] == [True, True, False, False]
+    assert [tables[k]["fid_rows"] for k in "67"] == [[], []]
     assert len(tables["6"]["variants"]) == 11 and len(tables["7"]["variants"]) == 7
     paper = settings(config, "paper")
     assert paper["dataset"] == "cifar10" and paper["unet"]["attention"] == [1] and paper["unet"]["dropout"] == 0.1
@@ -212,16 +239,17 @@ def _tiny_unet(channels: int = 1):
 def test_ddpm_last_step_branch_is_the_loops_last_step():
     """Capturing x_1 and running a one-step ddpm_sample from it reproduces the full loop's output exactly, so
     the unconstrained and the constrained last step share the trajectory."""
-    from hardeq.diffusion import ddpm_sample, make_betas
+    from hardeq.diffusion import DDPMOptions, ddpm_sample, make_betas
     from hardeq_studies.diffusion.sampling import sample_group
 
     unet = _tiny_unet()
     betas = make_betas(6, 1e-3, 0.2)
     x_T = torch.randn(3, 1, 32, 32, generator=torch.Generator().manual_seed(5))
     keep = {}
-    full = ddpm_sample(unet, (3, 1, 32, 32), betas=betas, noise=x_T, generator=torch.Generator().manual_seed(1),
+    full = ddpm_sample(unet, (3, 1, 32, 32), DDPMOptions(betas=betas), noise=x_T,
+                       generator=torch.Generator().manual_seed(1),
                        callback=lambda i, t, x, x0: keep.setdefault("x1", x.clone()) if i == 4 else None)
-    again = ddpm_sample(unet, (3, 1, 32, 32), betas=betas[:1], noise=keep["x1"])
+    again = ddpm_sample(unet, (3, 1, 32, 32), DDPMOptions(betas=betas[:1]), noise=keep["x1"])
     torch.testing.assert_close(again, full, rtol=0, atol=0)
     totals = torch.tensor([100.0], dtype=torch.float64)
     kw = dict(shape=(1, 32, 32), totals=totals, model_totals=model_totals(totals, 1024), seed=3, betas=betas,
@@ -253,15 +281,18 @@ def test_deterministic_ddpm_last_step_is_the_orthogonal_projection():
     """DDPM's own last step returns x0_hat (variance 0), and the conditional mean of N(x0_hat, beta_0 I) given the
     constraint is the orthogonal projection of x0_hat: from the same noise, the two samplers agree to round-off
     (so the row decides nothing about a distribution-aware benefit). The sampled conditioned step does not."""
-    from hardeq.diffusion import channel_sum_constraint, ddpm_sample, make_betas, project_onto
+    from hardeq.diffusion import DDPMOptions, channel_sum_constraint, ddpm_sample, make_betas, project_onto
 
     unet = _tiny_unet(3)
     betas = make_betas(8, 1e-3, 0.2)
     con = channel_sum_constraint((4, 3, 32, 32), torch.tensor([-100.0, 20.0, 0.0]))
-    kw = dict(betas=betas, noise=torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(2)))
-    plain = ddpm_sample(unet, (4, 3, 32, 32), generator=torch.Generator().manual_seed(9), **kw)
-    det = ddpm_sample(unet, (4, 3, 32, 32), con, deterministic=True, generator=torch.Generator().manual_seed(9), **kw)
-    sampled = ddpm_sample(unet, (4, 3, 32, 32), con, generator=torch.Generator().manual_seed(9), **kw)
+    opts = DDPMOptions(betas=betas)
+    kw = dict(noise=torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(2)))
+    plain = ddpm_sample(unet, (4, 3, 32, 32), opts, generator=torch.Generator().manual_seed(9), **kw)
+    det = ddpm_sample(unet, (4, 3, 32, 32), opts, constraint=con, deterministic=True,
+                      generator=torch.Generator().manual_seed(9), **kw)
+    sampled = ddpm_sample(unet, (4, 3, 32, 32), opts, constraint=con, generator=torch.Generator().manual_seed(9),
+                          **kw)
     projected = project_onto(con, plain)
     diff = float((det - projected).abs().max())
     assert diff < 1e-5 * float(projected.abs().max())  # round-off of float32
@@ -357,11 +388,24 @@ def test_quick_preset_end_to_end(quick_run):
     assert _by(doc, "max_abs_diff_to_projection")[("3", "DDPM + ours (last step, deterministic)")]["mean"] < 1e-5
     sig = {(r["table"], r["a"], r["b"], r["metric"]) for r in doc["significance"]}
     assert ("4", "DDIM + ours (Start 3 End 3, deterministic)", "DDIM + projection", "classifier_fd") in sig
+    assert ("3", "DDPM + ours (last step)", "DDPM + projection", "classifier_fd") in sig
+    assert all(r["p"] >= r["p_floor"] == 2 / (r["replicates"] + 1) for r in doc["significance"] if "p_floor" in r)
+    # which step variance and clipping each sampler uses, and why, travel with the results
+    assert set(doc["samplers"]) == {"DDPM", "DDIM"} and doc["fid_protocol"] is None
+    for d in doc["samplers"].values():
+        assert d["clip_sample"] is False and d["conditioned_step_variance"] == "beta_t" and d["clip_reason"]
+    assert doc["samplers"]["DDPM"]["step_variance"].startswith("fixed_small")
+    assert "deterministic updates" in doc["samplers"]["DDIM"]["step_variance"]  # eta = 0
     assert ("3", "DDPM + ours + box (last step)", "DDPM + ours (last step)", "residual_u8") in sig
     md = (out / "diffusion.md").read_text()
+<<<<<<< HEAD
     # the paper's table numbers in its source order: the schedule tables are 9 and 10
     assert "## Table 3:" in md and "## Table 9:" in md and "## Table 10:" in md and "## Table 6:" not in md
     assert "## Claims of the paper" in md
+=======
+    assert "Table 3" in md and "Table 7" in md and "## Claims of the paper" in md
+    assert "## Samplers: step variance and clipping" in md and "Why no clipping: clip_sample=False" in md
+>>>>>>> diffusion-options
     claims = md.split("## Claims of the paper")[1].split("\n## ")[0]
     rows = [line for line in claims.splitlines() if line.startswith("| ") and "claim (paper)" not in line]
     from hardeq_studies.claims import VERDICTS
@@ -478,7 +522,8 @@ def test_quick_with_the_inception_fid(quick_run, tmp_path):
     from hardeq_studies.diffusion.data import CONFIG_PATH
 
     config = json.loads(CONFIG_PATH.read_text())
-    config["presets"]["quick"]["fid"].update({"inception": True, "n_reference": 10, "n_noise": 4, "bootstrap": 3})
+    config["presets"]["quick"]["fid"].update({"inception": True, "n_reference": 10, "n_noise": 4, "bootstrap": 3,
+                                             "rows": "deciding"})
     (tmp_path / "config.json").write_text(json.dumps(config))
     ckpt = tmp_path / "ck"
     ckpt.mkdir()
@@ -491,11 +536,69 @@ def test_quick_with_the_inception_fid(quick_run, tmp_path):
     doc = json.loads((tmp_path / "out" / "diffusion.json").read_text())
     assert doc["model"]["cached"] and doc["model"]["inception"]["sha1"] == "a16e4d89c0ecbc17a915dd76ea9e41211aa82562"
     fid = _by(doc, "fid")
-    assert {tk for tk, _ in fid} == {"3", "4"} and len(fid) == 14  # 6 variants + real data, two tables
+    # only the rows that decide the paper's claims (and the real images) get an FID
+    assert set(fid) == {("3", "DDPM"), ("3", "DDPM + ours (last step)"), ("3", "DDPM + projection"),
+                        ("3", "real images (train split)"), ("4", "DDIM"), ("4", "DDIM + ours (Start 3 End 3)"),
+                        ("4", "DDIM + projection"), ("4", "real images (train split)")}
     assert all(r["mean"] > 0 for r in fid.values())
     assert fid[("3", "DDPM")]["paper"] == 4.173 and fid[("3", "DDPM + ours (last step)")]["ci95_diff"] is not None
+    fid_tests = {(r["table"], r["a"], r["b"]) for r in doc["significance"] if r["metric"] == "fid"}
+    assert fid_tests == {("3", "DDPM + ours (last step)", "DDPM"),
+                         ("3", "DDPM + ours (last step)", "DDPM + projection"),
+                         ("4", "DDIM + ours (Start 3 End 3)", "DDIM"),
+                         ("4", "DDIM + ours (Start 3 End 3)", "DDIM + projection")}
+    fp = doc["fid_protocol"]
+    assert fp["n_reference"] == 10 and fp["bootstrap_replicates"] == 3 and fp["p_floor"] == 0.5
+    assert fp["tables"]["3"]["real_vs_real"]["mean"] == fid[("3", "real images (train split)")]["mean"]
+    assert fp["tables"]["4"]["n_per_seed"] == 3 and len(fp["tables"]["4"]["rows"]) == 3
     checks = {c["check"]: c["fid"] for c in doc["checks"]}
     assert abs(checks["reference vs itself"]) < 1e-6 and checks["uniform noise images vs the reference"] > 100
     assert list((ckpt / "cache").glob("inception-ref-mnist-test-10-*.pt"))
     md = (tmp_path / "out" / "diffusion.md").read_text()
     assert "FID sanity checks" in md and "Inception Score: not available" in md
+    assert "## What the FID can decide at this budget" in md
+
+
+def test_cost_projection_counts_the_work_of_a_preset():
+    """project_wall multiplies the measured units by the work the preset implies (an arithmetic oracle for the
+    cpu preset: 3 seeds, DDPM 1000 images x 1003 model evaluations, 18 DDIM groups)."""
+    from hardeq_studies.diffusion.cost import project_wall
+    from hardeq_studies.diffusion.data import load_config
+    from hardeq_studies.diffusion.run import settings, tables_of
+
+    s = settings(load_config(), "cpu")
+    cost = {"train_s_per_step": 1.0, "ddpm_ms_per_image_step": 2.0, "ms_per_image_step": 3.0,
+            "inception_s_per_image": 0.25, "fid_n": 1000, "fid_replicate_s": 0.04, "classifier_fd_replicate_s": 0.002}
+    p = project_wall(s, cost, tables_of(s), basis="wall")
+    assert p == project_wall(s, {f"{k}_cpu": v for k, v in cost.items()} | {"fid_n": 1000}, tables_of(s))
+    assert p["train"] == 2000
+    assert p["ddpm"] == pytest.approx(3 * 1000 * 1003 * 2e-3)
+    # Table 4's 4 DDIM groups at 1,000 images, and the 14 other schedules of Tables 6 and 7 (15 distinct ones, the
+    # headline counted with Table 4) at 200
+    assert p["ddim"] == pytest.approx(3 * (4 * 1000 + 14 * 200) * 50 * 3e-3)
+    assert p["inception_reference"] == pytest.approx(0.25 * 10_100)
+    assert p["inception"] == pytest.approx(0.25 * 3 * 1000 * (3 + 3 + 1))  # 6 deciding rows, one real set
+    assert p["fid_bootstrap"] == pytest.approx(2 * 4 * 3 * 2000 * 0.04)
+    assert p["total"] == pytest.approx(sum(v for k, v in p.items() if k != "total"))
+    assert s["cost"]["measured"]["ddpm_ms_per_image_step"] > 0  # the committed measurement
+
+
+def test_report_prints_the_measured_cost_and_what_the_fid_can_decide():
+    from hardeq_studies.diffusion.data import load_config
+    from hardeq_studies.diffusion.report import protocol_sections
+    from hardeq_studies.diffusion.run import settings
+
+    s = settings(load_config(), "cpu")
+    doc = {"config": {"settings": s},
+           "fid_protocol": {"n_reference": 10_000, "reference_split": "test", "seeds": 3, "bootstrap_replicates": 2000,
+                            "p_floor": 2 / 2001, "rows": "deciding",
+                            "tables": {"3": {"n_per_seed": 1000, "rows": ["DDPM", "DDPM + ours (last step)"],
+                                             "real_vs_real": {"mean": 1.5, "std": 0.25, "per_seed": [1, 1.5, 2]}}}}}
+    text = "\n".join(protocol_sections(doc))
+    assert "## What the FID can decide at this budget" in text
+    assert "2,000 replicates (smallest possible p: 0.001)" in text
+    assert "| 3 | 1000 | 3 | DDPM, DDPM + ours (last step) | 1.50 ± 0.25 |" in text
+    assert "## Measured cost of this preset" in text and "## Samplers" not in text
+    minutes = round(s["cost"]["projected_s"]["ddpm"] / 60)
+    assert f"| ddpm | {minutes} |" in text
+    assert protocol_sections({"config": {"settings": settings(load_config(), "quick")}}) == []

@@ -1,9 +1,11 @@
 """The native samplers' final="box": the last step is box_project of the last step's unconditioned mean."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from hardeq.diffusion import box_project, channel_sum_constraint, ddim_sample, ddpm_sample
+from hardeq.diffusion import DDIMOptions, DDPMOptions, box_project, channel_sum_constraint, ddim_sample, ddpm_sample
 from hardeq.testing import assert_exact_per_row
 
 
@@ -24,11 +26,13 @@ def test_samplers_final_box(sampler):
     c = channel_sum_constraint(shape, totals)
     betas = torch.linspace(1e-4, 0.02, 20, dtype=torch.float64)
     if sampler == "ddpm":
-        run = lambda **o: ddpm_sample(far_model, shape, c, betas=betas, generator=gen(7), **o)  # noqa: E731
+        run = lambda o, **kw: ddpm_sample(far_model, shape, DDPMOptions(betas=betas, **o), constraint=c,  # noqa: E731
+                                          generator=gen(7), **kw)
     else:
-        run = lambda **o: ddim_sample(far_model, shape, 5, c, betas=betas, generator=gen(7), **o)  # noqa: E731
-    plain = run(schedule=())
-    boxed = run(final="box", box=(-1.0, 1.0))
+        run = lambda o, **kw: ddim_sample(far_model, shape, DDIMOptions(num_steps=5, betas=betas, **o),  # noqa: E731
+                                          constraint=c, generator=gen(7), **kw)
+    plain = run({}, schedule=())
+    boxed = run(dict(final="box", box=(-1.0, 1.0)))
     assert float(plain.abs().max()) > 1.0  # the box binds
     assert_exact_per_row(c.to(dtype=torch.float64), boxed.reshape(3, -1))
     assert bool((boxed.abs() <= 1).all())
@@ -36,12 +40,13 @@ def test_samplers_final_box(sampler):
     # (separate streams) means the same pre-final trajectory
     torch.testing.assert_close(boxed, box_project(plain, totals, 1.0, -1.0, 1.0), atol=2e-6, rtol=0)
     with pytest.raises(ValueError, match="final"):
-        run(final="clip")
+        run(dict(final="clip"))
 
 
 def test_samplers_final_box_needs_sum_constraint():
     with pytest.raises(ValueError, match="constraint"):
-        ddim_sample(far_model, (1, 1, 2, 2), 3, None, final="box", betas=torch.linspace(1e-4, 0.02, 10))
+        ddim_sample(far_model, (1, 1, 2, 2), DDIMOptions(num_steps=3, final="box",
+                                                         betas=torch.linspace(1e-4, 0.02, 10)))
 
 
 def test_final_box_uses_the_last_steps_variance_as_the_metric():
@@ -50,9 +55,9 @@ def test_final_box_uses_the_last_steps_variance_as_the_metric():
     totals = torch.tensor([0.3 * 16, -0.5 * 16], dtype=torch.float64)
     c = channel_sum_constraint(shape, totals)
     scale = torch.rand(shape, generator=gen(8), dtype=torch.float64) + 0.05
-    kw = dict(betas=torch.linspace(1e-4, 0.02, 10, dtype=torch.float64), dtype=torch.float64)
-    plain = ddim_sample(far_model, shape, 4, c, schedule=(), generator=gen(9), **kw)
-    boxed = ddim_sample(far_model, shape, 4, c, final="box", scale=scale, generator=gen(9), **kw)
+    opts = DDIMOptions(num_steps=4, betas=torch.linspace(1e-4, 0.02, 10, dtype=torch.float64), dtype=torch.float64)
+    plain = ddim_sample(far_model, shape, opts, constraint=c, schedule=(), generator=gen(9))
+    boxed = ddim_sample(far_model, shape, replace(opts, final="box", scale=scale), constraint=c, generator=gen(9))
     torch.testing.assert_close(boxed, box_project(plain, totals, scale**2, -1.0, 1.0), atol=1e-12, rtol=0)
     iso = box_project(plain, totals, 1.0, -1.0, 1.0)
     assert float((boxed - iso).abs().max()) > 1e-3  # the metric matters once pixels hit the box

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import hardeq
-from hardeq.diffusion import channel_sum_constraint, constrained_x0, ddpm_sample, project_onto
+from hardeq.diffusion import DDPMOptions, channel_sum_constraint, constrained_x0, ddpm_sample, project_onto
 
 from .conftest import RTOL, assert_exact, gen
 
@@ -64,8 +64,8 @@ def test_monte_carlo_ddpm_last_step_isotropic():
     mu_in = torch.tensor([[[[0.3, -1.0, 2.0]], [[1.5, 0.5, -0.7]]]], dtype=torch.float64)  # x_1, (1, 2, 1, 3)
     totals = torch.tensor([1.0, -2.0], dtype=torch.float64)
     c = channel_sum_constraint((N, 2, 1, 3), totals)
-    x0 = ddpm_sample(lambda x, t: torch.zeros_like(x), (N, 2, 1, 3), c, betas=torch.tensor([beta]),
-                     noise=mu_in.expand(N, 2, 1, 3), condition_generator=gen(11))
+    x0 = ddpm_sample(lambda x, t: torch.zeros_like(x), (N, 2, 1, 3), DDPMOptions(betas=torch.tensor([beta])),
+                     constraint=c, noise=mu_in.expand(N, 2, 1, 3), condition_generator=gen(11))
     assert_exact(x0, totals, 1e-12)
     mu = (mu_in / math.sqrt(1 - beta)).reshape(2, 3)  # x0_hat = x_1 / sqrt(abar_0) for eps = 0
     mean = (mu + ((totals - mu.sum(-1)) / 3)[:, None]).reshape(6)

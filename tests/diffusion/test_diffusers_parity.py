@@ -8,7 +8,8 @@ the outputs agree to the last bit; with the stock float32 ones to float32 round-
 import pytest
 import torch
 
-from hardeq.diffusion import ConstrainedScheduler, Uniform, channel_sum_constraint, ddim_sample, ddpm_sample
+from hardeq.diffusion import (ConstrainedScheduler, DDIMOptions, DDPMOptions, Uniform, channel_sum_constraint,
+                              ddim_sample, ddpm_sample)
 from hardeq.diffusion.noise_schedule import alphas_cumprod, make_betas
 
 from .conftest import assert_exact, gen
@@ -44,14 +45,15 @@ def test_ddpm_matches_diffusers(tiny_unet, float64_schedule):
     if float64_schedule:
         _float64_schedule(sch)
     ref = _loop(tiny_unet, sch, 1)
-    out = ddpm_sample(tiny_unet, SHAPE, num_train_timesteps=T, generator=gen(1))
+    opts = DDPMOptions(num_train_timesteps=T)
+    out = ddpm_sample(tiny_unet, SHAPE, opts, generator=gen(1))
     if float64_schedule:
         assert torch.equal(out, ref)
     else:
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     # an empty schedule with a constraint is the unconstrained loop too
     c = channel_sum_constraint(SHAPE, [1.0, 2.0])
-    assert torch.equal(ddpm_sample(tiny_unet, SHAPE, c, (), num_train_timesteps=T, generator=gen(1)), out)
+    assert torch.equal(ddpm_sample(tiny_unet, SHAPE, opts, constraint=c, schedule=(), generator=gen(1)), out)
 
 
 @pytest.mark.parametrize("eta, set_alpha_to_one, spacing", [(0.0, True, "leading"), (0.0, False, "leading"),
@@ -64,8 +66,9 @@ def test_ddim_matches_diffusers(tiny_unet, eta, set_alpha_to_one, spacing, float
     if float64_schedule:
         _float64_schedule(sch)
     ref = _loop(tiny_unet, sch, 2, eta=eta)
-    out = ddim_sample(tiny_unet, SHAPE, 5, num_train_timesteps=T, eta=eta, set_alpha_to_one=set_alpha_to_one,
-                      timestep_spacing=spacing, generator=gen(2))
+    opts = DDIMOptions(num_steps=5, num_train_timesteps=T, eta=eta, set_alpha_to_one=set_alpha_to_one,
+                       timestep_spacing=spacing)
+    out = ddim_sample(tiny_unet, SHAPE, opts, generator=gen(2))
     if float64_schedule:
         torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
     else:
@@ -100,11 +103,11 @@ def test_wrapper_matches_native_constrained(tiny_unet, cls, kwargs, schedule):
                                schedule, condition_generator=gen(7))
     if cls == "DDIMScheduler":
         sch.set_timesteps(5)
-        native = ddim_sample(tiny_unet, SHAPE, 5, c, schedule, num_train_timesteps=T, generator=gen(4),
-                             condition_generator=gen(7), **kwargs)
+        native = ddim_sample(tiny_unet, SHAPE, DDIMOptions(num_steps=5, num_train_timesteps=T, **kwargs), constraint=c,
+                             schedule=schedule, generator=gen(4), condition_generator=gen(7))
     else:
-        native = ddpm_sample(tiny_unet, SHAPE, c, schedule, num_train_timesteps=T, generator=gen(4),
-                             condition_generator=gen(7))
+        native = ddpm_sample(tiny_unet, SHAPE, DDPMOptions(num_train_timesteps=T), constraint=c, schedule=schedule,
+                             generator=gen(4), condition_generator=gen(7))
     wrapped = _loop(tiny_unet, sch, 4)
     assert_exact(wrapped, [3.0, -2.0], 1e-5)
     assert_exact(native, [3.0, -2.0], 1e-5)

@@ -10,7 +10,8 @@ import hardeq
 import hardeq.diffusion
 
 MODULES = ["hardeq.diffusion.schedules", "hardeq.diffusion.image_constraints", "hardeq.diffusion.conditioning",
-           "hardeq.diffusion.ddim"]
+           "hardeq.diffusion.ddim", "hardeq.diffusion.ddpm", "hardeq.diffusion.flow", "hardeq.diffusion.options",
+           "hardeq.diffusion.noise_schedule"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -4,12 +4,13 @@ and parity with diffusers' FlowMatchEulerDiscreteScheduler."""
 
 import doctest
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 import hardeq.diffusion
-from hardeq.diffusion import (StartEnd, box_project, channel_sum_constraint, flow_sample, flow_sigmas,
+from hardeq.diffusion import (FlowOptions, StartEnd, box_project, channel_sum_constraint, flow_sample, flow_sigmas,
                               project_onto)
 from hardeq.testing import assert_exact_per_row
 
@@ -62,7 +63,7 @@ def test_unconstrained_recovers_the_gaussian():
     assert abs(mean - MEAN) < 1e-12 and 0.02 < 1 - var / STD**2 < 0.04
     var1000 = euler_oracle(flow_sigmas(1000))[1]
     assert 0.002 < 1 - var1000 / STD**2 < 0.004  # O(1/N)
-    x = flow_sample(gaussian_velocity, (32, 3, 16, 16), N, generator=gen(1), dtype=torch.float64)
+    x = flow_sample(gaussian_velocity, (32, 3, 16, 16), FlowOptions(num_steps=N, dtype=torch.float64), generator=gen(1))
     n = x.numel()
     se_mean = math.sqrt(var / n)
     se_var = var * math.sqrt(2 / (n - 1))
@@ -76,18 +77,20 @@ def test_constrained_last_step_is_exact(dtype, deterministic):
     shape = (6, 3, 8, 8)
     totals = torch.tensor([0.0, 20.0, -10.0], dtype=torch.float64)
     c = channel_sum_constraint(shape, totals)
-    x = flow_sample(gaussian_velocity, shape, 20, c, generator=gen(2), dtype=dtype, deterministic=deterministic)
+    opts = FlowOptions(num_steps=20, dtype=dtype, deterministic=deterministic)
+    x = flow_sample(gaussian_velocity, shape, opts, constraint=c, generator=gen(2))
     assert x.dtype == dtype
     assert_exact_per_row(c, x.reshape(6, -1))
-    x2 = flow_sample(gaussian_velocity, shape, 20, c, StartEnd(3, 2), generator=gen(2), dtype=dtype)
+    x2 = flow_sample(gaussian_velocity, shape, opts, constraint=c, schedule=StartEnd(3, 2), generator=gen(2))
     assert_exact_per_row(c, x2.reshape(6, -1))
 
 
 def test_deterministic_last_step_is_the_projection_of_the_plain_output():
     shape = (4, 3, 4, 4)
     c = channel_sum_constraint(shape, torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))
-    plain = flow_sample(gaussian_velocity, shape, 10, generator=gen(3), dtype=torch.float64)
-    det = flow_sample(gaussian_velocity, shape, 10, c, generator=gen(3), dtype=torch.float64, deterministic=True)
+    opts = FlowOptions(num_steps=10, dtype=torch.float64)
+    plain = flow_sample(gaussian_velocity, shape, opts, generator=gen(3))
+    det = flow_sample(gaussian_velocity, shape, opts, constraint=c, generator=gen(3), deterministic=True)
     torch.testing.assert_close(det, project_onto(c, plain), atol=1e-12, rtol=0)
 
 
@@ -97,9 +100,9 @@ def test_sampled_last_step_has_the_conditional_covariance():
     shape = (64, 3, 8, 8)
     N = 10
     c = channel_sum_constraint(shape, torch.zeros(3, dtype=torch.float64))
-    det = flow_sample(gaussian_velocity, shape, N, c, generator=gen(4), dtype=torch.float64, deterministic=True)
-    smp = flow_sample(gaussian_velocity, shape, N, c, generator=gen(4), dtype=torch.float64,
-                      condition_generator=gen(5))
+    opts = FlowOptions(num_steps=N, dtype=torch.float64)
+    det = flow_sample(gaussian_velocity, shape, replace(opts, deterministic=True), constraint=c, generator=gen(4))
+    smp = flow_sample(gaussian_velocity, shape, opts, constraint=c, generator=gen(4), condition_generator=gen(5))
     d = smp - det
     s2 = (1 / N) ** 2 * (1 - 1 / 64)
     n = d.numel()
@@ -114,8 +117,9 @@ def test_final_box(box):
     totals = torch.tensor([lo + 0.9 * (hi - lo), lo + 0.5 * (hi - lo), lo + 0.05 * (hi - lo)],
                           dtype=torch.float64) * m
     c = channel_sum_constraint(shape, totals)
-    plain = flow_sample(gaussian_velocity, shape, 10, generator=gen(6))
-    x = flow_sample(gaussian_velocity, shape, 10, c, final="box", box=box, generator=gen(6))
+    plain = flow_sample(gaussian_velocity, shape, FlowOptions(num_steps=10), generator=gen(6))
+    x = flow_sample(gaussian_velocity, shape, FlowOptions(num_steps=10, final="box", box=box), constraint=c,
+                    generator=gen(6))
     assert float(plain.max()) > hi or float(plain.min()) < lo
     assert_exact_per_row(c, x.reshape(5, -1))
     assert bool((x >= lo).all()) and bool((x <= hi).all())
@@ -123,14 +127,20 @@ def test_final_box(box):
 
 
 def test_argument_checks():
-    with pytest.raises(ValueError, match="give num_steps"):
-        flow_sample(gaussian_velocity, (1, 1, 2, 2))
-    with pytest.raises(ValueError, match="ending with 0"):
+    calls = []
+    flow_sample(gaussian_velocity, (1, 1, 2, 2), callback=lambda i, t, x, x0: calls.append(t))  # default: 50 steps
+    assert calls == list(flow_sigmas(50)[:-1])
+    with pytest.raises(ValueError, match="FlowOptions: sigmas must be .* ending with 0"):
         flow_sample(gaussian_velocity, (1, 1, 2, 2), sigmas=[1.0, 0.5])
-    with pytest.raises(ValueError, match="num_steps = 3"):
-        flow_sample(gaussian_velocity, (1, 1, 2, 2), 3, sigmas=[1.0, 0.5, 0.0])
+    with pytest.raises(ValueError, match="FlowOptions: num_steps = 3 but sigmas has 3 values"):
+        flow_sample(gaussian_velocity, (1, 1, 2, 2), FlowOptions(num_steps=3, sigmas=[1.0, 0.5, 0.0]))
+    with pytest.raises(ValueError, match="FlowOptions: time_scale must be positive"):
+        FlowOptions(time_scale=0.0)
+    with pytest.raises(TypeError, match="options must be a FlowOptions .* FlowOptions\\(num_steps=2\\)"):
+        flow_sample(gaussian_velocity, (1, 1, 2, 2), 2)
     with pytest.raises(ValueError, match="velocity"):
-        flow_sample(lambda x, t: x[:, :1], (1, 2, 2, 2), 2)
+        flow_sample(lambda x, t: x[:, :1], (1, 2, 2, 2), FlowOptions(num_steps=2))
+    assert FlowOptions(sigmas=torch.tensor([1.0, 0.5, 0.0])).time_grid() == (1.0, 0.5, 0.0)
 
 
 def test_diffusers_flow_match_euler_parity():
@@ -149,7 +159,7 @@ def test_diffusers_flow_match_euler_parity():
     for t in sched.timesteps:
         ref = sched.step(model(ref, t.expand(shape[0])), t, ref).prev_sample
     ref_times, seen[:] = list(seen), []
-    out = flow_sample(model, shape, sigmas=sched.sigmas, time_scale=1000, noise=x)
+    out = flow_sample(model, shape, FlowOptions(sigmas=sched.sigmas, time_scale=1000), noise=x)
     torch.testing.assert_close(torch.tensor(seen), torch.tensor(ref_times), rtol=1e-6, atol=1e-3)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 

@@ -11,7 +11,9 @@ to round-off.
   :class:`~hardeq.LinearConstraint` / :class:`~hardeq.SumConstraint` on the flattened image;
 * schedules: :class:`Uniform`, :class:`StartEnd`, :class:`StartSpaced`, :class:`EndSpaced`, :class:`Steps`;
 * the conditioned replacement: :func:`constrained_x0`;
-* native samplers (no diffusers): :func:`ddpm_sample` (exact last step), :func:`ddim_sample` (Algorithm 1);
+* native samplers (no diffusers): :func:`ddpm_sample` (exact last step), :func:`ddim_sample` (Algorithm 1),
+  :func:`flow_sample` (rectified flow), each configured by one frozen options object (:class:`DDPMOptions`,
+  :class:`DDIMOptions`, :class:`FlowOptions`; shared fields in :class:`SamplerOptions`);
 * diffusers integration: :class:`ConstrainedScheduler` around ``DDPMScheduler`` / ``DDIMScheduler``;
 * post-processing baselines: :func:`project_onto`, :func:`project_and_clip` (``post=`` of the samplers).
 
@@ -25,12 +27,13 @@ import importlib
 
 from .box import box_project
 from .conditioning import constrained_x0
-from .ddim import ddim_sample, ddim_timesteps
+from .ddim import ddim_sample
 from .ddpm import ddpm_sample
-from .flow import flow_sample, flow_sigmas
+from .flow import flow_sample
 from .image_constraints import channel_sum_constraint, channel_sums, satisfies_constraint
 from .noise import derive_generator
-from .noise_schedule import make_betas
+from .noise_schedule import ddim_timesteps, flow_sigmas, make_betas
+from .options import DDIMOptions, DDPMOptions, FlowOptions, NoiseScheduleOptions, SamplerOptions
 from .post import clip_to, project_and_clip, project_onto
 from .quantize import to_uint8_exact
 from .schedules import EndSpaced, Schedule, StartEnd, StartSpaced, Steps, Uniform
@@ -48,6 +51,11 @@ __all__ = [
     "constrained_x0",
     "ddpm_sample",
     "ddim_sample",
+    "SamplerOptions",
+    "NoiseScheduleOptions",
+    "DDPMOptions",
+    "DDIMOptions",
+    "FlowOptions",
     "ddim_timesteps",
     "make_betas",
     "derive_generator",

@@ -9,8 +9,10 @@ import torch
 from torch import Tensor
 
 from ..constraints import EqualityConstraint
+from .box import check_final
 from .image_constraints import validate_image_constraint
 from .noise import check_generator, derive_generator, randn
+from .options import SamplerOptions
 from .post import resolve_post
 from .schedules import Schedule, resolve_steps
 
@@ -24,6 +26,7 @@ class LoopSetup:
     steps: frozenset[int]
     condition_generator: torch.Generator | None
     post: Callable[[Tensor], Tensor] | None
+    box: tuple[float, float] | None  # (lo, hi) of final="box", else None
 
 
 def _model_dtype_device(model: object) -> tuple[torch.dtype | None, torch.device | None]:
@@ -48,12 +51,12 @@ def _check_shape(shape: object) -> tuple[int, ...]:
 
 
 def setup_loop(model: object, shape: object, constraint: EqualityConstraint | None,
-               schedule: Schedule | Iterable[int] | None, num_steps: int, *, deterministic: bool,
+               schedule: Schedule | Iterable[int] | None, num_steps: int, options: SamplerOptions, *,
                generator: torch.Generator | None, condition_generator: torch.Generator | None,
-               noise: Tensor | None, dtype: torch.dtype | None, device: torch.device | str | None,
-               post: object, clip_range: tuple[float, float]) -> LoopSetup:
+               noise: Tensor | None) -> LoopSetup:
     """Check the arguments, derive the conditioning stream (from the main stream's state, before anything is
     drawn from it), draw :math:`x_T` from the main stream (unless ``noise`` is given)."""
+    dtype, device, deterministic = options.dtype, options.device, options.deterministic
     if not callable(model):
         raise TypeError(f"model must be callable as model(x_t, t), got {type(model).__name__}.")
     check_generator("generator", generator)
@@ -88,7 +91,8 @@ def setup_loop(model: object, shape: object, constraint: EqualityConstraint | No
     else:
         x = noise.to(device=device, dtype=dtype)
     return LoopSetup(x=x, constraint=con, steps=steps, condition_generator=cond_gen,
-                     post=resolve_post(post, con, clip_range))
+                     post=resolve_post(options.post, con, options.clip_range),
+                     box=check_final(options.final, options.box, con))
 
 
 def iterate(timesteps: tuple[int, ...], progress: bool, desc: str) -> Iterable[tuple[int, int]]:

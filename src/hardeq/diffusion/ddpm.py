@@ -20,7 +20,7 @@ The constrained last step therefore samples
 
 i.e. the DDPM "fixed_large" variance :math:`\sigma^2 = \beta_0` (``1e-4`` for the usual linear schedule; the
 paper's :math:`\beta_1` in 1-based indexing), exactly (Matheron's rule, O(n) for a channel-sum constraint);
-``scale=`` overrides the standard deviation, ``deterministic=True`` returns the conditional mean (the
+``DDPMOptions(scale=...)`` overrides the standard deviation, ``deterministic=True`` returns the conditional mean (the
 orthogonal projection of :math:`\mu_\theta` for an isotropic variance). The returned :math:`x_0` is the
 conditioned sample itself, so it satisfies the constraint to round-off.
 
@@ -32,50 +32,40 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..constraints import EqualityConstraint
 from ._loop import iterate, setup_loop
-from .box import boxed_last_step, check_final
-from .conditioning import ScaleLike, constrained_x0, resolve_scale
+from .box import boxed_last_step
+from .conditioning import constrained_x0, resolve_scale
 from .model import EpsModel, predict_noise
 from .noise import randn
-from .noise_schedule import alphas_cumprod, check_betas, make_betas
+from .noise_schedule import alphas_cumprod
+from .options import DDPMOptions, resolve_options
 from .schedules import Schedule
 
 __all__ = ["ddpm_sample"]
 
-VARIANCE_TYPES = ("fixed_small", "fixed_large")
+CALL_ARGUMENTS = ("model", "shape", "options", "constraint", "schedule", "generator", "condition_generator", "noise",
+                  "callback")
 
 
 @torch.no_grad()
 def ddpm_sample(
     model: EpsModel,
     shape: tuple[int, ...] | torch.Size,
+    options: DDPMOptions | None = None,
+    *,
     constraint: EqualityConstraint | None = None,
     schedule: Schedule | Iterable[int] | None = None,
-    *,
-    scale: ScaleLike = None,
-    deterministic: bool = False,
-    betas: Tensor | None = None,
-    num_train_timesteps: int = 1000,
-    beta_start: float = 1e-4,
-    beta_end: float = 0.02,
-    beta_schedule: str = "linear",
-    variance_type: str = "fixed_small",
     generator: torch.Generator | None = None,
     condition_generator: torch.Generator | None = None,
     noise: Tensor | None = None,
-    post: str | Callable[[Tensor], Tensor] | None = None,
-    final: str | None = None,
-    box: tuple[float, float] = (-1.0, 1.0),
-    clip_range: tuple[float, float] = (-1.0, 1.0),
-    dtype: torch.dtype | None = None,
-    device: torch.device | str | None = None,
-    progress: bool = False,
     callback: Callable[[int, int, Tensor, Tensor], None] | None = None,
+    **overrides: Any,
 ) -> Tensor:
     r"""Ancestral DDPM sampling over all ``T`` train timesteps, with the last step (or the steps of
     ``schedule``) conditioned exactly on :math:`Ax_0 = k`.
@@ -87,59 +77,57 @@ def ddpm_sample(
         model: noise predictor ``model(x_t, t) -> eps``; ``x_t`` ``(B, C, H, W)``, ``t`` LongTensor ``(B,)``; a
             ``diffusers.UNet2DModel`` works as is (its ``.sample`` is used).
         shape: ``(B, C, H, W)``.
+        options: how to sample (:class:`~hardeq.diffusion.DDPMOptions`: the forward process, ``variance_type``,
+            the conditioned steps' ``scale``, ``deterministic``, ``final="box"``, ``post``, dtype, device, ...);
+            default ``DDPMOptions()``: diffusers' default 1000-step linear schedule, ``"fixed_small"``.
         constraint: :math:`Ax = k` on the flattened images (:func:`channel_sum_constraint`, or any
             ``LinearConstraint`` / ``SumConstraint`` with ``event_size = C*H*W`` and batch shape ``()`` or ``(B,)``).
         schedule: loop indices ``i`` (``i = 0`` is ``t = T - 1``, ``i = T - 1`` is ``t = 0``) to condition;
             default (``None``): the last step only when a constraint is given.
-        scale: standard deviation of the conditioned step: default :math:`\sqrt{\beta_t}`; a float, a tensor
-            broadcastable to ``shape``, or a callable ``t -> float | Tensor``.
-        deterministic: conditioned steps return the conditional mean (projection) instead of a sample.
-        betas: the :math:`\beta_t` ``(T,)``; default from ``num_train_timesteps``, ``beta_start``, ``beta_end`` and
-            ``beta_schedule`` (as diffusers: ``"linear"``, ``"scaled_linear"``, ``"squaredcos_cap_v2"``).
-        variance_type: ``"fixed_small"`` (diffusers' default) or ``"fixed_large"`` for the unconditioned steps.
         generator: the main stream: :math:`x_T` then one ``randn(shape)`` per step with ``t > 0`` (diffusers'
             order).
         condition_generator: the conditioning stream; default: derived from ``generator``'s state without
             drawing from it (:func:`hardeq.diffusion.noise.derive_generator`).
-        noise: :math:`x_T` itself (then nothing is drawn for it).
-        post: ``None``, ``"project"``, ``"project_clip"``, ``"clip"`` or a callable applied to the final
-            :math:`x_0` (:mod:`hardeq.diffusion.post`; the baselines use ``schedule=()``).
-        final: ``None``, or ``"box"``: the last step returns the conditional *mode* in the box,
-            :func:`box_project` of the last step's unconditioned mean :math:`\mu_\theta(x_1)` onto
-            the constraint (a ``SumConstraint``) and ``box``, in the metric of the last step's variance (default
-            isotropic: the Euclidean projection); a conditioned last step of ``schedule`` is replaced by it, the
-            other conditioned steps are kept. Exact in the sums *and* in ``[lo, hi]``; not a sample.
-        box: ``(lo, hi)`` of ``final="box"``.
-        clip_range: ``(lo, hi)`` of the ``"clip"`` options.
-        dtype, device: of the samples; default the model's parameters' (or ``noise``'s), else float32 on CPU.
-        progress: show a tqdm progress bar.
+        noise: :math:`x_T` itself, ``shape`` (then nothing is drawn for it).
         callback: called after every step as ``callback(i, t, x_prev, x0_hat)`` (``x0_hat`` conditioned at the
             conditioned steps).
+        **overrides: fields of :class:`~hardeq.diffusion.DDPMOptions` replacing those of ``options``
+            (``ddpm_sample(model, shape, num_train_timesteps=100)``).
 
     Returns:
         Tensor: :math:`x_0`, ``(B, C, H, W)``. When the last step is conditioned every image satisfies the
         constraint to round-off (before ``post``).
+
+    Raises:
+        TypeError: ``options`` is not a ``DDPMOptions``, or a keyword names neither a call argument nor an option.
+
+    Cost: ``T`` model calls; a conditioned step adds one exact conditional sample (O(pixels) for a channel-sum
+    constraint).
+
+    Example:
+        >>> c = channel_sum_constraint((2, 3, 4, 4), [1.0, 0.0, -2.0])
+        >>> x = ddpm_sample(lambda x, t: 0 * x, (2, 3, 4, 4), DDPMOptions(num_train_timesteps=20), constraint=c,
+        ...                 generator=torch.Generator().manual_seed(0))
+        >>> x.shape, bool(satisfies_constraint(x, c).all())
+        (torch.Size([2, 3, 4, 4]), True)
     """
-    b = check_betas(betas) if betas is not None else make_betas(num_train_timesteps, beta_start, beta_end,
-                                                                beta_schedule)
-    if variance_type not in VARIANCE_TYPES:
-        raise ValueError(f"variance_type must be one of {VARIANCE_TYPES}, got {variance_type!r}.")
+    o = resolve_options(options, DDPMOptions, overrides, "ddpm_sample", CALL_ARGUMENTS)
+    b = o.train_betas()
+    scale, deterministic = o.scale, o.deterministic
     T = b.shape[0]
     abar = alphas_cumprod(b).tolist()
     timesteps = tuple(range(T - 1, -1, -1))
-    s = setup_loop(model, shape, constraint, schedule, T, deterministic=deterministic, generator=generator,
-                   condition_generator=condition_generator, noise=noise, dtype=dtype, device=device, post=post,
-                   clip_range=clip_range)
-    box_lh = check_final(final, box, s.constraint)
+    s = setup_loop(model, shape, constraint, schedule, T, o, generator=generator,
+                   condition_generator=condition_generator, noise=noise)
     x, last = s.x, T - 1
-    for i, t in iterate(timesteps, progress, "DDPM"):
+    for i, t in iterate(timesteps, o.progress, "DDPM"):
         eps = predict_noise(model, x, t)
         ab_t = abar[t]
         ab_prev = abar[t - 1] if t > 0 else 1.0
         beta_t = 1 - ab_t / ab_prev
         x0 = (x - math.sqrt(1 - ab_t) * eps) / math.sqrt(ab_t)
-        if box_lh is not None and i == last:
-            x = boxed_last_step(x0, s.constraint, resolve_scale(scale, t, b), box_lh)
+        if s.box is not None and i == last:
+            x = boxed_last_step(x0, s.constraint, resolve_scale(scale, t, b), s.box)
             if callback is not None:
                 callback(i, t, x, x)
             break
@@ -154,7 +142,7 @@ def ddpm_sample(
             mean = c0 * x0 + ct * x
             if t > 0:
                 z = randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
-                var = beta_t if variance_type == "fixed_large" else max((1 - ab_prev) / (1 - ab_t) * beta_t, 1e-20)
+                var = beta_t if o.variance_type == "fixed_large" else max((1 - ab_prev) / (1 - ab_t) * beta_t, 1e-20)
                 x = mean + math.sqrt(var) * z
             else:
                 x = mean

@@ -20,26 +20,29 @@ default: the Euclidean projection onto the sums and ``[lo, hi]``).
 **Default variance.** The flow has no per-step noise variance like DDPM's :math:`\beta_t`; the default standard
 deviation of a conditioned step is the step length :math:`s = \sigma_i - \sigma_{i+1}` (``1/N`` for the uniform
 grid: 0.02 at ``N = 50``, the size of :math:`\sqrt{\beta_0}` = 0.01 of DDPM's last step), a convention.
-``scale=`` overrides it (a float, a tensor broadcastable to the images, or a callable of the time ``t``). It does
-not matter for ``deterministic=True`` or ``final="box"`` with an isotropic scale.
+``FlowOptions(scale=...)`` overrides it (a float, a tensor broadcastable to the images, or a callable of the time
+``t``). It does not matter for ``deterministic=True`` or ``final="box"`` with an isotropic scale.
 
 **diffusers.** Without a constraint the loop is ``FlowMatchEulerDiscreteScheduler``'s (deterministic sampling):
-pass ``sigmas=scheduler.sigmas`` (after ``set_timesteps``; they end with 0) and
-``time_scale=scheduler.config.num_train_timesteps`` (the model then receives ``scheduler.timesteps``).
+pass ``FlowOptions(sigmas=scheduler.sigmas, time_scale=scheduler.config.num_train_timesteps)`` (``sigmas`` after
+``set_timesteps``; they end with 0; the model then receives ``scheduler.timesteps``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..constraints import EqualityConstraint
 from ._loop import iterate, setup_loop
-from .box import boxed_last_step, check_final
+from .box import boxed_last_step
 from .conditioning import constrained_x0
 from .model import call_model
+from .noise_schedule import flow_sigmas
+from .options import FlowOptions, resolve_options
 from .schedules import Schedule
 
 __all__ = ["flow_sample", "flow_sigmas"]
@@ -47,51 +50,23 @@ __all__ = ["flow_sample", "flow_sigmas"]
 #: a velocity model: ``model(x_t, t) -> v`` with ``t`` a float tensor ``(B,)`` (times ``time_scale``)
 VelocityModel = Callable[[Tensor, Tensor], object]
 
-
-def flow_sigmas(num_steps: int) -> tuple[float, ...]:
-    """The uniform time grid ``1, 1 - 1/N, ..., 1/N, 0`` (``N + 1`` values).
-
-    Example:
-        >>> flow_sigmas(4)
-        (1.0, 0.75, 0.5, 0.25, 0.0)
-    """
-    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
-        raise ValueError(f"num_steps must be a positive int, got {num_steps!r}.")
-    return tuple(1.0 - j / num_steps for j in range(num_steps)) + (0.0,)
-
-
-def _check_sigmas(sigmas: Iterable[float] | Tensor) -> tuple[float, ...]:
-    sig = tuple(float(s) for s in (sigmas.tolist() if isinstance(sigmas, Tensor) else sigmas))
-    if (len(sig) < 2 or sig[-1] != 0.0 or any(not 0 < s <= 1 for s in sig[:-1])
-            or any(a <= b for a, b in zip(sig, sig[1:]))):
-        raise ValueError(f"sigmas must be strictly decreasing times in (0, 1] ending with 0 (e.g. flow_sigmas(N) or "
-                         f"diffusers' scheduler.sigmas), got {sig}.")
-    return sig
+CALL_ARGUMENTS = ("model", "shape", "options", "constraint", "schedule", "generator", "condition_generator", "noise",
+                  "callback")
 
 
 @torch.no_grad()
 def flow_sample(
     model: VelocityModel,
     shape: tuple[int, ...] | torch.Size,
-    num_steps: int | None = None,
+    options: FlowOptions | None = None,
+    *,
     constraint: EqualityConstraint | None = None,
     schedule: Schedule | Iterable[int] | None = None,
-    *,
-    sigmas: Iterable[float] | Tensor | None = None,
-    time_scale: float = 1.0,
-    scale: float | Tensor | Callable[[float], float | Tensor] | None = None,
-    deterministic: bool = False,
-    final: str | None = None,
-    box: tuple[float, float] = (-1.0, 1.0),
     generator: torch.Generator | None = None,
     condition_generator: torch.Generator | None = None,
     noise: Tensor | None = None,
-    post: str | Callable[[Tensor], Tensor] | None = None,
-    clip_range: tuple[float, float] = (-1.0, 1.0),
-    dtype: torch.dtype | None = None,
-    device: torch.device | str | None = None,
-    progress: bool = False,
     callback: Callable[[int, float, Tensor, Tensor], None] | None = None,
+    **overrides: Any,
 ) -> Tensor:
     r"""Euler sampling of a rectified-flow velocity model from :math:`t = 1` to :math:`0`, with the
     :math:`\hat x_0`-prediction conditioned on :math:`Ax_0 = k` at the steps of ``schedule`` (module docstring).
@@ -100,55 +75,55 @@ def flow_sample(
         model: velocity predictor ``model(x_t, t) -> v`` (:math:`v \approx \varepsilon - x_0`); ``t`` is a float
             tensor ``(B,)`` equal to the time times ``time_scale``; ``.sample`` / tuple outputs are unwrapped.
         shape: ``(B, C, H, W)``.
-        num_steps: number of Euler steps on the uniform grid :func:`flow_sigmas`; or give ``sigmas``.
+        options: how to sample (:class:`~hardeq.diffusion.FlowOptions`: the time grid ``num_steps`` or
+            ``sigmas``, ``time_scale``, the conditioned steps' ``scale`` (default: the step length),
+            ``deterministic``, ``final="box"``, ``post``, dtype, device, ...); default ``FlowOptions()``: 50
+            uniform Euler steps.
         constraint: :math:`Ax = k` on the flattened images (:func:`channel_sum_constraint`, ...).
         schedule: loop indices to condition (a :class:`Schedule` or indices); default: the last step when a
             constraint is given. Only a schedule containing the last step (or ``final="box"``) makes the output
             exact.
-        sigmas: explicit decreasing times in ``(0, 1]`` ending with 0 (``N + 1`` values, ``N`` steps).
-        time_scale: the model receives ``t * time_scale`` (1000 for diffusers' flow-matching transformers).
-        scale: standard deviation of the conditioned steps (default: the step length; module docstring).
-        deterministic: conditioned steps use the conditional mean (the projection for an isotropic scale).
-        final: ``None`` or ``"box"``: the last step returns :func:`box_project` of the unconditioned
-            :math:`\hat x_0` (the conditional mode in ``box``; exact in the sums and in the box; not a sample).
-        box: ``(lo, hi)`` of ``final="box"``.
         generator: the main stream (only :math:`x_1 = \varepsilon` is drawn from it: the Euler sampler is
             deterministic).
         condition_generator: the conditioning stream; default: derived from ``generator`` without drawing.
-        noise: :math:`x_1` itself.
-        post, clip_range: as :func:`ddim_sample` (baselines: ``schedule=(), post="project"``).
-        dtype, device: of the samples; default the model's parameters' (or ``noise``'s), else float32 on CPU.
-        progress: show a tqdm progress bar.
+        noise: :math:`x_1` itself, ``shape``.
         callback: called after every step as ``callback(i, t, x_next, x0_hat)``.
+        **overrides: fields of :class:`~hardeq.diffusion.FlowOptions` replacing those of ``options``
+            (``flow_sample(model, shape, num_steps=20)``).
 
     Returns:
         Tensor: :math:`x_0`, ``(B, C, H, W)``; every image satisfies the constraint to round-off when the last
         step is conditioned or ``final="box"`` (before ``post``).
+
+    Raises:
+        TypeError: ``options`` is not a ``FlowOptions``, or a keyword names neither a call argument nor an option.
+
+    Cost: ``N`` model calls; a conditioned step adds one exact conditional sample (O(pixels) for a channel-sum
+    constraint).
+
+    Example:
+        >>> c = channel_sum_constraint((2, 1, 4, 4), [3.0])
+        >>> x = flow_sample(lambda x, t: 0 * x, (2, 1, 4, 4), FlowOptions(num_steps=10, final="box", box=(0.0, 1.0)),
+        ...                 constraint=c, generator=torch.Generator().manual_seed(0))
+        >>> x.shape, bool(satisfies_constraint(x, c).all()), bool(((x >= 0) & (x <= 1)).all())
+        (torch.Size([2, 1, 4, 4]), True, True)
     """
-    if sigmas is None:
-        if num_steps is None:
-            raise ValueError("flow_sample: give num_steps (uniform time grid) or sigmas.")
-        sig = flow_sigmas(num_steps)
-    else:
-        sig = _check_sigmas(sigmas)
-        if num_steps is not None and num_steps != len(sig) - 1:
-            raise ValueError(f"flow_sample: num_steps = {num_steps} but sigmas has {len(sig)} values "
-                             f"({len(sig) - 1} steps).")
+    o = resolve_options(options, FlowOptions, overrides, "flow_sample", CALL_ARGUMENTS)
+    sig = o.time_grid()
+    scale, deterministic, time_scale = o.scale, o.deterministic, o.time_scale
     N = len(sig) - 1
-    s = setup_loop(model, shape, constraint, schedule, N, deterministic=deterministic, generator=generator,
-                   condition_generator=condition_generator, noise=noise, dtype=dtype, device=device, post=post,
-                   clip_range=clip_range)
-    box_lh = check_final(final, box, s.constraint)
+    s = setup_loop(model, shape, constraint, schedule, N, o, generator=generator,
+                   condition_generator=condition_generator, noise=noise)
     x, last = s.x, N - 1
-    for i, t in iterate(sig[:-1], progress, "Flow"):
+    for i, t in iterate(sig[:-1], o.progress, "Flow"):
         t_next = sig[i + 1]
         tt = torch.full((x.shape[0],), t * float(time_scale), dtype=x.dtype, device=x.device)
         v = call_model(model, x, tt, "velocity")
         x0 = x - t * v
         std = (t - t_next) if scale is None else (scale(t) if callable(scale) and not isinstance(scale, Tensor)
                                                   else scale)
-        if box_lh is not None and i == last:
-            x = boxed_last_step(x0, s.constraint, std, box_lh)
+        if s.box is not None and i == last:
+            x = boxed_last_step(x0, s.constraint, std, s.box)
             if callback is not None:
                 callback(i, t, x, x)
             break

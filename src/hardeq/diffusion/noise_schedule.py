@@ -1,4 +1,5 @@
-r"""Noise schedules :math:`\beta_t` of the forward process, as in diffusers (``DDPMScheduler`` / ``DDIMScheduler``).
+r"""Noise schedules :math:`\beta_t` of the forward process, as in diffusers (``DDPMScheduler`` / ``DDIMScheduler``),
+and the time grids of the samplers (:func:`ddim_timesteps`, :func:`flow_sigmas`).
 
 :math:`\alpha_t = 1 - \beta_t`, :math:`\bar\alpha_t = \prod_{s \le t}\alpha_s` for train timesteps
 ``t = 0, ..., T - 1`` (diffusers' indexing: ``t = 0`` is the least noisy level,
@@ -9,12 +10,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["make_betas", "alphas_cumprod"]
+__all__ = ["make_betas", "alphas_cumprod", "ddim_timesteps", "flow_sigmas"]
 
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
+SPACINGS = ("leading", "trailing", "linspace")
 
 
 def make_betas(num_train_timesteps: int = 1000, beta_start: float = 1e-4, beta_end: float = 0.02,
@@ -54,3 +57,43 @@ def check_betas(betas: object) -> Tensor:
 def alphas_cumprod(betas: Tensor) -> Tensor:
     r""":math:`\bar\alpha_t = \prod_{s \le t}(1 - \beta_s)`, float64, shape ``(T,)``."""
     return torch.cumprod(1 - betas.to(torch.float64), 0)
+
+
+def ddim_timesteps(num_train_timesteps: int, num_steps: int, timestep_spacing: str = "leading",
+                   steps_offset: int = 0) -> tuple[int, ...]:
+    """The train timesteps of a ``num_steps``-step loop, decreasing, as ``diffusers.DDIMScheduler.set_timesteps``:
+    ``"leading"`` (diffusers' default): ``(j * (T // num_steps) for j < num_steps)`` reversed, plus
+    ``steps_offset``; ``"trailing"``: ``round(arange(T, 0, -T / num_steps)) - 1``; ``"linspace"``:
+    ``round(linspace(0, T - 1, num_steps))`` reversed.
+
+    Example:
+        >>> ddim_timesteps(1000, 5), ddim_timesteps(1000, 5, "trailing")
+        ((800, 600, 400, 200, 0), (999, 799, 599, 399, 199))
+    """
+    T = num_train_timesteps
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or not 1 <= num_steps <= T:
+        raise ValueError(f"num_steps must be an int in [1, num_train_timesteps = {T}], got {num_steps!r}.")
+    if timestep_spacing == "leading":
+        ts = (np.arange(0, num_steps) * (T // num_steps)).round()[::-1].astype(np.int64) + steps_offset
+    elif timestep_spacing == "trailing":
+        ts = np.round(np.arange(T, 0, -T / num_steps)).astype(np.int64) - 1
+    elif timestep_spacing == "linspace":
+        ts = np.linspace(0, T - 1, num_steps).round()[::-1].astype(np.int64)
+    else:
+        raise ValueError(f"timestep_spacing must be one of {SPACINGS}, got {timestep_spacing!r}.")
+    out = tuple(int(t) for t in ts)
+    if min(out) < 0 or max(out) >= T:
+        raise ValueError(f"timesteps {out} leave [0, {T}); reduce steps_offset = {steps_offset}.")
+    return out
+
+
+def flow_sigmas(num_steps: int) -> tuple[float, ...]:
+    """The uniform time grid ``1, 1 - 1/N, ..., 1/N, 0`` (``N + 1`` values).
+
+    Example:
+        >>> flow_sigmas(4)
+        (1.0, 0.75, 0.5, 0.25, 0.0)
+    """
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
+        raise ValueError(f"num_steps must be a positive int, got {num_steps!r}.")
+    return tuple(1.0 - j / num_steps for j in range(num_steps)) + (0.0,)

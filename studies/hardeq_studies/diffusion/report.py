@@ -18,7 +18,8 @@ from ..palette import color
 from ..claims import Claim, claims_section
 from ..results import markdown_table, wall_time
 
-__all__ = ["paper_table", "render_markdown", "plot_schedules", "plot_training", "save_grids", "claims", "GRID_FILES"]
+__all__ = ["paper_table", "render_markdown", "protocol_sections", "plot_schedules", "plot_training", "save_grids",
+           "claims", "GRID_FILES"]
 
 #: the sample-grid figures the run writes (table -> file), and the real-vs-constrained grid
 GRID_FILES = {"3": "diffusion-samples-table3.png", "4": "diffusion-samples-table4.png",
@@ -296,6 +297,54 @@ def _significance_section(doc: Mapping[str, Any]) -> list[str]:
                            rows)]
 
 
+def protocol_sections(doc: Mapping[str, Any]) -> list[str]:
+    """The tables that say what this run's evidence can decide: the samplers' step variance and clipping (and why),
+    the FID's sizes beside the real-vs-real FID at the same sizes and the bootstrap's p floor, and the measured
+    cost of the preset with the wall time it projects. Each only when the document records it."""
+    lines: list[str] = []
+    samplers = doc.get("samplers")
+    if samplers:
+        lines += ["## Samplers: step variance and clipping", ""]
+        rows = [[name, d["loop"], d["step_variance"], f"{d['conditioned_step']} of N(x0_hat, "
+                 f"{d['conditioned_step_variance']} I) given the constraint", "no" if not d["clip_sample"] else "yes"]
+                for name, d in samplers.items()]
+        lines.append(markdown_table(["sampler", "loop", "unconditioned step variance", "conditioned step",
+                                     "clips x0 (clip_sample)"], rows))
+        first = next(iter(samplers.values()))
+        lines += [f"Why no clipping: {first['clip_reason']}", "",
+                  f"Why beta_t at the conditioned steps: {first['variance_reason']}.", ""]
+    fp = doc.get("fid_protocol")
+    if fp:
+        floor = _fmt(fp["p_floor"], ".2g") if fp.get("p_floor") is not None else "–"
+        lines += ["## What the FID can decide at this budget", "",
+                  f"FID against {fp['n_reference']:,} real {fp['reference_split']} images; {fp['seeds']} noise "
+                  f"seed(s); paired bootstrap over images with {fp['bootstrap_replicates']:,} replicates (smallest "
+                  f"possible p: {floor}). The real-vs-real FID is that of real training images at the same size "
+                  "against the same reference: what a perfect sampler scores here, so FID differences far below it "
+                  "decide little.", ""]
+        rows = []
+        for tk, t in fp["tables"].items():
+            rr = t.get("real_vs_real") or {}
+            rows.append([tk, t["n_per_seed"], fp["seeds"], ", ".join(t["rows"]),
+                         _cell({"mean": rr.get("mean"), "std": rr.get("std")}, ".2f")])
+        lines.append(markdown_table(["table", "images per seed", "seeds", "rows with an FID",
+                                     "real-vs-real FID"], rows))
+    cost = doc["config"]["settings"].get("cost")
+    if cost:
+        m = cost["measured"]
+        lines += ["## Measured cost of this preset", "",
+                  f"Measured on {m['date']} ({m['machine']}, {m['cpus']} CPUs, {m['threads']} thread(s), load "
+                  f"average {m['load_before'][0]:.1f} before and {m['load_after'][0]:.1f} after; "
+                  f"`python -m hardeq_studies.diffusion.cost`): training {_fmt(m['train_s_per_step'], '.2f')} s per "
+                  f"step; DDPM {_fmt(m['ddpm_ms_per_image_step'], '.2f')} ms and DDIM "
+                  f"{_fmt(m['ms_per_image_step'], '.2f')} ms per image and step; Inception "
+                  f"{_fmt(m['inception_s_per_image'], '.3f')} s per image; one FID of {m['fid_n']} images "
+                  f"{_fmt(m['fid_s'], '.2f')} s. {cost.get('note', '')}", ""]
+        rows = [[k, _fmt(v / 60, ".0f")] for k, v in cost["projected_s"].items()]
+        lines.append(markdown_table(["stage", "projected minutes"], rows))
+    return lines
+
+
 def render_markdown(doc: Mapping[str, Any], out: Path | None = None) -> str:
     """``diffusion.md``: the tables next to the paper's values, the FID checks, the claims, run facts."""
     idx = _index(doc)
@@ -422,6 +471,7 @@ def render_markdown(doc: Mapping[str, Any], out: Path | None = None) -> str:
                   "Computed with the same network, preprocessing and reference statistics as the tables.", ""]
         rows = [[c["check"], c["n"], _fmt(c["fid"], ".4g"), c["expected"]] for c in doc["checks"]]
         lines.append(markdown_table(["check", "n", "FID", "expected"], rows))
+    lines += protocol_sections(doc)
     lines += _significance_section(doc)
     lines.append(claims_section(claims(doc), note=(
         "The pairs here are images, not seeds (one noise seed; every row of a table starts from the same noise): "

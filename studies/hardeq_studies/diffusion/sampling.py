@@ -6,7 +6,7 @@ the same noise:
 * **DDPM group** (paper Table 3): one 1000-step ancestral trajectory per image. Its last step is taken four
   times from the same :math:`x_1`: unconstrained (``DDPM``), conditioned on the constraint (``DDPM + ours``, the
   exact last step of :func:`hardeq.diffusion.ddpm_sample`, computed as a one-step ``ddpm_sample`` with
-  ``betas = betas[:1]`` and ``noise = x_1``, which is that loop's last step), its conditional mean
+  ``DDPMOptions(betas=betas[:1])`` and ``noise = x_1``, which is that loop's last step), its conditional mean
   (``deterministic=True``) and the conditional mode in the pixel box (``final="box"``, :func:`~hardeq.diffusion.
   box_project`). The unconstrained output is also repaired after the fact: orthogonal (KKT) projection onto the
   constraint (``+ projection``), and the projection followed by clipping to the pixel range
@@ -30,8 +30,9 @@ pixels outside ``[0, 1]``.
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -40,7 +41,7 @@ from torch import Tensor, nn
 from .data import from_model, quantize, residuals
 
 __all__ = ["Variant", "parse_schedule", "schedule_label", "ddpm_variants", "ddim_variants", "sample_group",
-           "group_of", "split_group", "residuals_u8", "GROUP_SUFFIXES"]
+           "group_of", "split_group", "residuals_u8", "describe_samplers", "GROUP_SUFFIXES"]
 
 #: group suffixes of the headline schedule's extra runs: the conditional mean, and the mode in the box
 GROUP_SUFFIXES = ("+det", "+box")
@@ -183,27 +184,30 @@ def sample_group(model: nn.Module, group: str, *, shape: tuple[int, int, int], n
                 captured["x1"] = x.clone()
 
         step_gen = torch.Generator(device=device).manual_seed(int(seed) + 2)
-        y = diffusion.ddpm_sample(model, (n, C, H, W), betas=betas, noise=x_T, generator=step_gen,
-                                  callback=keep_x1, device=device)
+        y = diffusion.ddpm_sample(model, (n, C, H, W), diffusion.DDPMOptions(betas=betas, device=device), noise=x_T,
+                                  generator=step_gen, callback=keep_x1)
+        last_step = diffusion.DDPMOptions(betas=betas[:1], device=device)  # the loop's last step, from x_1
 
-        def last(**kw: Any) -> Tensor:
-            return diffusion.ddpm_sample(model, (n, C, H, W), con, betas=betas[:1], noise=captured["x1"],
-                                         device=device, **kw)
+        def last(options: Any, **kw: Any) -> Tensor:
+            return diffusion.ddpm_sample(model, (n, C, H, W), options, constraint=con, noise=captured["x1"], **kw)
 
-        outs = {"ddpm": y, "ddpm+ours": last(condition_generator=cond_gen, deterministic=deterministic),
-                "ddpm+ours+det": last(deterministic=True), "ddpm+ours+box": last(final="box")}
+        outs = {"ddpm": y,
+                "ddpm+ours": last(replace(last_step, deterministic=deterministic), condition_generator=cond_gen),
+                "ddpm+ours+det": last(replace(last_step, deterministic=True)),
+                "ddpm+ours+box": last(replace(last_step, final="box"))}
         base = "ddpm"
     elif group == "ddim":
-        y = diffusion.ddim_sample(model, (n, C, H, W), ddim_steps, betas=betas, eta=eta, noise=x_T,
-                                  generator=gen, device=device)
+        opts = diffusion.DDIMOptions(num_steps=ddim_steps, betas=betas, eta=eta, device=device)
+        y = diffusion.ddim_sample(model, (n, C, H, W), opts, noise=x_T, generator=gen)
         outs = {"ddim": y}
         base = "ddim"
     elif group.startswith("ddim@"):
         text, suffix = split_group(group)
-        y = diffusion.ddim_sample(model, (n, C, H, W), ddim_steps, con, parse_schedule(text), betas=betas, eta=eta,
-                                  noise=x_T, generator=gen, condition_generator=cond_gen,
-                                  deterministic=deterministic or suffix == "+det",
-                                  final="box" if suffix == "+box" else None, device=device)
+        opts = diffusion.DDIMOptions(num_steps=ddim_steps, betas=betas, eta=eta, device=device,
+                                     deterministic=deterministic or suffix == "+det",
+                                     final="box" if suffix == "+box" else None)
+        y = diffusion.ddim_sample(model, (n, C, H, W), opts, constraint=con, schedule=parse_schedule(text), noise=x_T,
+                                  generator=gen, condition_generator=cond_gen)
         return {group: _summary(y, totals, box=suffix == "+box")}
     else:
         raise ValueError(f"unknown sampling group {group!r}.")
@@ -216,5 +220,41 @@ def sample_group(model: nn.Module, group: str, *, shape: tuple[int, int, int], n
     return res
 
 
-def describe_variants(variants: list[Variant]) -> list[dict[str, Any]]:
-    return [{"key": v.key, "label": v.label, "group": v.group, "post": v.post, "exact": v.exact} for v in variants]
+#: why every sampler runs unclipped (recorded with the results)
+CLIP_REASON = ("clip_sample=False for every row (diffusers' DDPMScheduler defaults to clip_sample=True): clipping the "
+               "x0-prediction to [-1, 1] at each step moves pixels one by one, so a clipped conditioned x0 would no "
+               "longer satisfy A x0 = k, and the rows are compared like for like, differing only in how the "
+               "constraint is handled; clipping the final images is a row of its own (+ projection + clip). The "
+               "paper does not say whether its samplers clip.")
+#: why the conditioned steps use beta_t (recorded with the results)
+VARIANCE_REASON = ("the paper does not specify the variance of a conditioned step; this study conditions "
+                   "N(x0_hat, beta_t I) (DDPM's 'fixed_large' variance at the step's train timestep, "
+                   "sqrt(beta_0) = {last:.3g} standard deviation at DDPM's last step), because DDPM's own "
+                   "'fixed_small' variance is 0 at t = 0 and a point mass cannot be conditioned; a project choice, "
+                   "not the paper's")
+
+
+def describe_samplers(s: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """What each sampler of the study uses, for the results document: the loop, the variance of its
+    unconditioned and of its conditioned steps, whether it clips, and why (settings ``s``). Read from the
+    options objects :func:`sample_group` builds (the study sets only ``betas``, ``num_steps``, ``eta``,
+    ``deterministic``, ``final`` and ``device``; everything else is the options' default)."""
+    from hardeq import diffusion
+
+    d, sm = s["diffusion"], s["sampling"]
+    betas = diffusion.make_betas(int(d["num_train_timesteps"]), float(d["beta_start"]), float(d["beta_end"]),
+                                 d["beta_schedule"])
+    ddpm = diffusion.DDPMOptions(betas=betas)
+    ddim = diffusion.DDIMOptions(num_steps=int(sm["ddim_steps"]), betas=betas, eta=float(sm["eta"]))
+    common = {"clip_sample": False, "post": ddpm.post, "clip_reason": CLIP_REASON,
+              "conditioned_step_variance": "beta_t" if ddpm.scale is None else repr(ddpm.scale),
+              "conditioned_step": "sample" if not bool(sm["deterministic"]) else "conditional mean",
+              "variance_reason": VARIANCE_REASON.format(last=math.sqrt(float(betas[0])))}
+    return {"DDPM": {"loop": f"ancestral DDPM over all T = {betas.shape[0]} train timesteps",
+                     "step_variance": f"{ddpm.variance_type}: (1 - abar_(t-1)) / (1 - abar_t) beta_t (diffusers' "
+                                      "default; 0 at t = 0)", **common},
+            "DDIM": {"loop": f"DDIM, {ddim.steps()} steps ({ddim.timestep_spacing} spacing), eta = {ddim.eta}",
+                     "step_variance": ("eta^2 (1 - abar_t') / (1 - abar_t) (1 - abar_t / abar_t') = 0 (eta = 0: "
+                                       "deterministic updates)" if ddim.eta == 0 else
+                                       f"eta^2 (1 - abar_t') / (1 - abar_t) (1 - abar_t / abar_t'), eta = {ddim.eta}"),
+                     **common}}

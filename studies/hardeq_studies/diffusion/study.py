@@ -117,7 +117,7 @@ class DiffusionStudy(Study):
         return {"config": used, "records": res["records"], "significance": res["significance"],
                 "device": run.device, "tables": res["tables"],
                 "checks": res["checks"], "data": res["data"], "model": res["model"], "timing": res["timing"],
-                "group_sizes": res["group_sizes"]}
+                "group_sizes": res["group_sizes"], "samplers": res["samplers"], "fid_protocol": res["fid_protocol"]}
 
     def markdown(self, doc: dict[str, Any], out: Path) -> str:
         from .report import render_markdown

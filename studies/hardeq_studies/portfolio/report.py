@@ -21,10 +21,6 @@ __all__ = ["summarise", "significance", "document", "claims", "render_markdown",
 
 #: per-run metrics of every method (means over the test windows; max for the sum residual)
 RUN_METRICS = ("test_sharpe", "ann_return", "ann_vol", "short_share", "max_sum_residual")
-#: per-run diagnostics of the ours methods: variance dispersion (means over the test windows of the per-window
-#: coefficient of variation and max/min ratio of the per-stock variances) and the largest distance of the
-#: evaluated weights from the KKT projection of the same mean (max over windows and stocks)
-DIAG_METRICS = ("var_cv", "var_ratio", "max_gap_to_projection")
 #: the paper's Table 7 claims tested here: (claim, the method ours is compared with)
 CLAIMS = (("ours beats StemGNN's softmax head", "StemGNN"), ("ours beats KKT-hPINN", "StemGNN-KKThPINN"),
           ("ours beats the constraint layer (CL)", "StemGNN-CL"))
