@@ -398,14 +398,10 @@ def test_quick_preset_end_to_end(quick_run):
     assert "deterministic updates" in doc["samplers"]["DDIM"]["step_variance"]  # eta = 0
     assert ("3", "DDPM + ours + box (last step)", "DDPM + ours (last step)", "residual_u8") in sig
     md = (out / "diffusion.md").read_text()
-<<<<<<< HEAD
     # the paper's table numbers in its source order: the schedule tables are 9 and 10
     assert "## Table 3:" in md and "## Table 9:" in md and "## Table 10:" in md and "## Table 6:" not in md
     assert "## Claims of the paper" in md
-=======
-    assert "Table 3" in md and "Table 7" in md and "## Claims of the paper" in md
     assert "## Samplers: step variance and clipping" in md and "Why no clipping: clip_sample=False" in md
->>>>>>> diffusion-options
     claims = md.split("## Claims of the paper")[1].split("\n## ")[0]
     rows = [line for line in claims.splitlines() if line.startswith("| ") and "claim (paper)" not in line]
     from hardeq_studies.claims import VERDICTS
