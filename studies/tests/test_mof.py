@@ -257,9 +257,11 @@ def test_uniform_settings_give_every_group_the_same_network_and_batch():
     settings = {"splits": 2, "steps": 10, "eval_every": 5, "uniform": uniform}
     for g in config["groups"]:
         gs = group_settings(config, settings, g)
-        assert gs["arch"] == uniform["arch"] and gs["batch_size"] == 32 and gs["methods"] == config["groups"][g]["methods"]
+        assert gs["arch"] == uniform["arch"] and gs["batch_size"] == 32
+        assert gs["methods"] == config["groups"][g]["methods"]
         assert _unit_id(config, settings, 0, g)["batch_size"] == 32
-    assert group_settings(config, {"steps": 10}, "likelihood")["batch_size"] == config["groups"]["likelihood"]["batch_size"]
+    own = config["groups"]["likelihood"]["batch_size"]
+    assert group_settings(config, {"steps": 10}, "likelihood")["batch_size"] == own
     assert unit_plan(config, settings)[0] == (0, "raza")  # six models: the costliest unit first
     with pytest.raises(ValueError, match="uniform"):
         group_settings(config, {"uniform": {"patience": 3}}, "raza")

@@ -258,27 +258,27 @@ def test_constrained_reparam_independent_expected_gradient_by_monte_carlo(struct
     assert biased_somewhere
 
 
-def test_constrained_reparam_independent_checks_proxy_noise_and_differs_from_marginal_expectation():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_constrained_reparam_independent_checks_proxy_noise_and_differs_from_marginal_expectation(dtype):
     """A proxy_noise of the wrong shape or type is refused; with zero proxy noise the proxy is the conditional
-    mean, so the gradient equals Marginal Expectation's exactly (float32 and float64)."""
-    for dtype in (torch.float32, torch.float64):
-        case = make_case("diag", "sum", (2,), n=6, a=2, dtype=dtype, requires_grad=True)
-        noise = torch.randn(3, 2, case.dist.noise_size, dtype=dtype)
-        with pytest.raises(ValueError, match="proxy_noise must have the shape of noise"):
-            _call("constrained_reparam_independent", case, noise, proxy_noise=noise[0])
-        with pytest.raises(TypeError, match="proxy_noise must be a Tensor"):
-            _call("constrained_reparam_independent", case, noise, proxy_noise=0.0)
-        leaves = [case.params["loc"], case.params["scale"]]
-        y = torch.randn(2, 6, dtype=dtype)
+    mean, so the gradient equals Marginal Expectation's exactly; with random proxy noise it does not."""
+    case = make_case("diag", "sum", (2,), n=6, a=2, dtype=dtype, requires_grad=True)
+    noise = torch.randn(3, 2, case.dist.noise_size, dtype=dtype)
+    with pytest.raises(ValueError, match="proxy_noise must have the shape of noise"):
+        _call("constrained_reparam_independent", case, noise, proxy_noise=noise[0])
+    with pytest.raises(TypeError, match="proxy_noise must be a Tensor"):
+        _call("constrained_reparam_independent", case, noise, proxy_noise=0.0)
+    leaves = [case.params["loc"], case.params["scale"]]
+    y = torch.randn(2, 6, dtype=dtype)
 
-        def grads(name, **kwargs):
-            z = _call(name, case, noise, **kwargs)
-            return torch.autograd.grad(((z - y) ** 2).sum(), leaves, allow_unused=True, retain_graph=True)
+    def grads(name, **kwargs):
+        z = _call(name, case, noise, **kwargs)
+        out = torch.autograd.grad(((z - y) ** 2).sum(), leaves, allow_unused=True, retain_graph=True)
+        return [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(out, leaves)]
 
-        g_me = grads("marginal_expectation")
-        g_zero = grads("constrained_reparam_independent", proxy_noise=torch.zeros_like(noise))
-        for got, want in zip(g_zero, g_me):
-            torch.testing.assert_close(got if got is not None else torch.zeros_like(want),
-                                       want if want is not None else torch.zeros_like(got))
-        g_rand = grads("constrained_reparam_independent", proxy_noise=torch.randn_like(noise))
-        assert not torch.allclose(g_rand[1], g_me[1] if g_me[1] is not None else torch.zeros_like(g_rand[1]))
+    g_me = grads("marginal_expectation")
+    g_zero = grads("constrained_reparam_independent", proxy_noise=torch.zeros_like(noise))
+    for got, want in zip(g_zero, g_me):
+        torch.testing.assert_close(got, want)
+    g_rand = grads("constrained_reparam_independent", proxy_noise=torch.randn_like(noise))
+    assert not torch.allclose(g_rand[1], g_me[1])
