@@ -158,3 +158,15 @@ def test_time_table_has_the_ratio_column_only_when_the_unconstrained_vae_ran():
     with_ratio["timing"]["ratio_to_unconstrained"] = {m: 1.25 for m in ratios}
     table = render_markdown(with_ratio).split("## Time per epoch")[1]
     assert "ratio to unconstrained" in table and "| 1.25 |" in table
+
+
+def test_cpu_preset_runs_both_readings_of_constrained_reparametrization_and_the_reference():
+    """The cpu preset trains every method of the protocol: the independent-noise Constrained Reparametrization
+    as its own row (the shared-noise reading is pathwise) and the unconstrained VAE (the time-ratio column)."""
+    from hardeq_studies.vae_latent.run import load_config, settings
+
+    config = load_config()
+    s = settings(config, "cpu")
+    assert "methods" not in config["presets"]["cpu"] and s["methods"] == config["protocol"]["methods"]
+    assert {"constrained_reparam_independent", "unconstrained", "pathwise", "marginal_expectation"} <= set(s["methods"])
+    assert (s["seeds"], s["epochs"], s["importance_samples"]) == (5, 14, 100)

@@ -19,7 +19,7 @@ __all__ = ["METRICS", "LABELS", "summarise", "paired_gap_curve", "claims", "gap_
 METRICS = {"nll": "test NLL (IS)", "nelbo": "test NELBO", "rec": "reconstruction loss"}
 #: the paper's names of the estimators
 LABELS = {"marginal_expectation": "Marginal Expectation", "pathwise": "pathwise (ours)",
-          "constrained_reparam_independent": "Constrained Reparametrization",
+          "constrained_reparam_independent": "Constrained Reparametrization (independent noise)",
           "constrained_marginal": "Constrained Marginal", "unconstrained_marginal": "Unconstrained Marginal",
           "constrained_layer": "Constrained Layer", "random": "Random", "unconstrained": "unconstrained VAE"}
 #: the methods every other one is tested against
