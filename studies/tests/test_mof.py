@@ -250,7 +250,8 @@ def test_uniform_settings_give_every_group_the_same_network_and_batch():
     """A preset's ``uniform`` block replaces every group's network, batch size and learning rate (the losses and
     the ensemble stay the group's); an unknown key is refused; without it each group keeps its own."""
     from hardeq_studies.mof.data import load_config
-    from hardeq_studies.mof.run import _unit_id, group_settings, unit_plan
+    from hardeq_studies.mof.models import build_member
+    from hardeq_studies.mof.run import _unit_id, group_settings, member_seeds, unit_plan
 
     config = load_config()
     uniform = {"arch": {"embedding": 10, "hidden": 30, "steps": 4}, "batch_size": 32, "lr": 0.005}
@@ -263,6 +264,13 @@ def test_uniform_settings_give_every_group_the_same_network_and_batch():
     own = config["groups"]["likelihood"]["batch_size"]
     assert group_settings(config, {"steps": 10}, "likelihood")["batch_size"] == own
     assert unit_plan(config, settings)[0] == (0, "raza")  # six models: the costliest unit first
+    # every method's j-th model starts from the same initialisation (KKT, KKT, variance, variance, CL, CL)
+    assert member_seeds(config, settings, 3, "raza") == [3000, 3001] * 3
+    assert member_seeds(config, settings, 3, "likelihood") == [3000, 3001]
+    torch.testing.assert_close(build_member(uniform["arch"], 3000).state_dict(),
+                               build_member(uniform["arch"], 3000).state_dict(), rtol=0, atol=0)
+    assert len(set(member_seeds(config, {"steps": 10}, 3, "raza") + member_seeds(config, {"steps": 10}, 3,
+                                                                               "likelihood"))) == 8
     with pytest.raises(ValueError, match="uniform"):
         group_settings(config, {"uniform": {"patience": 3}}, "raza")
 

@@ -16,7 +16,8 @@ Without it (the ``paper`` preset) a round is one data epoch of the group's batch
 **One configuration for every method** (:func:`group_settings`). A preset's ``uniform`` block
 (``{"arch", "batch_size", "lr"}``) replaces each group's own network, batch size and learning rate, so that
 every method trains the same network on the same batches for the same number of data epochs: the methods then
-differ only in their loss and correction. **Smoothed early stopping**: a preset's ``smoothing`` (``a``) makes
+differ only in their loss and correction, and each method's ``j``-th model starts from the same initialisation
+(:func:`member_seeds`). **Smoothed early stopping**: a preset's ``smoothing`` (``a``) makes
 model selection and patience read the exponential moving average of the validation MAD
 (:class:`~.task.MofTask`'s ``mad_smooth``) instead of the raw curve; ``steps`` is then the maximum budget.
 """
@@ -36,7 +37,8 @@ from .data import collate, load_graphs, make_split, step_batches
 from .models import build_member
 from .task import MofTask, unit_methods
 
-__all__ = ["group_settings", "run_unit", "schedule", "select_metric", "steps_taken", "train_all", "unit_plan"]
+__all__ = ["group_settings", "member_seeds", "run_unit", "schedule", "select_metric", "steps_taken", "train_all",
+           "unit_plan"]
 
 
 def group_settings(config: Mapping[str, Any], settings: Mapping[str, Any], group: str) -> dict[str, Any]:
@@ -56,6 +58,18 @@ def json_copy(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [json_copy(v) for v in obj]
     return obj
+
+
+def member_seeds(config: Mapping[str, Any], settings: Mapping[str, Any], split: int, group: str) -> list[int]:
+    """Initialisation seeds of the unit's members (:func:`~.task.unit_methods` order). With a ``uniform`` block
+    every method's ``j``-th ensemble member starts from the same initialisation (seed ``1000 split + j``), so that,
+    with the shared batch order of the split, methods differ only in their loss and correction (common random
+    numbers for the paired tests); otherwise each group draws its own (``1000 split + 10 group + i``)."""
+    g = group_settings(config, settings, group)
+    count = len(unit_methods(g))
+    if settings.get("uniform"):
+        return [1000 * int(split) + i % int(g["ensemble"]) for i in range(count)]
+    return [1000 * int(split) + 10 * list(config["groups"]).index(group) + i for i in range(count)]
 
 
 def select_metric(settings: Mapping[str, Any]) -> str:
@@ -135,7 +149,7 @@ def run_unit(config: Mapping[str, Any], settings: Mapping[str, Any], split: int,
     test_batch = collate([data.graphs[i] for i in split_ix["test"]]).to(dev)
     g = group_settings(config, settings, group)
     methods = unit_methods(g)
-    seeds = [1000 * split + 10 * list(config["groups"]).index(group) + i for i in range(len(methods))]
+    seeds = member_seeds(config, settings, split, group)
     model = MemberList([build_member(g["arch"], s) for s in seeds], per_member_inputs=False).to(dev)
     bs = int(g["batch_size"])
     plan = schedule(settings, bs, len(train_graphs))
