@@ -170,3 +170,17 @@ def test_cpu_preset_runs_both_readings_of_constrained_reparametrization_and_the_
     assert "methods" not in config["presets"]["cpu"] and s["methods"] == config["protocol"]["methods"]
     assert {"constrained_reparam_independent", "unconstrained", "pathwise", "marginal_expectation"} <= set(s["methods"])
     assert (s["seeds"], s["epochs"], s["importance_samples"]) == (5, 14, 100)
+
+
+def test_pair_gap_rows_are_the_paired_differences_of_the_trial_curves():
+    """The independent-noise CR - ME gap table: per epoch the means of both curves and the mean of the per-trial
+    differences with its t-interval; empty when a method was not run."""
+    from hardeq_studies.vae_latent.report import pair_gap_rows
+
+    a, b = [[10.0, 8.0], [12.0, 9.0], [11.0, 7.0]], [[9.0, 8.5], [11.0, 8.0], [10.5, 8.5]]
+    curves = {m: {"test_nelbo_trials": t, "test_nelbo": [sum(x) / 3 for x in zip(*t)]}
+              for m, t in (("constrained_reparam_independent", a), ("marginal_expectation", b))}
+    rows = pair_gap_rows({"curves": {"sum": curves}}, "sum", "constrained_reparam_independent", "marginal_expectation")
+    assert [r[0] for r in rows] == ["1", "2"] and rows[0][1:4] == ["11.00", "10.17", "+0.83"]
+    assert rows[1][3] == "-0.33" and rows[0][4].startswith("[")
+    assert pair_gap_rows({"curves": {"sum": {}}}, "sum", "marginal_expectation", "pathwise") == []
