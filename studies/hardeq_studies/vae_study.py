@@ -3,7 +3,7 @@
 Each study's ``run.py`` offers ``settings(config, preset)`` and ``run(settings, trials, epochs, **subsets,
 checkpoint_path=, resume=, device=, progress=)`` (units checkpointed one by one); its ``report.py`` offers
 ``summarise(result, config)`` with ``records``, ``per_trial``, ``curves``, ``significance``, ``timing`` (and,
-for vae-data, ``images``).
+for vae-data, ``images`` and, when the units recorded test-RL curves, ``test_curves``).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class VaeStudy(Study):
         used = {**run.settings, "preset": run.preset, "trials": run.trials, "epochs": run.epochs,
                 **{f"{k}_run": result[k] for k in self.subsets}, "paper": self.config["paper"],
                 "source": self.config["source"]}
-        images = {"images": summary["images"]} if "images" in summary else {}
+        images = {k: summary[k] for k in ("images", "test_curves") if k in summary}
         return {"config": used, "records": summary["records"], "device": run.device,
                 "data": {"n_train": result["n_train"], "n_test": result["n_test"]}, "per_trial": summary["per_trial"],
                 "curves": summary["curves"], **images, "significance": summary["significance"],

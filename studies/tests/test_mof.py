@@ -281,3 +281,61 @@ def test_claims_across_confounded_groups_are_never_reproduced_or_refuted():
     assert win == "reproduced (Wilcoxon, n = 10)"
     assert loss == "not reproduced at this budget (Wilcoxon, n = 10; significant the other way, but every model " \
                    "gets 200 optimiser steps, far short of 3000 epochs)"
+
+
+def test_uniform_settings_give_every_group_the_same_network_and_batch():
+    """A preset's ``uniform`` block replaces every group's network, batch size and learning rate (the losses and
+    the ensemble stay the group's); an unknown key is refused; without it each group keeps its own."""
+    from hardeq_studies.mof.data import load_config
+    from hardeq_studies.mof.models import build_member
+    from hardeq_studies.mof.run import _unit_id, group_settings, member_seeds, unit_plan
+
+    config = load_config()
+    uniform = {"arch": {"embedding": 10, "hidden": 30, "steps": 4}, "batch_size": 32, "lr": 0.005}
+    settings = {"splits": 2, "steps": 10, "eval_every": 5, "uniform": uniform}
+    for g in config["groups"]:
+        gs = group_settings(config, settings, g)
+        assert gs["arch"] == uniform["arch"] and gs["batch_size"] == 32
+        assert gs["methods"] == config["groups"][g]["methods"]
+        assert _unit_id(config, settings, 0, g)["batch_size"] == 32
+    own = config["groups"]["likelihood"]["batch_size"]
+    assert group_settings(config, {"steps": 10}, "likelihood")["batch_size"] == own
+    assert unit_plan(config, settings)[0] == (0, "raza")  # six models: the costliest unit first
+    # every method's j-th model starts from the same initialisation (KKT, KKT, variance, variance, CL, CL)
+    assert member_seeds(config, settings, 3, "raza") == [3000, 3001] * 3
+    assert member_seeds(config, settings, 3, "likelihood") == [3000, 3001]
+    torch.testing.assert_close(build_member(uniform["arch"], 3000).state_dict(),
+                               build_member(uniform["arch"], 3000).state_dict(), rtol=0, atol=0)
+    assert len(set(member_seeds(config, {"steps": 10}, 3, "raza") + member_seeds(config, {"steps": 10}, 3,
+                                                                               "likelihood"))) == 8
+    with pytest.raises(ValueError, match="uniform"):
+        group_settings(config, {"uniform": {"patience": 3}}, "raza")
+
+
+def test_smoothed_validation_mad_is_an_exponential_average_that_survives_a_checkpoint(data):
+    """``mad_smooth`` from ``metrics`` is s_1 = m_1, s_r = (1 - a) s_{r-1} + a m_r per member; the state hook hands
+    the average through a checkpoint, so a restored task continues it; a smoothing outside (0, 1] is refused."""
+    from hardeq_studies.mof.data import collate
+    from hardeq_studies.mof.task import MofTask
+
+    batch = collate(data.graphs[:4])
+    n = int(batch.num_nodes)
+    g = torch.Generator().manual_seed(0)
+    out = torch.stack([torch.randn(2, n, generator=g, dtype=torch.float64),
+                       torch.rand(2, n, generator=g, dtype=torch.float64) + 0.1], -1)  # (M, N, 2)
+    task = MofTask(["KKT", "variance"], smoothing=0.5)
+    first = task.metrics(out, batch)
+    torch.testing.assert_close(first["mad_smooth"], first["mad"])
+    moved = out.clone()
+    moved[..., 0] += 0.3
+    second = task.metrics(moved, batch)
+    torch.testing.assert_close(second["mad_smooth"], 0.5 * first["mad"] + 0.5 * second["mad"])
+    restored = MofTask(["KKT", "variance"], smoothing=0.5)
+    restored.state_hook().load_state_dict(task.state_hook().state_dict())
+    third, again = task.metrics(out, batch), restored.metrics(out, batch)
+    torch.testing.assert_close(again["mad_smooth"], third["mad_smooth"], rtol=0, atol=0)
+    torch.testing.assert_close(third["mad_smooth"], 0.5 * second["mad_smooth"] + 0.5 * first["mad"])
+    assert "mad_smooth" not in MofTask(["KKT"]).metrics(out[:1], batch)
+    for bad in (0, 1.5, "0.3"):
+        with pytest.raises(ValueError, match="smoothing"):
+            MofTask(["KKT"], smoothing=bad)

@@ -12,8 +12,9 @@ from hardeq_studies.cli import main
 from hardeq_studies.vae_data.models import MODELS
 from hardeq_studies.vae_data import run as run_mod
 from hardeq_studies.vae_data.report import summarise
-from hardeq_studies.vae_data.run import (SAMPLED, _reconstruction_loss, cl_order, cl_pixel, evaluate, load_config,
-                                         observation, pixel_sum_constraint, settings, units_of)
+from hardeq_studies.vae_data.run import (FROZEN_VARIANCE, SAMPLED, _reconstruction_loss, cl_order, cl_pixel, evaluate,
+                                         load_config, model_epochs, observation, pixel_sum_constraint,
+                                         reconstruction_rl, settings, training_loss, units_of)
 
 
 def test_observation_variants():
@@ -134,7 +135,10 @@ def test_quick_preset_end_to_end_through_the_cli(tmp_path):
             assert recs[(model, v, "max_sum_deviation")]["mean"] < 1e-3
         assert recs[(model, "unconstrained", "violation")]["mean"] > 0.5
         assert recs[(model, "ours", "ll")]["paper"] is not None
-    assert ("vae", "ours-pathwise", "ll") in recs
+    assert ("vae", "ours-pathwise", "ll") in recs and ("vae", "unconstrained-se-frozenvar+cond", "rl") in recs
+    gaps = set(doc["test_curves"]["vae"]["gaps"])
+    assert gaps >= {"ours-me - unconstrained-se", "ours-me - unconstrained-se-frozenvar"}
+    assert "## Does the gap still move? (test RL per epoch)" in (tmp_path / "vae-data.md").read_text()
     for name in ("vae-data.md", "vae-data_data.png", "vae-data_reconstructions.png", "vae-data_curves.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert main(["report", "vae-data", "--out", str(tmp_path), "--quiet"]) == 0
@@ -190,3 +194,59 @@ def test_verdicts_come_from_the_paired_tests_either_way():
     assert one(worse).startswith("not reproduced at this budget (paired t, n = 3; significant the other way, but "
                                  "3 trial(s) (a paired t-test with 2 degree(s) of freedom) of 10 epoch(s)")
     assert one(noise).startswith("undecided (paired t, n = 3; 3 trial(s) of 10 epoch(s)")
+
+
+def test_frozen_variance_variants_isolate_the_variance_effect():
+    """With one shared observation variance: the frozen-variance variants give the variance no gradient, and
+    ``ours-pathwise-frozenvar`` takes Marginal Expectation's gradient for the decoder's mean exactly (the
+    conditional mean, ME's proxy, does not depend on the variance), from the same forward sample; the learned-
+    variance ``ours-pathwise`` does push the variance (a check that the comparison can fail)."""
+    c = pixel_sum_constraint(100.0)
+    x = torch.rand(4, 784)
+    x = x / x.sum(-1, keepdim=True) * 100
+    assert set(FROZEN_VARIANCE) <= set(SAMPLED)
+
+    def grads(variant):
+        mean = torch.rand(4, 784, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+        nu = torch.zeros(1, requires_grad=True)
+        torch.manual_seed(7)  # the same forward sample for every variant
+        training_loss(variant, mean, nu.expand(4, 784), x, c, None).sum().backward()
+        return mean.grad, nu.grad
+
+    g_me, nu_me = grads("ours-me")
+    g_fz, nu_fz = grads("ours-pathwise-frozenvar")
+    torch.testing.assert_close(g_fz, g_me, rtol=1e-5, atol=1e-5)
+    assert nu_fz is None and (nu_me is None or abs(float(nu_me)) < 1e-3)
+    _, nu_pw = grads("ours-pathwise")
+    assert nu_pw is not None and float(nu_pw) > 100
+    g_se, nu_se = grads("unconstrained-se")
+    g_sefz, nu_sefz = grads("unconstrained-se-frozenvar")
+    torch.testing.assert_close(g_sefz, g_se)  # the same sample; only the variance's gradient is cut
+    assert nu_sefz is None and float(nu_se) > 100
+
+
+def test_cpu_preset_runs_three_models_with_their_own_epochs():
+    """The cpu preset: 5 trials; the VAE with every variant for the run's epochs, the Ladder and Graph VAEs with
+    the likelihood-trained variants for ``model_epochs``; a bad ``model_epochs`` entry is refused."""
+    s = settings(load_config(), "cpu")
+    units = units_of(s, s["models"], list(run_mod.VARIANTS), list(range(s["seeds"])))
+    assert len(units) == 5 * (len(run_mod.VARIANTS) + 2 * len(run_mod.LIKELIHOOD)) == 75
+    assert {v for m, v, _ in units if m != "vae"} == set(run_mod.LIKELIHOOD)
+    assert model_epochs(s, "vae", s["epochs"]) == 10
+    assert model_epochs(s, "ladder", 10) == 4 == model_epochs(s, "graph", 10)
+    with pytest.raises(ValueError, match="model_epochs"):
+        model_epochs({"model_epochs": {"vae": 0}}, "vae", 3)
+
+
+def test_reconstruction_rl_is_the_evaluation_rl_with_one_latent_sample():
+    """The per-epoch curve's RL equals :func:`evaluate`'s RL at K = 1 with the same generator seed and chunks
+    (an independent code path: the curve would drift from the final table otherwise)."""
+    torch.manual_seed(0)
+    model = MODELS["vae"](hidden=(32, 32, 16, 8), observation="homoscedastic")
+    x = torch.rand(12, 784)
+    x = x / x.sum(-1, keepdim=True) * 100
+    c = pixel_sum_constraint(100.0)
+    for v in ("ours-me", "unconstrained"):
+        want = evaluate(model, v, x, c, 1, seed=3, chunk=5, tolerance=1e-3)[v]["rl"]
+        assert abs(reconstruction_rl(model, v, x, c, 3, 5) - want) < 1e-4 * max(1.0, abs(want))
+    assert model.training  # train mode restored

@@ -168,3 +168,29 @@ def test_time_table_has_the_ratio_column_only_when_the_unconstrained_vae_ran():
     with_ratio["timing"]["ratio_to_unconstrained"] = {m: 1.25 for m in ratios}
     table = render_markdown(with_ratio).split("## Time per epoch")[1]
     assert "ratio to unconstrained" in table and "| 1.25 |" in table
+
+
+def test_cpu_preset_runs_both_readings_of_constrained_reparametrization_and_the_reference():
+    """The cpu preset trains every method of the protocol: the independent-noise Constrained Reparametrization
+    as its own row (the shared-noise reading is pathwise) and the unconstrained VAE (the time-ratio column)."""
+    from hardeq_studies.vae_latent.run import load_config, settings
+
+    config = load_config()
+    s = settings(config, "cpu")
+    assert "methods" not in config["presets"]["cpu"] and s["methods"] == config["protocol"]["methods"]
+    assert {"constrained_reparam_independent", "unconstrained", "pathwise", "marginal_expectation"} <= set(s["methods"])
+    assert (s["seeds"], s["epochs"], s["importance_samples"]) == (5, 14, 100)
+
+
+def test_pair_gap_rows_are_the_paired_differences_of_the_trial_curves():
+    """The independent-noise CR - ME gap table: per epoch the means of both curves and the mean of the per-trial
+    differences with its t-interval; empty when a method was not run."""
+    from hardeq_studies.vae_latent.report import pair_gap_rows
+
+    a, b = [[10.0, 8.0], [12.0, 9.0], [11.0, 7.0]], [[9.0, 8.5], [11.0, 8.0], [10.5, 8.5]]
+    curves = {m: {"test_nelbo_trials": t, "test_nelbo": [sum(x) / 3 for x in zip(*t)]}
+              for m, t in (("constrained_reparam_independent", a), ("marginal_expectation", b))}
+    rows = pair_gap_rows({"curves": {"sum": curves}}, "sum", "constrained_reparam_independent", "marginal_expectation")
+    assert [r[0] for r in rows] == ["1", "2"] and rows[0][1:4] == ["11.00", "10.17", "+0.83"]
+    assert rows[1][3] == "-0.33" and rows[0][4].startswith("[")
+    assert pair_gap_rows({"curves": {"sum": {}}}, "sum", "marginal_expectation", "pathwise") == []

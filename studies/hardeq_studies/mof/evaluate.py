@@ -115,6 +115,19 @@ def _curves(units: Mapping[tuple[int, str], Mapping[str, Any]]) -> dict[str, dic
     return out
 
 
+def _model_curves(units: Mapping[tuple[int, str], Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per unit ``s{split}-{group}``: its members' methods and every validation curve per member (``(M, rounds)``
+    lists; None after a member stopped), so that a figure can show each model's curve and its best step."""
+    out = {}
+    for (s, g), res in units.items():
+        curves = {k: [[_nan_to_none(float(v)) for v in h[:, i]] for i in range(h.shape[1])]
+                  for k, h in res["history"].items() if k.startswith("val_")}
+        out[f"s{s}-{g}"] = {"methods": list(res["methods"]), "round": int(res["plan"]["round"]),
+                            "steps_per_epoch": int(res["plan"]["steps_per_epoch"]),
+                            "best_step": [int(x) for x in res["best_step"]], **curves}
+    return out
+
+
 def evaluate_all(config: Mapping[str, Any], settings: Mapping[str, Any],
                  units: Mapping[tuple[int, str], Mapping[str, Any]], *, parity_atoms: int = 2000) -> dict[str, Any]:
     """Records, per-split values, the largest neutrality violation, curves and a parity sample (split 0)."""
@@ -153,7 +166,7 @@ def evaluate_all(config: Mapping[str, Any], settings: Mapping[str, Any],
             "violations": {str(s): per_split[s]["violation"] for s in splits},
             "redraws": {str(s): per_split[s]["redraws"] for s in splits},
             "test_size": {str(s): [per_split[s]["test_graphs"], per_split[s]["test_atoms"]] for s in splits},
-            "curves": _curves(units), "parity": parity,
+            "curves": _curves(units), "model_curves": _model_curves(units), "parity": parity,
             "best_epoch": {f"s{s}-{g2}": [int(x) for x in r["best_epoch"]] for (s, g2), r in units.items()},
             "stopped_epoch": {f"s{s}-{g2}": [int(x) for x in r["stopped_epoch"]] for (s, g2), r in units.items()},
             "optimizer_steps": {f"s{s}-{g2}": [int(x) for x in r["steps"]] for (s, g2), r in units.items()},

@@ -16,7 +16,7 @@ from ..claims import Claim, claims_section
 from ..results import markdown_table, wall_time
 from .evaluate import PAPER_ORDER
 
-__all__ = ["render_markdown", "plot_curves", "plot_parity"]
+__all__ = ["render_markdown", "plot_curves", "plot_parity", "plot_stopping"]
 
 
 def _num(x: float | None, spec: str) -> str:
@@ -64,6 +64,8 @@ def render_markdown(doc: Mapping[str, Any], brief: bool = False) -> str:
               "Ensembles in this column use the ICML code's covariance (S1 + S2)/4.", ""]
     lines += ["## Claims of the paper", ""] + claims_table(doc)
     lines += ["", "## Training budget", ""] + budget_tables(doc) + [""]
+    if s.get("smoothing"):
+        lines += ["## Where each model's best step fell", ""] + best_step_table(doc) + [""]
     ens = [m for m in methods if m.endswith("ensemble")]
     if ens:
         lines += ["## Ensemble NLL: the ICML code's (S1 + S2)/4 against the mixture", ""]
@@ -122,6 +124,13 @@ def _wall(doc: Mapping[str, Any]) -> str:
 
 
 def _budget_text(settings: Mapping[str, Any]) -> str:
+    if settings.get("steps") and settings.get("smoothing"):
+        u = settings.get("uniform") or {}
+        same = (f"the same network (E {u['arch']['embedding']}, H {u['arch']['hidden']}, T {u['arch']['steps']}) and "
+                f"batch of {u['batch_size']} graphs for every method, " if u.get("arch") and u.get("batch_size")
+                else "")
+        return (f"{same}at most {settings['steps']} optimiser steps per model, validated every "
+                f"{settings.get('eval_every')} steps, early stopping on the smoothed validation MAD")
     if settings.get("steps"):
         return (f"{settings['steps']} optimiser steps per model for every method, validated every "
                 f"{settings.get('eval_every')} steps")
@@ -223,6 +232,49 @@ def claims_table(doc: Mapping[str, Any]) -> list[str]:
     return text.split("\n", 2)[2].splitlines()
 
 
+def _uniform(doc: Mapping[str, Any], group: str, key: str) -> Any:
+    """``key`` (``batch_size``, ``arch``, ``lr``) of ``group`` as trained: the preset's ``uniform`` value if any."""
+    uniform = doc["config"].get("settings", {}).get("uniform") or {}
+    return uniform.get(key, doc["config"]["groups"][group][key])
+
+
+def best_step_table(doc: Mapping[str, Any]) -> list[str]:
+    """The lines of ``Where each model's best step fell``: per method, over every model of every split, how many
+    stopped early (the smoothed validation MAD flat for ``patience`` validations), the optimiser step of the best
+    smoothed validation MAD (median and range) and how many models had their best step within the last
+    ``patience`` validations of the maximum budget (still improving when the budget ran out)."""
+    plans, methods = doc.get("plan", {}), doc.get("unit_methods", {})
+    settings = doc["config"].get("settings", {})
+    rows = []
+    for g, plan in plans.items():
+        patience = settings.get("patience")
+        patience = int(patience[g]) if isinstance(patience, Mapping) else int(doc["config"]["groups"][g]["patience"])
+        window = patience * int(plan["round"])
+        for m in dict.fromkeys(methods.get(g, [])):
+            ix = [i for i, x in enumerate(methods[g]) if x == m]
+            steps, best = [], []
+            for key, st in doc.get("optimizer_steps", {}).items():
+                if key.endswith(f"-{g}"):
+                    steps += [st[i] for i in ix]
+                    best += [doc["best_step"][key][i] for i in ix]
+            if not steps:
+                continue
+            budget = int(plan["steps"])
+            late = sum(b > budget - window for b in best)
+            srt = sorted(best)
+            median = (srt[(len(srt) - 1) // 2] + srt[len(srt) // 2]) / 2
+            rows.append([m, len(steps), budget, f"{sum(x < budget for x in steps)}/{len(steps)}",
+                         f"{median:g} [{srt[0]}, {srt[-1]}]", f"{median / plan['steps_per_epoch']:.1f}",
+                         f"{late}/{len(best)}"])
+    return [f"Early stopping reads the exponential moving average of the validation MAD (weight "
+            f"{settings.get('smoothing')} on each new validation); a model stops when it has not improved for "
+            "`patience` validations, and keeps the parameters of its best smoothed validation. `late`: models whose "
+            "best step lies within the last `patience` validations of the maximum budget, i.e. still improving "
+            "when the budget ran out.", "",
+            markdown_table(["method", "models", "maximum steps", "stopped early", "best step: median [range]",
+                            "best step in data epochs (median)", "late"], rows)]
+
+
 def budget_tables(doc: Mapping[str, Any]) -> list[str]:
     """The ``Training budget`` lines: per method group its plan, and per split and method the optimiser steps
     each model took and the step of its best validation MAD (``steps (best)``; fewer steps = stopped early)."""
@@ -232,7 +284,7 @@ def budget_tables(doc: Mapping[str, Any]) -> list[str]:
     for g, plan in plans.items():
         steps = [x for k, v in doc.get("optimizer_steps", {}).items() if k.endswith(f"-{g}") for x in v]
         stopped = sum(x < plan["steps"] for x in steps)
-        rows.append([g, ", ".join(groups[g]["methods"]), groups[g]["batch_size"], plan["steps_per_epoch"],
+        rows.append([g, ", ".join(groups[g]["methods"]), _uniform(doc, g, "batch_size"), plan["steps_per_epoch"],
                      plan["steps"], f"{plan['steps'] / plan['steps_per_epoch']:.1f}", plan["round"],
                      f"{stopped}/{len(steps)}"])
     out = [markdown_table(["group", "methods", "batch (graphs)", "steps per data epoch", "step budget per model",
@@ -322,6 +374,41 @@ def plot_parity(parity: Mapping[str, Any], out: Path) -> Path:
     fig.suptitle(f"split {parity['split']}: {len(x)} random test atoms", fontsize=9)
     fig.tight_layout()
     path = Path(out) / "mof_parity.png"
+    save_png(fig, path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_stopping(models: Mapping[str, Mapping[str, Any]], out: Path) -> Path | None:
+    """``mof_stopping.png``: per method, every model's smoothed validation MAD against the data epochs it saw
+    (thin lines, one per model and split) with a dot at its best step, the step whose parameters were kept;
+    ``None`` (no file) when the run recorded no smoothed curve (runs before smoothed early stopping)."""
+    units = {k: u for k, u in models.items() if u.get("val_mad_smooth")}
+    if not units:
+        return None
+    plt = _pyplot()
+    methods = list(dict.fromkeys(m for u in units.values() for m in u["methods"]))
+    fig, axes = plt.subplots(1, len(methods), figsize=(3.3 * len(methods), 3.4), sharey=True, squeeze=False)
+    for ax, m in zip(axes[0], methods):
+        for u in units.values():
+            per_epoch = float(u.get("steps_per_epoch") or u["round"])
+            for i, name in enumerate(u["methods"]):
+                if name != m:
+                    continue
+                ys = u["val_mad_smooth"][i]
+                pts = [((r + 1) * u["round"] / per_epoch, y) for r, y in enumerate(ys) if y is not None]
+                ax.plot([x for x, _ in pts], [y for _, y in pts], color=color(m), lw=0.6, alpha=0.6)
+                best = u["best_step"][i] / per_epoch
+                at = min(pts, key=lambda p: abs(p[0] - best)) if pts else None
+                if at is not None:
+                    ax.plot([at[0]], [at[1]], "o", color="black", ms=2.5)
+        ax.set_title(m, fontsize=9)
+        ax.set_xlabel("data epochs")
+        ax.set_yscale("log")
+    axes[0][0].set_ylabel("smoothed validation MAD (e)")
+    fig.suptitle("smoothed validation MAD per model and split; dot: the best step (the parameters kept)", fontsize=9)
+    fig.tight_layout()
+    path = Path(out) / "mof_stopping.png"
     save_png(fig, path, dpi=110)
     plt.close(fig)
     return path

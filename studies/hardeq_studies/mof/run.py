@@ -12,6 +12,14 @@ MAD), then evaluates each member's best-validation parameters on the test split 
 of epochs), validated every ``eval_every`` steps (a *round*, the harness's epoch); patience counts rounds.
 Without it (the ``paper`` preset) a round is one data epoch of the group's batch size and the budget is
 ``epochs`` data epochs, as in the paper.
+
+**One configuration for every method** (:func:`group_settings`). A preset's ``uniform`` block
+(``{"arch", "batch_size", "lr"}``) replaces each group's own network, batch size and learning rate, so that
+every method trains the same network on the same batches for the same number of data epochs: the methods then
+differ only in their loss and correction, and each method's ``j``-th model starts from the same initialisation
+(:func:`member_seeds`). **Smoothed early stopping**: a preset's ``smoothing`` (``a``) makes
+model selection and patience read the exponential moving average of the validation MAD
+(:class:`~.task.MofTask`'s ``mad_smooth``) instead of the raw curve; ``steps`` is then the maximum budget.
 """
 
 from __future__ import annotations
@@ -30,12 +38,51 @@ from .data import collate, load_graphs, make_split, step_batches
 from .models import build_member
 from .task import MofTask, unit_methods
 
-__all__ = ["run_unit", "schedule", "steps_taken", "train_all", "unit_plan"]
+__all__ = ["group_settings", "member_seeds", "run_unit", "schedule", "select_metric", "steps_taken", "train_all",
+           "unit_plan"]
+
+
+def group_settings(config: Mapping[str, Any], settings: Mapping[str, Any], group: str) -> dict[str, Any]:
+    """Group ``group`` of the config with the preset's ``uniform`` block (``arch``, ``batch_size``, ``lr``) on top."""
+    g = dict(config["groups"][group])
+    uniform = settings.get("uniform") or {}
+    unknown = sorted(set(uniform) - {"arch", "batch_size", "lr"})
+    if unknown:
+        raise ValueError(f"settings['uniform'] may set arch, batch_size and lr only, got {unknown}.")
+    return {**g, **json_copy(uniform)}
+
+
+def json_copy(obj: Any) -> Any:
+    """A deep copy of plain containers."""
+    if isinstance(obj, Mapping):
+        return {k: json_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_copy(v) for v in obj]
+    return obj
+
+
+def member_seeds(config: Mapping[str, Any], settings: Mapping[str, Any], split: int, group: str) -> list[int]:
+    """Initialisation seeds of the unit's members (:func:`~.task.unit_methods` order). With a ``uniform`` block
+    every method's ``j``-th ensemble member starts from the same initialisation (seed ``1000 split + j``), so that,
+    with the shared batch order of the split, methods differ only in their loss and correction (common random
+    numbers for the paired tests); otherwise each group draws its own (``1000 split + 10 group + i``)."""
+    g = group_settings(config, settings, group)
+    count = len(unit_methods(g))
+    if settings.get("uniform"):
+        return [1000 * int(split) + i % int(g["ensemble"]) for i in range(count)]
+    return [1000 * int(split) + 10 * list(config["groups"]).index(group) + i for i in range(count)]
+
+
+def select_metric(settings: Mapping[str, Any]) -> str:
+    """The validation metric of model selection and early stopping: ``mad_smooth`` with smoothing, else ``mad``."""
+    return "mad_smooth" if settings.get("smoothing") else "mad"
 
 
 def unit_plan(config: Mapping[str, Any], settings: Mapping[str, Any]) -> list[tuple[int, str]]:
     """Units ``(split, group)``, costliest group first within each split (for a balanced process pool)."""
     cost = {g: float(v.get("relative_cost", 1.0)) for g, v in config["groups"].items()}
+    if settings.get("uniform"):  # one network and batch for all: a unit costs in proportion to its models
+        cost = {g: float(len(unit_methods(v))) for g, v in config["groups"].items()}
     groups = sorted(settings.get("groups") or config["groups"], key=lambda g: -cost[g])
     return [(s, g) for s in range(int(settings["splits"])) for g in groups]
 
@@ -64,13 +111,14 @@ def steps_taken(plan: Mapping[str, int], rounds: Tensor) -> list[int]:
 
 
 def _unit_id(config: Mapping[str, Any], settings: Mapping[str, Any], split: int, group: str) -> dict[str, Any]:
-    g = config["groups"][group]
+    g = group_settings(config, settings, group)
     budget = ({"steps": int(settings["steps"]), "eval_every": settings.get("eval_every")} if settings.get("steps")
               else {"epochs": int(settings["epochs"])})
     return {"study": "mof", "split": split, "group": group, "methods": unit_methods(g), "arch": g["arch"],
             "batch_size": g["batch_size"], "lr": g["lr"], "patience": _patience(settings, group, g),
             **budget, "graphs": settings.get("graphs"), "split_rule": config["split"],
-            "dtype": "float32 network, float64 head"}
+            "dtype": "float32 network, float64 head",
+            **({"smoothing": float(settings["smoothing"])} if settings.get("smoothing") else {})}
 
 
 def _patience(settings: Mapping[str, Any], group: str, g: Mapping[str, Any]) -> int:
@@ -100,9 +148,9 @@ def run_unit(config: Mapping[str, Any], settings: Mapping[str, Any], split: int,
     train_graphs = [data.graphs[i] for i in split_ix["train"]]
     val_batch = collate([data.graphs[i] for i in split_ix["val"]]).to(dev)
     test_batch = collate([data.graphs[i] for i in split_ix["test"]]).to(dev)
-    g = config["groups"][group]
+    g = group_settings(config, settings, group)
     methods = unit_methods(g)
-    seeds = [1000 * split + 10 * list(config["groups"]).index(group) + i for i in range(len(methods))]
+    seeds = member_seeds(config, settings, split, group)
     model = MemberList([build_member(g["arch"], s) for s in seeds], per_member_inputs=False).to(dev)
     bs = int(g["batch_size"])
     plan = schedule(settings, bs, len(train_graphs))
@@ -113,12 +161,12 @@ def run_unit(config: Mapping[str, Any], settings: Mapping[str, Any], split: int,
         return [b.to(dev) for b in step_batches(train_graphs, bs, split, first, count)]
 
     source = LoaderBatches(make, None, batch_size_of=lambda b: int(b.num_nodes), num_samples=len(train_graphs))
-    cfg = TrainConfig(epochs=plan["rounds"], batch_size=bs, lr=float(g["lr"]), select_metric="mad",
+    cfg = TrainConfig(epochs=plan["rounds"], batch_size=bs, lr=float(g["lr"]), select_metric=select_metric(settings),
                       patience=_patience(settings, group, g), checkpoint_every=int(settings.get("checkpoint_every", 1)))
-    task = MofTask(methods)
+    task = MofTask(methods, smoothing=settings.get("smoothing"))
     res = train(model, task, source, [val_batch], cfg, seeds, checkpoint_path=Path(checkpoint_dir) /
                 f"mof-s{split}-{group}.pt", resume=resume, run_id=run_id, progress=progress, desc=f"s{split}-{group}",
-                log_every=1 if progress else 0, callback=callback)
+                log_every=1 if progress else 0, callback=callback, hooks=[task.state_hook()])
     model.load_state_dict(res.best_state)
     model.eval()
     with torch.no_grad():

@@ -100,14 +100,16 @@ class MofStudy(Study):
         return {"config": used, "records": ev.pop("records"), "device": str(run.device), "per_split": per_split,
                 "significance": sig, "thresholds": thresholds, "data": result["facts"],
                 "timing": {"total_s": wall, "train_s": result["train_s"], **ev.pop("unit_seconds")},
-                "command": run.command, **{k: v for k, v in ev.items() if k not in ("curves", "parity")}}
+                "command": run.command,
+                **{k: v for k, v in ev.items() if k not in ("curves", "model_curves", "parity")}}
 
     def write_extra(self, run: RunSetup, result: dict[str, Any]) -> None:
         from ..results import atomic_write_text
 
         ev = result["ev"]
         atomic_write_text(run.out / "mof.curves.json",
-                          json.dumps({"curves": ev["curves"], "parity": ev["parity"]}) + "\n")
+                          json.dumps({"curves": ev["curves"], "parity": ev["parity"],
+                                      **({"models": ev["model_curves"]} if "model_curves" in ev else {})}) + "\n")
 
     def markdown(self, doc: dict[str, Any], out: Path) -> str:
         from .report import render_markdown
@@ -115,13 +117,14 @@ class MofStudy(Study):
         return render_markdown(doc)
 
     def figures(self, doc: dict[str, Any], out: Path) -> list[Path]:
-        from .report import plot_curves, plot_parity
+        from .report import plot_curves, plot_parity, plot_stopping
 
         extra_path = out / "mof.curves.json"
         if not extra_path.exists():
             return []
         extra = json.loads(extra_path.read_text())
-        return [plot_curves(extra["curves"], out), plot_parity(extra["parity"], out)]
+        stopping = plot_stopping(extra["models"], out) if extra.get("models") else None
+        return [plot_curves(extra["curves"], out), plot_parity(extra["parity"], out)] + ([stopping] if stopping else [])
 
     def console(self, doc: dict[str, Any], out: Path, text: str) -> str:
         from .report import render_markdown

@@ -12,6 +12,10 @@ Per-atom training losses (the harness sums them over the batch's atoms and divid
 
 Validation metrics (one batch holding the whole validation split): ``mad`` (per atom), ``nll`` (per graph,
 :mod:`.metrics`'s convention) and ``log_var`` (mean log-variance of the head, to watch a variance collapse).
+With ``smoothing = a`` also ``mad_smooth``, the exponential moving average of the validation MAD over the
+validations so far, :math:`s_1 = m_1`, :math:`s_r = (1 - a)\,s_{r-1} + a\,m_r`: the curve that early stopping
+and model selection read when the preset asks for it (a single validation's dip does not reset patience). Its
+state lives in the task and is checkpointed through :meth:`MofTask.state_hook`.
 """
 
 from __future__ import annotations
@@ -23,20 +27,34 @@ import torch
 from torch import Tensor, nn
 
 from hardeq.nn import graph_normal
-from ..harness import Task
+from ..harness import Hooks, Task
 from .metrics import METHODS, predict, single_nll
 
-__all__ = ["MofTask"]
+__all__ = ["MofTask", "SmoothingState"]
 
 
 class MofTask(Task):
-    """Losses and metrics of members ``methods[m]`` (one method name per member, see :data:`.metrics.METHODS`)."""
+    """Losses and metrics of members ``methods[m]`` (one method name per member, see :data:`.metrics.METHODS`).
 
-    def __init__(self, methods: Sequence[str]) -> None:
+    Args:
+        smoothing: ``a`` in (0, 1] of the ``mad_smooth`` metric (module docstring); ``None``: no such metric.
+            Every call of :meth:`metrics` is one validation and advances the average, so a task with smoothing
+            must validate only once per round (the harness's ``eval_train=False``, one validation batch).
+    """
+
+    def __init__(self, methods: Sequence[str], smoothing: float | None = None) -> None:
         bad = [m for m in methods if m not in METHODS]
         if bad:
             raise ValueError(f"unknown methods {bad}; expected names from {METHODS}.")
+        if smoothing is not None and not (isinstance(smoothing, (int, float)) and 0 < float(smoothing) <= 1):
+            raise ValueError(f"smoothing must be a number in (0, 1] or None, got {smoothing!r}.")
         self.methods = list(methods)
+        self.smoothing = None if smoothing is None else float(smoothing)
+        self.mad_average: Tensor | None = None  # (M,) float64, the running average of the validation MAD
+
+    def state_hook(self) -> "SmoothingState":
+        """A harness hook that saves and restores :attr:`mad_average` with the run's checkpoints."""
+        return SmoothingState(self)
 
     def forward(self, model: nn.Module, batch: Any) -> Tensor:
         """``(M, N, 2)`` float64: per member, per atom, ``mu`` and ``variance``."""
@@ -71,7 +89,29 @@ class MofTask(Task):
             mad.append((pred - y).abs().mean())
             nll.append(single_nll(pred, var, y, batch.batch, G).mean())
             log_var.append(var.log().mean())
-        return {"mad": torch.stack(mad), "nll": torch.stack(nll), "log_var": torch.stack(log_var)}
+        out = {"mad": torch.stack(mad), "nll": torch.stack(nll), "log_var": torch.stack(log_var)}
+        if self.smoothing is not None:
+            current = out["mad"].detach().to("cpu", torch.float64)
+            prev = self.mad_average
+            self.mad_average = current if prev is None else (1 - self.smoothing) * prev + self.smoothing * current
+            out["mad_smooth"] = self.mad_average.to(out["mad"].device, out["mad"].dtype)
+        return out
+
+
+class SmoothingState(Hooks):
+    """Carries :attr:`MofTask.mad_average` through the harness's checkpoints, so that ``--resume`` continues the
+    smoothed curve (and hence early stopping and selection) exactly where an uninterrupted run would be."""
+
+    def __init__(self, task: MofTask) -> None:
+        self.task = task
+
+    def state_dict(self) -> dict[str, Any]:
+        avg = self.task.mad_average
+        return {"mad_average": None if avg is None else avg.clone()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        avg = state.get("mad_average")
+        self.task.mad_average = None if avg is None else avg.to(torch.float64).clone()
 
 
 def unit_methods(group: Mapping[str, Any]) -> list[str]:

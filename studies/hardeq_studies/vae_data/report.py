@@ -14,7 +14,8 @@ from ..palette import color
 from ..results import markdown_table, wall_time
 from ..stats import paired_ttest
 
-__all__ = ["METRICS", "CLAIMS", "summarise", "claims", "render_markdown", "plot_images", "plot_curves"]
+__all__ = ["METRICS", "CLAIMS", "summarise", "rl_curves", "gap_table", "claims", "render_markdown", "plot_images",
+           "plot_curves"]
 
 #: per-image test metrics. ``ll``/``elbo``: nats of the model's own normalised density (reading A); ``ll_unit``/
 #: ``elbo_unit``: the unnormalised unit-variance Gaussian of the reconstruction (reading B, what the paper's values
@@ -24,7 +25,8 @@ METRICS = {"ll": "LL (A)", "elbo": "ELBO (A)", "ll_unit": "LL (B)", "elbo_unit":
 MODEL_LABELS = {"vae": "VAE", "ladder": "Ladder VAE", "graph": "Graph VAE"}
 #: the display order; ``<variant>+cond`` is that trained model conditioned at evaluation
 ORDER = ("unconstrained", "unconstrained+cond", "cl", "cl+cond", "ours", "unconstrained-se", "unconstrained-se+cond",
-         "cl-se", "cl-se+cond", "ours-me", "ours-pathwise")
+         "cl-se", "cl-se+cond", "ours-me", "ours-pathwise", "unconstrained-se-frozenvar",
+         "unconstrained-se-frozenvar+cond", "ours-pathwise-frozenvar")
 HIGHER = {"ll": True, "elbo": True, "ll_unit": True, "elbo_unit": True, "rl": False}
 #: the two training families: (label, ours, the unconstrained row for LL/ELBO and for RL, the CL row for LL and for
 #: RL, the LL and ELBO metrics). Likelihood-trained rows compare on the plane (reading A); squared-error-trained
@@ -50,7 +52,15 @@ CLAIMS = tuple(c for family in FAMILIES for c in _claims_of(*family))
 EXTRA = (("ours-pathwise", "ours-me", "rl"), ("ours-pathwise", "ours-me", "ll_unit"),
          ("unconstrained+cond", "unconstrained", "rl"), ("unconstrained-se+cond", "unconstrained-se", "rl"),
          ("ours", "unconstrained+cond", "rl"), ("ours-me", "unconstrained-se+cond", "rl"),
-         ("ours-me", "ours", "ll_unit"), ("ours-me", "ours", "rl"))
+         ("ours-me", "ours", "ll_unit"), ("ours-me", "ours", "rl"),
+         # the variance effect: every row with the observation variance frozen at its initial value, as Marginal
+         # Expectation leaves it (present only in runs with the frozen-variance variants)
+         ("ours-me", "unconstrained-se-frozenvar", "rl"), ("ours-me", "unconstrained-se-frozenvar", "ll_unit"),
+         ("ours-pathwise-frozenvar", "ours-me", "rl"), ("ours-pathwise", "ours-pathwise-frozenvar", "rl"),
+         ("unconstrained-se", "unconstrained-se-frozenvar", "rl"))
+#: the paired test-RL gaps per epoch shown when the units recorded a test-RL curve: (a, b), gap a - b
+CURVE_GAPS = (("ours-me", "unconstrained-se"), ("ours-me", "unconstrained-se-frozenvar"), ("ours-me", "ours-pathwise"),
+              ("ours", "unconstrained"))
 #: Table 8's claim: the conditioning adds less than this factor to an epoch (paper: 1.057-1.078)
 TIME_FACTOR = 1.10
 
@@ -63,6 +73,7 @@ def summarise(result: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     units, trials = result["units"], result["trials"]
     per_trial: dict[str, dict[str, dict[str, list[float]]]] = {}
     curves: dict[str, dict[str, list[float]]] = {}
+    test_rl: dict[str, dict[str, list[list[float]]]] = {}  # model -> variant -> (trials, epochs)
     epoch_s: dict[str, dict[str, list[float]]] = {}
     epoch_trial: dict[str, dict[str, list[float]]] = {}
     images = {"originals": np.round(result["originals"][:8].numpy(), 3).tolist(), "reconstructions": {}}
@@ -70,6 +81,8 @@ def summarise(result: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     for key, unit in units.items():
         model, variant, trial = key.split("/")
         curves.setdefault(model, {}).setdefault(variant, []).append(unit["curve_train_loss"])
+        if unit.get("curve_test_rl"):
+            test_rl.setdefault(model, {}).setdefault(variant, []).append(list(unit["curve_test_rl"]))
         epoch_s.setdefault(model, {}).setdefault(variant, []).extend(unit["epoch_seconds"])
         epoch_trial.setdefault(model, {}).setdefault(variant, []).append(float(np.mean(unit["epoch_seconds"])))
         for v, m in unit["metrics"].items():
@@ -112,8 +125,48 @@ def summarise(result: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
         m: d["ours"] / d["unconstrained"] for m, d in timing["epoch_seconds_median"].items()
         if "ours" in d and "unconstrained" in d}
     curves_mean = {m: {v: np.mean(c, 0).tolist() for v, c in d.items()} for m, d in curves.items()}
-    return {"records": records, "per_trial": per_trial, "curves": curves_mean, "significance": significance,
-            "timing": timing, "images": images}
+    out = {"records": records, "per_trial": per_trial, "curves": curves_mean, "significance": significance,
+           "timing": timing, "images": images}
+    if test_rl:
+        out["test_curves"] = rl_curves(test_rl)
+    return out
+
+
+def rl_curves(test_rl: dict[str, dict[str, list[list[float]]]]) -> dict[str, Any]:
+    """Per model: each variant's test-RL curve (``(trials, epochs)`` and its mean) and the paired gaps of
+    :data:`CURVE_GAPS` per epoch (mean and 95% t-interval over trials,
+    :func:`hardeq_studies.vae_latent.report.paired_gap_curve`)."""
+    from ..vae_latent.report import paired_gap_curve
+
+    out: dict[str, Any] = {}
+    for model, by_v in test_rl.items():
+        gaps = {f"{a} - {b}": paired_gap_curve(by_v[a], by_v[b]) for a, b in CURVE_GAPS
+                if a in by_v and b in by_v and len(by_v[a]) == len(by_v[b])}
+        out[model] = {"rl": {v: {"trials": c, "mean": np.mean(c, 0).tolist()} for v, c in by_v.items()},
+                      "gaps": gaps}
+    return out
+
+
+def gap_table(doc: dict[str, Any], model: str) -> list[str]:
+    """Markdown lines: the paired test-RL gaps per epoch of ``model`` (empty when the run recorded no curves)."""
+    gaps = doc.get("test_curves", {}).get(model, {}).get("gaps", {})
+    if not gaps:
+        return []
+    names = list(gaps)
+    epochs = len(next(iter(gaps.values()))["mean"])
+    rows = []
+    for e in range(epochs):
+        row = [str(e + 1)]
+        for name in names:
+            g = gaps[name]
+            ci = "" if g["ci_low"] is None else f" [{g['ci_low'][e]:+.2f}, {g['ci_high'][e]:+.2f}]"
+            row.append(f"{g['mean'][e]:+.2f}{ci}")
+        rows.append(row)
+    n = min(int(doc["config"]["eval"].get("curve_images") or 0), int(doc["data"]["n_test"]))
+    return [f"**{MODEL_LABELS.get(model, model)}: paired test-RL gap per epoch** (RL of the reconstructions of the "
+            f"first {n} test images, one latent sample per image from a fixed generator, the same for every variant; "
+            "mean over trials a - b with its 95% t-interval; negative: a better)", "",
+            markdown_table(["epoch"] + names, rows)]
 
 
 def _rec(doc: dict[str, Any], model: str, v: str, k: str) -> dict[str, Any] | None:
@@ -129,9 +182,14 @@ def _fmt(r: dict[str, Any] | None, digits: int = 2) -> str:
     return "" if r is None else f"{r['mean']:.{digits}f} ± {r['std']:.{digits}f}"
 
 
-def _budget(doc: dict[str, Any]) -> str:
+def _epochs(cfg: dict[str, Any], model: str | None = None) -> int:
+    """Epochs ``model``'s units trained: the preset's ``model_epochs`` for it, else the run's."""
+    return int((cfg.get("model_epochs") or {}).get(model, cfg["epochs"]))
+
+
+def _budget(doc: dict[str, Any], model: str | None = None) -> str:
     cfg = doc["config"]
-    return (f"{len(cfg['trials'])} trial(s) of {cfg['epochs']} epoch(s); the paper's 5 trials of 1000 epochs "
+    return (f"{len(cfg['trials'])} trial(s) of {_epochs(cfg, model)} epoch(s); the paper's 5 trials of 1000 epochs "
             f"(`--preset paper`) would decide it")
 
 
@@ -141,16 +199,19 @@ def _minutes(doc: dict[str, Any], seconds: float | None) -> str:
     return f"{total / 60:.1f} min ({label})" if total is not None else "not recorded"
 
 
-def _differs(doc: dict[str, Any], family: str) -> str:
+def _differs(doc: dict[str, Any], family: str, model: str | None = None) -> str:
     """How this run's protocol differs from the paper's in a way that could decide a Table 2 comparison."""
     cfg = doc["config"]
     n = len(cfg["trials"])
-    text = (f"{n} trial(s) (a paired t-test with {max(n - 1, 0)} degree(s) of freedom) of {cfg['epochs']} epoch(s), "
-            "against the paper's 1000 epochs")
+    text = (f"{n} trial(s) (a paired t-test with {max(n - 1, 0)} degree(s) of freedom) of {_epochs(cfg, model)} "
+            "epoch(s), against the paper's 1000 epochs")
     if family.startswith("sampled squared error"):
+        isolated = any(r["method"].endswith("-frozenvar") for r in doc["records"]
+                       if model is None or r["dataset"] == model)
         text += ("; the squared-error objective and the shared observation variance are this study's construction: "
-                 "Marginal Expectation's variance stays at 1 by construction while the baseline learns its own, "
-                 "an effect this run does not isolate")
+                 "Marginal Expectation's variance stays at 1 by construction while the baseline learns its own"
+                 + (" (the frozen-variance rows of this run measure that effect)" if isolated
+                    else ", an effect this run does not isolate"))
     return text
 
 
@@ -193,7 +254,7 @@ def claims(doc: dict[str, Any], model: str) -> list[Claim]:
         evidence = (f"Table 2: {_paper_value(doc, model, 'ours', pcol)} vs {_paper_value(doc, model, prow, pcol)}")
         here = f"{a} - {b} = {t['mean_diff']:+.2f} {METRICS[k]}"
         rows.append(Claim(f"{label}: {text}", evidence, here, test=t, lower_is_better=not HIGHER[k],
-                          differs=_differs(doc, family), budget=_budget(doc)))
+                          differs=_differs(doc, family, model), budget=_budget(doc, model)))
     t = _sig(doc, model, "ours", f"{TIME_FACTOR} x unconstrained", "epoch_seconds")
     ratio = doc["timing"]["ratio_ours_to_unconstrained"].get(model)
     if t is not None and ratio is not None:
@@ -207,6 +268,13 @@ def claims(doc: dict[str, Any], model: str) -> list[Claim]:
     return rows
 
 
+def _other_epochs(cfg: dict[str, Any]) -> str:
+    """`` (Ladder VAE: 4)``-style note for the models the preset trains for other epochs ("" when none)."""
+    other = [f"{MODEL_LABELS.get(m, m)}: {_epochs(cfg, m)}" for m in cfg.get("models_run", [])
+             if _epochs(cfg, m) != int(cfg["epochs"])]
+    return f" ({', '.join(other)})" if other else ""
+
+
 def render_markdown(doc: dict[str, Any]) -> str:
     cfg = doc["config"]
     data = doc["data"]
@@ -215,7 +283,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
              f"mean {data['cl_pixel_mean']:.3f})." if "cl_pixel" in data else "")
     lines = [f"# vae-data ({doc['preset']} preset)", "",
              f"MNIST rescaled to pixel sum {cfg['data']['total']:g} by water-filling ({data['n_train']} "
-             f"training / {data['n_test']} test images); {cfg['epochs']} epochs, {len(cfg['trials'])} trials, "
+             f"training / {data['n_test']} test images); {cfg['epochs']} epochs{_other_epochs(cfg)}, "
+             f"{len(cfg['trials'])} trials, "
              f"K = {cfg['importance_samples']} importance samples, observation model "
              f"`{cfg.get('observation', 'diagonal')}`.{pixel} LL and ELBO in nats per image (higher is better) in "
              "two readings: (A) the model's own normalised density; (B) the unnormalised unit-variance Gaussian "
@@ -246,6 +315,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
             lines += [f"Paper, Table 2 ({MODEL_LABELS.get(model, model)}; mean ± std over its runs):", "",
                       markdown_table(["variant", "LL", "ELBO", "RL", "violation"],
                                      [[v] + [f"{m:g} ± {s:g}" for m, s in vals[v]] for v in vals])]
+    gap_lines = [line for model in cfg["models_run"] for line in gap_table(doc, model)]
+    if gap_lines:
+        lines += ["## Does the gap still move? (test RL per epoch)", ""] + gap_lines
     lines += ["## Paired tests over trials", "",
               "Same initialisation, data order and evaluation noise per trial; a - b of the mean and the paired "
               "t-test p.", ""]

@@ -8,7 +8,12 @@ initialisation and the data order of a trial. Two families, each with the three 
 * likelihood-trained (``-log p(x|z) + KL``): ``unconstrained``, ``cl``, ``ours``;
 * trained on a *sampled* squared error (``1/2 ||x~ - x||^2 + KL``, ``x~`` one reparameterised sample of the
   observation model): ``unconstrained-se``, ``cl-se``, ``ours-me`` (Marginal Expectation gradients, the paper's
-  method), ``ours-pathwise``.
+  method), ``ours-pathwise``; and, with the observation variance frozen at its initial value
+  (:data:`FROZEN_VARIANCE`), ``unconstrained-se-frozenvar`` and ``ours-pathwise-frozenvar``.
+
+After every epoch a unit also records the test RL of its reconstructions on the first ``eval.curve_images`` test
+images (one latent sample per image from a fixed generator, the same for every variant): the curve that shows
+whether a gap between variants still moves.
 
 Every variant whose density lives on :math:`\mathbb R^{784}` is also evaluated with its Gaussian conditioned on
 the constraint at evaluation time (``<variant>+cond``), a density on the 783-dimensional plane like ``ours``.
@@ -33,15 +38,23 @@ from hardeq.nn import importance_log_likelihood
 from ..harness import Objective, OnEpoch, ShuffledBatches, TrainConfig, run_blocks, train
 from ..images import brightness_mnist
 
-__all__ = ["CONFIG_PATH", "VARIANTS", "LIKELIHOOD", "SAMPLED", "load_config", "settings", "pixel_sum_constraint",
-           "cl_pixel", "cl_order", "observation", "on_plane", "units_of", "run_unit", "evaluate", "run"]
+__all__ = ["CONFIG_PATH", "VARIANTS", "LIKELIHOOD", "SAMPLED", "FROZEN_VARIANCE", "load_config", "settings",
+           "pixel_sum_constraint", "cl_pixel", "cl_order", "observation", "on_plane", "training_loss", "model_epochs",
+           "units_of", "run_unit", "evaluate", "reconstruction_rl", "run"]
 
 CONFIG_PATH = Path(__file__).resolve().parent / "config.json"
 #: variants trained on -log p(x | z)
 LIKELIHOOD = ("unconstrained", "cl", "ours")
 #: variants trained on the sampled squared error; value: the estimator of the conditioned sample (None: plain
 #: reparameterisation of the unconstrained Gaussian)
-SAMPLED = {"unconstrained-se": None, "cl-se": None, "ours-me": "marginal_expectation", "ours-pathwise": "pathwise"}
+SAMPLED = {"unconstrained-se": None, "cl-se": None, "ours-me": "marginal_expectation", "ours-pathwise": "pathwise",
+           "unconstrained-se-frozenvar": None, "ours-pathwise-frozenvar": "pathwise"}
+#: variants whose observation log-variance gets no gradient (its parameters keep their initial values: unit
+#: variance for the homoscedastic observation), as Marginal Expectation leaves it. They isolate the variance effect:
+#: with one shared variance the conditional mean does not depend on it, so ``ours-pathwise-frozenvar`` takes
+#: Marginal Expectation's gradient for every other parameter, and ``unconstrained-se-frozenvar`` is the matched
+#: baseline of ``ours-me`` with the variance handled the same way
+FROZEN_VARIANCE = ("unconstrained-se-frozenvar", "ours-pathwise-frozenvar")
 #: trained variants; ``<variant>+cond`` is an evaluation of a trained R^784 variant
 VARIANTS = LIKELIHOOD + tuple(SAMPLED)
 COND = "+cond"
@@ -112,6 +125,17 @@ def _reconstruction_loss(variant: str, p: Distribution, x: Tensor, constraint: S
     if variant == "cl-se":
         sample = constraint_layer(sample, constraint, order)
     return 0.5 * (sample - x).square().sum(-1)
+
+
+def training_loss(variant: str, mean: Tensor, log_var: Tensor, x: Tensor, constraint: SumConstraint,
+                  order: Tensor | None = None) -> Tensor:
+    """The per-image reconstruction term ``variant`` trains on (the KL is added by the caller), from the decoder's
+    ``mean`` and ``log_var`` ``(B, 784)``: :func:`_reconstruction_loss` of :func:`observation`, with the
+    log-variance detached for :data:`FROZEN_VARIANCE` (its parameters then get no gradient and keep their
+    initial values)."""
+    if variant in FROZEN_VARIANCE:
+        log_var = log_var.detach()
+    return _reconstruction_loss(variant, observation(variant, mean, log_var, constraint, order), x, constraint, order)
 
 
 def _build_model(name: str, s: dict[str, Any]):
@@ -189,17 +213,21 @@ def run_unit(s: dict[str, Any], model_name: str, variant: str, trial: int, train
 
     def loss_per_item(model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
         mean, log_var, kl = model(batch["x"])
-        p = observation(variant, mean, log_var, constraint, order)
-        return _reconstruction_loss(variant, p, batch["x"], constraint, order) + kl
+        return training_loss(variant, mean, log_var, batch["x"], constraint, order) + kl
 
-    curve, epoch_s = [], []
+    curve, epoch_s, curve_rl = [], [], []
+    curve_x = test_x[: int(s["eval"].get("curve_images", 0))].to(device)
 
     def on_epoch(tr: Any, metrics: dict[str, Tensor]) -> None:
         epoch_s.append(time.perf_counter() - tr.epoch_started)
         curve.append(float(metrics["train_loss"][0]))
+        if curve_x.shape[0]:
+            curve_rl.append(reconstruction_rl(model, variant, curve_x, constraint, int(s["eval"]["seed"]) + 1,
+                                    int(s["eval"]["chunk"]), order))
         if progress:
+            rl = f", test RL {curve_rl[-1]:.2f}" if curve_rl else ""
             print(f"  {model_name:6s} {variant:14s} trial {trial} epoch {tr.epoch + 1}/{epochs}: train loss "
-                  f"{curve[-1]:.2f} ({epoch_s[-1]:.1f} s)", flush=True)
+                  f"{curve[-1]:.2f}{rl} ({epoch_s[-1]:.1f} s)", flush=True)
 
     bs = int(s["train"]["batch_size"])
     train(model, Objective(loss_per_item), ShuffledBatches({"x": train_x}, bs, data_gen, device=device), None,
@@ -210,8 +238,37 @@ def run_unit(s: dict[str, Any], model_name: str, variant: str, trial: int, train
     metrics = evaluate(model, variant, test_x.to(device), constraint, int(s["importance_samples"]),
                        int(s["eval"]["seed"]), int(s["eval"]["chunk"]), float(s["data"]["violation_tolerance"]),
                        order)
-    return {"metrics": metrics, "curve_train_loss": curve, "epoch_seconds": epoch_s,
-            "eval_seconds": time.perf_counter() - t0}
+    out = {"metrics": metrics, "curve_train_loss": curve, "epoch_seconds": epoch_s,
+           "eval_seconds": time.perf_counter() - t0}
+    return {**out, "curve_test_rl": curve_rl} if curve_rl else out
+
+
+@torch.no_grad()
+def reconstruction_rl(model, variant: str, x: Tensor, constraint: SumConstraint, seed: int, chunk: int,
+            order: Tensor | None = None) -> float:
+    """Mean RL (squared error of the reconstruction, the observation's mean, summed over pixels) of ``x`` with one
+    latent sample per image drawn from a generator seeded ``seed`` (the same noise for every variant and epoch);
+    in eval mode, restoring train mode. Cost: one decoder pass per image."""
+    model.eval()
+    g = torch.Generator().manual_seed(seed)
+    total = 0.0
+    for xb in x.split(chunk):
+        mean, log_var, _ = model.importance(xb, 1, generator=g)
+        recon = observation(variant, mean, log_var, constraint, order).mean
+        total += float((recon - xb).square().sum(-1).double().sum())
+    model.train()
+    return total / x.shape[0]
+
+
+def model_epochs(s: dict[str, Any], model: str, epochs: int) -> int:
+    """Epochs of ``model``'s units: the preset's ``model_epochs[model]`` when it names the model (a smaller budget
+    for the costlier Ladder and Graph VAEs), else ``epochs`` (the run's)."""
+    n = (s.get("model_epochs") or {}).get(model)
+    if n is None:
+        return int(epochs)
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"model_epochs[{model!r}] must be a positive integer, got {n!r}.")
+    return n
 
 
 def units_of(s: dict[str, Any], models: list[str], variants: list[str], trials: list[int]) -> list[tuple]:
@@ -232,8 +289,8 @@ def run(s: dict[str, Any], trials: list[int], epochs: int, *, models: list[str] 
     test_x, _ = brightness_mnist("test", total, limit=s.get("test_subset"))
     pixel = cl_pixel(train_x)
     order = cl_order(pixel, train_x.shape[-1])
-    blocks = {f"{m}/{v}/{t}": (lambda m=m, v=v, t=t: run_unit(s, m, v, t, train_x, test_x, epochs, device, progress,
-                                                                order))
+    blocks = {f"{m}/{v}/{t}": (lambda m=m, v=v, t=t: run_unit(s, m, v, t, train_x, test_x, model_epochs(s, m, epochs),
+                                                                device, progress, order))
               for m, v, t in units_of(s, models, variants, trials)}
     run_id = {"study": "vae-data", "settings": s, "epochs": epochs, "trials": trials, "models": models,
               "variants": variants}
