@@ -53,12 +53,6 @@ def test_holm_against_a_hand_computed_case_and_the_definition():
         assert holm(raw) == pytest.approx(_holm_reference(raw), rel=1e-12)
 
 
-def test_holm_against_statsmodels_when_installed():
-    sm = pytest.importorskip("statsmodels.stats.multitest")
-    raw = np.random.default_rng(2).uniform(0, 0.1, 25)
-    assert holm(raw) == pytest.approx(sm.multipletests(raw, method="holm")[1], rel=1e-12)
-
-
 def test_holm_properties_monotone_at_least_raw_capped_and_nan_skipped():
     rng = np.random.default_rng(1)
     for _ in range(50):
