@@ -281,6 +281,11 @@ def test_claims_across_confounded_groups_are_never_reproduced_or_refuted():
     assert win == "reproduced (Wilcoxon, n = 10)"
     assert loss == "not reproduced at this budget (Wilcoxon, n = 10; significant the other way, but every model " \
                    "gets 200 optimiser steps, far short of 3000 epochs)"
+    # groups configured apart but trained with the preset's one network and batch (``uniform``): no confound
+    doc = _claims_doc(batch_b=128, hidden_b=50, best=120)
+    doc["plan"]["b"]["steps_per_epoch"] = 50
+    doc["config"]["settings"]["uniform"] = {"arch": {"embedding": 10, "hidden": 30}, "batch_size": 32}
+    assert confound(doc) == ""
 
 
 def test_uniform_settings_give_every_group_the_same_network_and_batch():

@@ -15,6 +15,7 @@ from ..palette import integer_epochs
 from ..claims import Claim, claims_section
 from ..results import markdown_table, wall_time
 from .evaluate import PAPER_ORDER
+from .run import group_settings
 
 __all__ = ["render_markdown", "plot_curves", "plot_parity", "plot_stopping"]
 
@@ -160,7 +161,10 @@ def best_step_summary(doc: Mapping[str, Any]) -> tuple[int, int, int]:
 def confound(doc: Mapping[str, Any]) -> str:
     """What differs between the method groups of this run besides the method (batch size, network, data epochs
     in the step budget), read from the document; "" when every group has the same batch, network and budget."""
-    groups, plans = doc["config"]["groups"], doc.get("plan", {})
+    cfg = doc["config"]
+    # each group as it trained: the preset's ``uniform`` block (one network and batch for all) over the group's own
+    groups = {g: group_settings(cfg, cfg.get("settings", {}), g) for g in cfg["groups"]}
+    plans = doc.get("plan", {})
     facts = {g: (meta["batch_size"], meta["arch"].get("embedding"), meta["arch"].get("hidden"),
                  plans.get(g, {}).get("steps", 0) / max(plans.get(g, {}).get("steps_per_epoch", 1), 1))
              for g, meta in groups.items()}
