@@ -2,14 +2,20 @@ r"""The per-row residual check: is every row of :math:`Az = k` met to round-off?
 
 The criterion, per sample and per constraint row ``i``:
 
-.. math::  |(Az - k)_i| \le \mathrm{rtol}\,(|A||z|)_i,
+.. math::  |(Az - k)_i| \le \mathrm{rtol}\,\big((|A||z|)_i + |k_i|\big),
 
-relative to the size of the terms summed in *that* row, never to the largest row (a small group must not hide
+relative to the size of the terms summed in *that* row (as :meth:`~hardeq.EqualityConstraint.check`), never to
+the largest row (a small group must not hide
 behind a large one; the criterion is invariant to rescaling one constraint). ``rtol = min(eps max(4, 2 sqrt(n)), cap)``
 with ``cap`` a quarter of the library's exactness target (1e-5 float32, 1e-12 float64). :math:`Az` and
 :math:`|A||z|` come from :meth:`~hardeq.EqualityConstraint.matvec_and_scale` and the common case costs one host
 synchronisation; only when a row fails, and for float32 and below, the residual is
 re-evaluated in float64, so that evaluation noise never asks for a refinement that cannot help.
+
+A row whose terms are all (nearly) zero has a (nearly) zero tolerance: it passes only when it is met exactly, which
+is what the conditioner guarantees for the coordinates the constraint determines on its own
+(:meth:`~hardeq.EqualityConstraint.pinned_values`, set exactly after every step); :meth:`ResidualCheck.describe`
+names the failing row of a failing vector, its residual and its tolerance.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ class ResidualCheck:
         con = self.constraint
         rtol = check_rtol(z.dtype, z.shape[-1])
         Az, scale = con.matvec_and_scale(z)
+        scale = scale + con.k.abs()
         res = (Az - con.k).abs()
         bad = ~(res <= rtol * scale)  # NaN fails too
         if not bool(bad.any()):
@@ -64,10 +71,33 @@ class ResidualCheck:
                 "the scales are out of range for this dtype (try float64)."
             )
         if z.dtype != torch.float64:
-            if self._wide is None:
-                self._wide = con.to(dtype=torch.float64)
-            wide = self._wide
+            wide = self.wide()
             res64 = (wide.matvec(z.double()) - wide.k).abs()
             bad = res64 > rtol * scale.double()
         bad = bad.any(-1)
         return bad if bool(bad.any()) else None
+
+    def wide(self) -> "EqualityConstraint":
+        """The constraint in float64 (itself when it is float64), converted once."""
+        if self.constraint.dtype == torch.float64:
+            return self.constraint
+        if self._wide is None:
+            self._wide = self.constraint.to(dtype=torch.float64)
+        return self._wide
+
+    @torch.no_grad()
+    def describe(self, z: Tensor) -> str:
+        """The row that fails by the largest factor over its tolerance: its index (batch and sample indices
+        first), residual and tolerance (residual and scale evaluated in float64)."""
+        wide = self.wide()
+        z64 = z.detach().to(torch.float64)
+        Az, scale = wide.matvec_and_scale(z64)
+        res = (Az - wide.k).abs()
+        tol = check_rtol(z.dtype, z.shape[-1]) * (scale + wide.k.abs())
+        res, tol = torch.broadcast_tensors(res, tol)
+        excess = torch.where(res > tol, res / tol.clamp_min(torch.finfo(torch.float64).tiny), 0.0)
+        flat = int(excess.flatten().argmax())
+        where = torch.unravel_index(torch.tensor(flat), excess.shape)
+        index = tuple(int(i) for i in where)
+        return (f"row {index[-1]} (index {index} over (*sample, *batch, row)) has |(A z - k)_i| = "
+                f"{res[index].item():.3e} > its tolerance {tol[index].item():.3e} = rtol (|A||z| + |k|)_i")
