@@ -4,6 +4,7 @@ factorisation, ``.data`` edits of ``A``, zero-row constraints, NaN targets (each
 from __future__ import annotations
 
 import io
+import math
 import pickle
 
 import pytest
@@ -351,3 +352,28 @@ def test_nan_target_is_a_value_error_with_validation(loss):
     loose = ConstrainedNormal(torch.zeros(5), torch.ones(5), validate_args=False,
                               constraint=LinearConstraint(torch.ones(1, 5), torch.ones(1)))
     assert bool(getattr(loose, loss)(target).isnan()[1])  # without validation: evaluated as is
+
+
+# ------------------------------------------------------------------------------------------------ Poisson accuracy
+@pytest.mark.parametrize("total", [1e6, 1e12, 2.0**50])
+@pytest.mark.parametrize("sd", [0, 3, 50])
+def test_poisson_log_prob_accuracy_against_60_digit_references(total, sd):
+    mpmath = pytest.importorskip("mpmath")
+    mpmath.mp.dps = 60
+    eps = torch.finfo(torch.float64).eps
+    g = torch.Generator().manual_seed(int(sd * 7 + math.log2(total)))
+    for _ in range(4):
+        rate = torch.rand(4, dtype=torch.float64, generator=g) + 0.5
+        mean = total * rate / rate.sum()
+        dev = torch.randn(4, dtype=torch.float64, generator=g)
+        z = (mean + sd * (dev - dev.mean()) * mean.sqrt()).round()
+        z[-1] = total - z[:-1].sum()
+        got = hardeq.ConstrainedPoisson(rate, torch.tensor(total, dtype=torch.float64)).log_prob(z).item()
+        rates = [mpmath.mpf(r) for r in rate.tolist()]
+        p = [r / sum(rates) for r in rates]
+        ref = mpmath.loggamma(mpmath.mpf(total) + 1) + sum(
+            -mpmath.loggamma(mpmath.mpf(int(zi)) + 1) + int(zi) * mpmath.log(pi) for zi, pi in zip(z.tolist(), p))
+        bound = 1e-13 + eps * (z - mean).abs().sum().item()  # the documented bound
+        assert abs(got - float(ref)) <= bound, (got, float(ref), bound)
+        if total == 1e12 and sd == 3:
+            assert abs(got - float(ref)) < 1e-9  # the documented order of magnitude at 3 sd
