@@ -377,3 +377,14 @@ def test_poisson_log_prob_accuracy_against_60_digit_references(total, sd):
         assert abs(got - float(ref)) <= bound, (got, float(ref), bound)
         if total == 1e12 and sd == 3:
             assert abs(got - float(ref)) < 1e-9  # the documented order of magnitude at 3 sd
+
+
+def test_a_constraint_built_before_a_data_edit_keeps_what_it_derived_as_documented():
+    # docs/api.md: a constraint object keeps what it derived from A (log det(A A^T)); a new one sees the edit
+    g = torch.Generator().manual_seed(3)
+    A, k = torch.randn(2, 5, generator=g, dtype=torch.float64), torch.randn(2, generator=g, dtype=torch.float64)
+    old = LinearConstraint(A, k)
+    before = old.logdet_gram_identity().clone()
+    A.data.mul_(2)
+    assert torch.equal(old.logdet_gram_identity(), before)
+    assert torch.allclose(LinearConstraint(A, k).logdet_gram_identity(), before + 2 * 2 * math.log(2.0))
