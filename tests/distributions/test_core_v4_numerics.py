@@ -139,6 +139,24 @@ def test_ragged_pyg_like_dense_constraint_with_a_one_atom_graph(dtype, cov_kind)
         assert bool(d.constraint.check(z).all())
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cov_kind", COVS)
+def test_coordinates_determined_jointly_by_two_rows_with_total_zero(dtype, cov_kind):
+    # z_0 + z_1 = 0 and z_0 - z_1 = 0 determine z_0 = z_1 = 0 with no row of one nonzero: every term of those rows is
+    # ~0, so a tolerance relative to the terms alone could never be met (every draw raised NotPSDError in float64)
+    A = torch.tensor([[1.0, 1, 0, 0, 0, 0], [1, -1, 0, 0, 0, 0], [0, 0, 1, 1, 1, 1]], dtype=dtype)
+    k = torch.tensor([0.0, 0.0, 3.0], dtype=dtype)
+    g = torch.Generator().manual_seed(6)
+    eps = torch.finfo(dtype).eps
+    for _ in range(20):
+        scale = (torch.rand(6, generator=g, dtype=torch.float64) * 3 + 0.1).to(dtype)
+        loc = torch.randn(6, generator=g, dtype=torch.float64).to(dtype)
+        d = ConstrainedNormal(loc, covariance=_covariance(cov_kind, scale, g), constraint=LinearConstraint(A, k))
+        z = d.sample((16,))
+        assert float(z[:, :2].abs().max()) <= eps * 10 * float(scale.max())  # round-off next to the prior scale
+        assert bool((z[:, 2:].sum(-1) - 3).abs().max() <= 1e3 * eps * z[:, 2:].abs().sum(-1).max())
+
+
 def test_failing_row_is_named_in_the_error():
     # a float32 Cholesky forced on a nearly dependent pair of rows cannot meet the rows: the message names the row
     A = torch.tensor([[1.0, 1.0, 0.0, 0.0, 0.0], [1.0, 1.0 + 3e-4, 0.0, 0.0, 0.0], [0.0, 0.0, 1.0, 1.0, 1.0]])
@@ -195,15 +213,25 @@ def test_float32_log_prob_matches_a_dense_float64_oracle():
 
 
 # ------------------------------------------------------------------------------------------------ item 4
-def test_subnormal_scales_give_a_precise_error_never_minus_inf():
+def test_subnormal_scales_give_a_precise_error_or_the_float64_density_never_minus_inf():
     A = torch.randn(2, 5, generator=torch.Generator().manual_seed(0))
     con = LinearConstraint(A, torch.zeros(2))
-    with pytest.raises(ValueError, match="scale"):
+    with pytest.raises(ValueError, match="scale"):  # validation names the argument
         ConstrainedNormal(torch.zeros(5), torch.full((5,), 1e-40), constraint=con)
+    con64 = LinearConstraint(A.double(), torch.zeros(2, dtype=torch.float64))
     for kw in (dict(scale=torch.full((5,), 1e-40)), dict(scale_tril=torch.diag(torch.full((5,), 1e-40)))):
         d = ConstrainedNormal(torch.zeros(5), constraint=con, validate_args=False, **kw)
-        with pytest.raises(ValueError, match=r"subnormal in torch.float32.*1\.000e-40"):
-            d.log_prob(torch.zeros(5))
+        zero64 = torch.zeros(5, dtype=torch.float64)
+        wide = {name: t.double() for name, t in kw.items()}
+        ref = ConstrainedNormal(zero64, constraint=con64, **wide).log_prob(zero64)
+        got = d.log_prob(torch.zeros(5))  # the density at the mean: finite and large (273.6), never -inf
+        assert torch.isfinite(got) and abs(got.item() - ref.item()) <= 1e-5 * abs(ref.item())
+        try:  # samples are subnormal numbers: exact, or an error that says so
+            z = d.sample((4,))
+        except NotPSDError as e:
+            assert "subnormal in torch.float32" in str(e) and "row" in str(e)
+        else:
+            assert bool(con.check(z).all())
 
 
 @pytest.mark.parametrize("kind", ["scale", "scale_tril"])

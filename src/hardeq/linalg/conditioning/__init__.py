@@ -157,7 +157,8 @@ class Conditioner:
         ValueError: if the constraint has no rows (``a = 0``: there is nothing to condition on; use
             ``torch.distributions.MultivariateNormal`` for the unconstrained law), or the event sizes differ.
         NotPSDError: if :math:`S` is numerically singular (rows of ``A`` dependent under :math:`\Sigma`), or the
-            scales are not finite and positive.
+            scales are not finite and positive; when conditioning, if a row cannot be met (the message names the
+            row, its residual and tolerance, and says when the covariance is subnormal in its dtype).
     """
 
     def __init__(self, covariance: "Covariance", constraint: "EqualityConstraint", *, static: bool = False,
@@ -188,7 +189,8 @@ class Conditioner:
         self.c = covariance.max_abs_sqrt()
         if not static:
             _check_scale(self.c)
-        self._check = ResidualCheck(constraint)
+        self._check = ResidualCheck(constraint, covariance)
+        self._normalised_wide: "Covariance | None" = None  # Sigma / c^2 in float64, made on first log_prob
         # determined coordinates, pinned after every step (not in static mode: that needs a data-dependent branch)
         self._pinned = None if static else constraint.pinned_values()
         self.plan: tuple[PlanStep, ...] = default_plan(self.dtype, static) if method is None else forced_plan(
@@ -252,8 +254,7 @@ class Conditioner:
             if self.stage + 1 >= len(self.plan):
                 raise NotPSDError(
                     f"the conditioned vector misses A z = k after {MAX_REFINEMENT_STEPS} refinement steps (method "
-                    f"{self.method!r}, dtype {z.dtype}): {self._check.describe(z)}; A Sigma A^T is too "
-                    "ill-conditioned for this dtype. Use float64, or rescale/remove nearly dependent rows of A."
+                    f"{self.method!r}, dtype {z.dtype}): {self._check.describe(z)}; {_cause(self.c, z)}"
                 )
             self.factor = self._next_factor()
 
@@ -304,8 +305,9 @@ class Conditioner:
         O(n^2) full, O(n r) low rank), plus a float64 copy of the covariance's tensors."""
         wide = torch.float64
         c = self.c.to(wide)
-        cov = self.cov if self.cov.dtype == wide else self.cov.to(dtype=wide)
-        return cov.scaled(c).inv_quad(x.to(wide) / c).to(self.dtype)
+        if self._normalised_wide is None:  # kept: its own factorisation (e.g. a low-rank capacitance) is done once
+            self._normalised_wide = (self.cov if self.cov.dtype == wide else self.cov.to(dtype=wide)).scaled(c)
+        return self._normalised_wide.inv_quad(x.to(wide) / c).to(self.dtype)
 
     # ================================================================== delegated to the factor
     def gain_matvec(self, residual: Tensor) -> Tensor:
@@ -355,11 +357,14 @@ def _check_scale(c: Tensor) -> None:
             f"the covariance's scales must be finite and not all zero; got a largest entry in "
             f"[{c.min().item():.3e}, {c.max().item():.3e}]."
         )
-    tiny = torch.finfo(c.dtype).tiny
+
+
+def _cause(c: Tensor, z: Tensor) -> str:
+    """Why refinement could not meet the rows: subnormal scales or values, else the conditioning of S."""
+    tiny = torch.finfo(z.dtype).tiny
     if bool((c < tiny).any()):
-        raise ValueError(
-            f"the covariance (scale, scale_tril or cov_factor) is subnormal in {c.dtype}: its largest standard "
-            f"deviation is {c.min().item():.3e} in some batch element, below the smallest normal number {tiny:.3e}, "
-            "so every sample would be a subnormal number with too few significant bits to meet A z = k. Rescale "
-            "the problem (measure z in units of the scale) or use float64."
-        )
+        return (f"the covariance's largest standard deviation, {c.min().item():.3e}, is subnormal in {c.dtype} "
+                f"(below {tiny:.3e}), so the conditioned values have too few significant bits. Rescale the problem "
+                "(measure z in units of the scale) or use float64.")
+    return ("A Sigma A^T is too ill-conditioned for this dtype. Use float64, or rescale/remove nearly dependent rows "
+            "of A.")

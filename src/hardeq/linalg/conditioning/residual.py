@@ -12,10 +12,14 @@ with ``cap`` a quarter of the library's exactness target (1e-5 float32, 1e-12 fl
 synchronisation; only when a row fails, and for float32 and below, the residual is
 re-evaluated in float64, so that evaluation noise never asks for a refinement that cannot help.
 
-A row whose terms are all (nearly) zero has a (nearly) zero tolerance: it passes only when it is met exactly, which
-is what the conditioner guarantees for the coordinates the constraint determines on its own
-(:meth:`~hardeq.EqualityConstraint.pinned_values`, set exactly after every step); :meth:`ResidualCheck.describe`
-names the failing row of a failing vector, its residual and its tolerance.
+A row whose terms are all (nearly) zero would have a (nearly) zero tolerance and could pass only when met exactly.
+The conditioner sets the coordinates a single row determines exactly after every step
+(:meth:`~hardeq.EqualityConstraint.pinned_values`); for coordinates that several rows determine jointly, the
+tolerance has a floor :math:`\mathrm{rtol}\,\varepsilon\,(|A|\sigma)_i` (:math:`\sigma`: the prior standard
+deviations), so a row passes once its terms are round-off next to the prior scale of its coordinates (it is below
+:math:`\mathrm{rtol}\,(|A||z|)_i` unless :math:`|z| < \varepsilon\sigma`: scale ratios up to :math:`1/\varepsilon`
+keep the relative criterion). :meth:`ResidualCheck.describe` names the failing row of a failing vector, its
+residual and its tolerance.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from ...errors import NotPSDError
 
 if TYPE_CHECKING:
     from ...constraints import EqualityConstraint
+    from ..covariance import Covariance
 
 __all__ = ["CHECK_RTOL_CAP", "ResidualCheck", "check_rtol"]
 
@@ -44,11 +49,33 @@ def check_rtol(dtype: torch.dtype, n: int) -> float:
 
 
 class ResidualCheck:
-    """The per-row check of one constraint (see the module docstring)."""
+    """The per-row check of one constraint (see the module docstring).
 
-    def __init__(self, constraint: "EqualityConstraint") -> None:
+    Args:
+        constraint: the constraint.
+        covariance: the prior covariance, optional: with it, a row also passes when its residual is below
+            ``rtol eps (|A| sigma)_i`` (``sigma``: the prior standard deviations), i.e. when every term of the row is
+            round-off next to the prior scale of its coordinates -- the coordinates several rows determine jointly
+            (``z_1 + z_2 = 0`` and ``z_1 - z_2 = 0``) come back at ``eps^2 |z_hat|`` and can never meet a tolerance
+            that is relative to themselves. The floor is computed on the first failure only (O(n a) once).
+    """
+
+    def __init__(self, constraint: "EqualityConstraint", covariance: "Covariance | None" = None) -> None:
         self.constraint = constraint
+        self.covariance = covariance
         self._wide: "EqualityConstraint | None" = None
+        self._floor: Tensor | None = None
+
+    def floor(self) -> Tensor | float:
+        r""":math:`\varepsilon\,(|A|\sigma)_i` (``(*batch, a)``, float64), 0 without a covariance."""
+        if self.covariance is None:
+            return 0.0
+        if self._floor is None:
+            with torch.no_grad():
+                wide = self.wide()
+                sigma = self.covariance.to(dtype=torch.float64).diagonal().detach().clamp_min(0).sqrt()
+                self._floor = torch.finfo(self.constraint.dtype).eps * wide.abs_matvec(sigma)
+        return self._floor
 
     @torch.no_grad()
     def failing(self, z: Tensor, method: str = "") -> Tensor | None:
@@ -72,8 +99,8 @@ class ResidualCheck:
             )
         if z.dtype != torch.float64:
             wide = self.wide()
-            res64 = (wide.matvec(z.double()) - wide.k).abs()
-            bad = res64 > rtol * scale.double()
+            res = (wide.matvec(z.double()) - wide.k).abs()
+        bad = res > rtol * (scale.to(torch.float64) + self.floor()).to(res.dtype)
         bad = bad.any(-1)
         return bad if bool(bad.any()) else None
 
@@ -93,11 +120,12 @@ class ResidualCheck:
         z64 = z.detach().to(torch.float64)
         Az, scale = wide.matvec_and_scale(z64)
         res = (Az - wide.k).abs()
-        tol = check_rtol(z.dtype, z.shape[-1]) * (scale + wide.k.abs())
+        tol = check_rtol(z.dtype, z.shape[-1]) * (scale + wide.k.abs() + self.floor())
         res, tol = torch.broadcast_tensors(res, tol)
         excess = torch.where(res > tol, res / tol.clamp_min(torch.finfo(torch.float64).tiny), 0.0)
         flat = int(excess.flatten().argmax())
         where = torch.unravel_index(torch.tensor(flat), excess.shape)
         index = tuple(int(i) for i in where)
         return (f"row {index[-1]} (index {index} over (*sample, *batch, row)) has |(A z - k)_i| = "
-                f"{res[index].item():.3e} > its tolerance {tol[index].item():.3e} = rtol (|A||z| + |k|)_i")
+                f"{res[index].item():.3e} > its tolerance {tol[index].item():.3e} = rtol (|A||z| + |k| + eps |A| "
+                "sigma)_i")
