@@ -53,12 +53,15 @@ INDEX = torch.tensor([0, 1, 1, 1, 1, 1])
 A_DENSE = torch.tensor([[1.0, 0, 0, 0, 0, 0], [0, 1, 1, 1, 1, 1]])
 
 
+A_SPARSE = {dtype: A_DENSE.to(dtype).to_sparse_csr() for dtype in DTYPES}  # one tensor: its preparation is cached
+
+
 def _constraint(kind: str, dtype: torch.dtype, k: torch.Tensor):
     if kind == "sum":
         return SumConstraint(INDEX, k)
     if kind == "linear":
         return LinearConstraint(A_DENSE.to(dtype), k)
-    return SparseConstraint(A_DENSE.to(dtype).to_sparse_csr(), k)
+    return SparseConstraint(A_SPARSE[dtype], k)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
