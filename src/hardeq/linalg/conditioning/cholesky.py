@@ -104,12 +104,17 @@ class CholeskyFactor(Factor):
     def gain(self, residual: Tensor) -> Tensor:
         return self._apply_cross(self.solve(residual)).to(self.dtype)
 
-    def gain_wide(self, residual: Tensor) -> Tensor:
-        x = self.solve(residual).to(torch.float64)
+    def _twin(self) -> "CholeskyFactor":
+        """This factor in float64 (itself when it is float64; else built on first use and kept)."""
         if self.precision == torch.float64:
-            return self._apply_cross(x)
-        wide = torch.float64  # the solve in the factor's precision, the product Sigma' A^T x in float64
-        return self.cov.to(dtype=wide).scaled(self.c.to(wide)).matvec(self.constraint.to(dtype=wide).rmatvec(x))
+            return self
+        if self._wide_factor is None:
+            self._wide_factor = CholeskyFactor(self.cov, self.constraint, self.c, torch.float64, checked=False)
+        return self._wide_factor
+
+    def gain_wide(self, residual: Tensor) -> Tensor:
+        twin = self._twin()  # a float32 factor: the float64 twin that log_prob builds for logdet anyway
+        return twin._apply_cross(twin.solve(residual))
 
     def step_(self, z: Tensor) -> Tensor:
         if self.precision != z.dtype:
@@ -135,9 +140,7 @@ class CholeskyFactor(Factor):
         :math:`\varepsilon_{32}\kappa` in its log-determinant (4e-3 nats with scales over five decades), which
         :meth:`~hardeq.ConstrainedNormal.log_prob` would add to every density."""
         if self.precision != torch.float64:
-            if self._wide_factor is None:
-                self._wide_factor = CholeskyFactor(self.cov, self.constraint, self.c, torch.float64, checked=False)
-            return self._wide_factor.logdet()
+            return self._twin().logdet()
         a = self.d.shape[-1]
         out = (2 * self.L.diagonal(dim1=-2, dim2=-1).log().sum(-1) + 2 * self.d.log().sum(-1)
                + 2 * a * self.c.squeeze(-1).to(self.precision).log())
