@@ -15,11 +15,12 @@ re-evaluated in float64, so that evaluation noise never asks for a refinement th
 A row whose terms are all (nearly) zero would have a (nearly) zero tolerance and could pass only when met exactly.
 The conditioner sets the coordinates a single row determines exactly after every step
 (:meth:`~hardeq.EqualityConstraint.pinned_values`); for coordinates that several rows determine jointly, the
-tolerance has a floor :math:`\mathrm{rtol}\,\varepsilon\,(|A|\sigma)_i` (:math:`\sigma`: the prior standard
-deviations), so a row passes once its terms are round-off next to the prior scale of its coordinates (it is below
-:math:`\mathrm{rtol}\,(|A||z|)_i` unless :math:`|z| < \varepsilon\sigma`: scale ratios up to :math:`1/\varepsilon`
-keep the relative criterion). :meth:`ResidualCheck.describe` names the failing row of a failing vector, its
-residual and its tolerance.
+tolerance has an absolute floor :math:`\varepsilon^2(|A|\sigma)_i` (:math:`\sigma`: the prior standard deviations),
+which such rows reach after a refinement step or two (their terms come back at :math:`\varepsilon^2|\hat z|`, then
+:math:`\varepsilon^3|\hat z|`). Elsewhere the floor is at most the relative tolerance itself at scale ratios up to
+:math:`10^8` in float32 (:math:`\varepsilon_{32}^2 \cdot 10^8 = 1.4\cdot 10^{-6}` next to
+:math:`\mathrm{rtol} = 2.5\cdot 10^{-6}`; negligible in float64), so rows stay within the exactness target.
+:meth:`ResidualCheck.describe` names the failing row of a failing vector, its residual and its tolerance.
 """
 
 from __future__ import annotations
@@ -53,11 +54,10 @@ class ResidualCheck:
 
     Args:
         constraint: the constraint.
-        covariance: the prior covariance, optional: with it, a row also passes when its residual is below
-            ``rtol eps (|A| sigma)_i`` (``sigma``: the prior standard deviations), i.e. when every term of the row is
-            round-off next to the prior scale of its coordinates -- the coordinates several rows determine jointly
-            (``z_1 + z_2 = 0`` and ``z_1 - z_2 = 0``) come back at ``eps^2 |z_hat|`` and can never meet a tolerance
-            that is relative to themselves. The floor is computed on the first failure only (O(n a) once).
+        covariance: the prior covariance, optional: with it, the tolerance of row ``i`` has the absolute floor
+            ``eps^2 (|A| sigma)_i`` (``sigma``: the prior standard deviations) -- the coordinates several rows
+            determine jointly (``z_1 + z_2 = 0`` and ``z_1 - z_2 = 0``) come back at ``eps^2 |z_hat|`` and can never
+            meet a tolerance that is relative to themselves. Computed on the first failure only (O(n a) once).
     """
 
     def __init__(self, constraint: "EqualityConstraint", covariance: "Covariance | None" = None) -> None:
@@ -67,14 +67,14 @@ class ResidualCheck:
         self._floor: Tensor | None = None
 
     def floor(self) -> Tensor | float:
-        r""":math:`\varepsilon\,(|A|\sigma)_i` (``(*batch, a)``, float64), 0 without a covariance."""
+        r""":math:`\varepsilon^2(|A|\sigma)_i` (``(*batch, a)``, float64), 0 without a covariance."""
         if self.covariance is None:
             return 0.0
         if self._floor is None:
             with torch.no_grad():
                 wide = self.wide()
                 sigma = self.covariance.to(dtype=torch.float64).diagonal().detach().clamp_min(0).sqrt()
-                self._floor = torch.finfo(self.constraint.dtype).eps * wide.abs_matvec(sigma)
+                self._floor = torch.finfo(self.constraint.dtype).eps ** 2 * wide.abs_matvec(sigma)
         return self._floor
 
     @torch.no_grad()
@@ -100,7 +100,7 @@ class ResidualCheck:
         if z.dtype != torch.float64:
             wide = self.wide()
             res = (wide.matvec(z.double()) - wide.k).abs()
-        bad = res > rtol * (scale.to(torch.float64) + self.floor()).to(res.dtype)
+        bad = res > (rtol * scale.to(torch.float64) + self.floor()).to(res.dtype)
         bad = bad.any(-1)
         return bad if bool(bad.any()) else None
 
@@ -120,12 +120,12 @@ class ResidualCheck:
         z64 = z.detach().to(torch.float64)
         Az, scale = wide.matvec_and_scale(z64)
         res = (Az - wide.k).abs()
-        tol = check_rtol(z.dtype, z.shape[-1]) * (scale + wide.k.abs() + self.floor())
+        tol = check_rtol(z.dtype, z.shape[-1]) * (scale + wide.k.abs()) + self.floor()
         res, tol = torch.broadcast_tensors(res, tol)
         excess = torch.where(res > tol, res / tol.clamp_min(torch.finfo(torch.float64).tiny), 0.0)
         flat = int(excess.flatten().argmax())
         where = torch.unravel_index(torch.tensor(flat), excess.shape)
         index = tuple(int(i) for i in where)
         return (f"row {index[-1]} (index {index} over (*sample, *batch, row)) has |(A z - k)_i| = "
-                f"{res[index].item():.3e} > its tolerance {tol[index].item():.3e} = rtol (|A||z| + |k| + eps |A| "
-                "sigma)_i")
+                f"{res[index].item():.3e} > its tolerance {tol[index].item():.3e} = rtol (|A||z| + |k|)_i + "
+                "eps^2 (|A| sigma)_i")
