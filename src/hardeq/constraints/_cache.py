@@ -1,9 +1,15 @@
-"""Values derived from a tensor, remembered while that tensor lives unchanged.
+"""Values derived from a tensor, remembered while that tensor lives with unchanged contents.
 
 The per-step pattern ``LinearConstraint(A, k_step)`` (or ``SparseConstraint``) builds a new constraint object around
 the same ``A`` every step; what depends on ``A`` alone (its rank verdict, its QR, a converted sparse layout, the
 row-product matrix of its Gram) is computed once. An entry is keyed by ``id(A)``, checked against a weak reference
-(the id of a dead tensor may be reused) and ``A._version`` (an in-place change invalidates it), and dies with ``A``.
+(the id of a dead tensor may be reused), ``A._version`` (an in-place change through ``A`` itself invalidates it at
+once) and a **snapshot of the contents** of ``A``: an edit through ``A.data`` (or through another view of the same
+storage, or under ``torch.no_grad`` on a leaf's ``.data``) does not bump ``A._version``, so every lookup also
+compares ``A`` with the copy taken when the entry was stored (``torch.equal``, one pass over ``A``: O(a n), or O(nnz)
+for a sparse tensor, against the O(a^2 n) work an entry saves). An entry dies with ``A``.
+
+Memory: the snapshot is one more copy of ``A`` (detached) per live cached tensor.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from .._utils import is_tracing
@@ -18,11 +25,34 @@ from .._utils import is_tracing
 __all__ = ["PerTensorCache"]
 
 
+def _parts(A: Tensor) -> tuple[Tensor, ...]:
+    """The tensors that hold the contents of ``A`` (values and, for a sparse layout, its indices), detached."""
+    A = A.detach()
+    if A.layout == torch.sparse_coo:
+        return (A._indices(), A._values())
+    if A.layout == torch.sparse_csr:
+        return (A.crow_indices(), A.col_indices(), A.values())
+    if A.layout != torch.strided:
+        raise TypeError(f"unsupported layout {A.layout}")
+    return (A,)
+
+
+def _snapshot(A: Tensor) -> tuple[Tensor, ...]:
+    return tuple(p.clone() for p in _parts(A))
+
+
+def _unchanged(A: Tensor, snapshot: tuple[Tensor, ...]) -> bool:
+    parts = _parts(A)
+    return len(parts) == len(snapshot) and all(
+        p.shape == s.shape and p.dtype == s.dtype and bool(torch.equal(p, s)) for p, s in zip(parts, snapshot))
+
+
 class PerTensorCache:
-    """A map ``tensor -> value`` that never keeps the tensor alive and forgets it when the tensor changes."""
+    """A map ``tensor -> value`` that never keeps the tensor alive and forgets it when the tensor changes (through
+    an in-place operation on it or through ``.data``; see the module docstring)."""
 
     def __init__(self) -> None:
-        self._entries: dict[int, tuple[weakref.ref, int, Any]] = {}
+        self._entries: dict[int, tuple[weakref.ref, int, tuple[Tensor, ...], Any]] = {}
 
     def __contains__(self, key: int) -> bool:
         """Is there an entry for the tensor with this ``id``?"""
@@ -34,12 +64,16 @@ class PerTensorCache:
     def get(self, A: Tensor) -> Any | None:
         if is_tracing():  # no identity under torch.compile / torch.func: compute afresh
             return None
-        entry = self._entries.get(id(A))
+        key = id(A)
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
         try:
-            if entry is not None and entry[0]() is A and entry[1] == A._version:
-                return entry[2]
+            if entry[0]() is A and entry[1] == A._version and _unchanged(A, entry[2]):
+                return entry[3]
         except RuntimeError:  # inference tensors have no version counter
-            pass
+            return None
+        del self._entries[key]  # changed contents: the value is stale
         return None
 
     def put(self, A: Tensor, value: Any) -> None:
@@ -52,6 +86,6 @@ class PerTensorCache:
                 del entries[key]
 
         try:
-            entries[key] = (weakref.ref(A, forget), A._version, value)
+            entries[key] = (weakref.ref(A, forget), A._version, _snapshot(A), value)
         except (TypeError, RuntimeError):  # no weak reference or no version counter (inference / functional)
             pass

@@ -242,9 +242,13 @@ class EqualityConstraint(ABC):
         return Q[..., :a], R[..., :a, :], Q[..., a:]
 
     def pinned_values(self) -> tuple[Tensor, Tensor] | None:
-        """Coordinates the constraint alone determines (e.g. a group of one): ``(mask, values)`` with ``mask``
-        ``(n,)`` bool and ``values`` ``(*batch, n)``, valid where ``mask``; ``None`` if there are none."""
-        return None
+        """Coordinates the constraint alone determines (a row of ``A`` with one nonzero ``a_ij`` fixes
+        ``z_j = k_i / a_ij``; e.g. a group of one): ``(mask, values)`` with ``mask`` ``(*batch_A, n)`` bool
+        (``(n,)`` for a shared ``A``) and ``values`` ``(*batch, n)``, valid where ``mask``; ``None`` if there are
+        none. Default: from :meth:`dense_matrix`, O(a n)."""
+        from ._pinned import pinned_dense
+
+        return pinned_dense(self.dense_matrix(), self.k)
 
     # ------------------------------------------------------------------ geometry of the plane
     def particular_solution(self) -> Tensor:

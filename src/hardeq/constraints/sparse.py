@@ -204,6 +204,21 @@ class SparseConstraint(EqualityConstraint):
         """``A`` as the CSR tensor ``(a, n)`` stored by this constraint (no copy)."""
         return self._A
 
+    def pinned_values(self) -> tuple[Tensor, Tensor] | None:
+        """Rows of ``A`` with one stored nonzero fix their column (see the base class); O(a) from the CSR rows."""
+        from ._pinned import pinned_from_rows
+
+        A = self._A
+        nnz = A._nnz()
+        if nnz == 0:
+            return None
+        crow = A.crow_indices()
+        first = crow[:-1].clamp_max(nnz - 1)  # the first stored entry of each row
+        single = (crow[1:] - crow[:-1] == 1) & (A.values()[first] != 0)
+        if not bool(single.any()):
+            return None
+        return pinned_from_rows(single, A.col_indices()[first], A.values()[first], self.k, self.event_size)
+
     # ------------------------------------------------------------------ caches on A
     def _cached(self, name: str, make):
         if name not in self._shared:

@@ -393,9 +393,14 @@ class ConstrainedPoisson(Distribution):
             \log p(z) = \sum_j \Big[\log k_j! - \sum_{i \in G_j} \log z_i!\Big] + \sum_i z_i \log p_i
 
         for non-negative integer ``z`` with the right group sums, evaluated in float64 (whatever ``rate``'s
-        dtype) in Loader's saddle-point form (:func:`hardeq.ops.multinomial_log_pmf`): accurate to about
-        :math:`10^{-13}` absolute at totals of :math:`10^{12}`, where the ``lgamma`` form above loses
-        :math:`10^{-2}`.
+        dtype) in Loader's saddle-point form (:func:`hardeq.ops.multinomial_log_pmf`), where the ``lgamma`` form
+        above loses :math:`10^{-2}` at totals of :math:`10^{12}`. Accuracy, measured against 60-digit references
+        (mpmath, from the same float64 rates): an absolute error within
+        :math:`10^{-13} + \varepsilon_{64}\sum_i |z_i - k p_i|`, the float64 rounding of the means :math:`k p_i`
+        times the slope :math:`1 - z_i / (k p_i)` of the deviance. At :math:`k = 10^{12}` that is about
+        :math:`10^{-14}` at the mean, up to :math:`7 \cdot 10^{-10}` three standard deviations away and
+        :math:`6 \cdot 10^{-9}` at fifty; at :math:`k = 2^{50}`, :math:`2 \cdot 10^{-8}` and :math:`3 \cdot 10^{-7}`
+        (a relative error below :math:`10^{-11}` of the log-pmf there).
 
         Off the support, as :meth:`ConstrainedNormal.log_prob <hardeq.ConstrainedNormal.log_prob>` off the
         plane: with validation on (``validate_args``), a ``value`` with negative or non-integer entries, or

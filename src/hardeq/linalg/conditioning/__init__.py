@@ -21,21 +21,28 @@ variance), tried in this order:
 A dense constraint with ``n - a < a`` is then wrapped in :class:`~.nullspace.NullspaceFactor` (O(n (n - a)) per
 vector, cancellation-free variances).
 
-**The conditioner chooses, checks, refines and escalates.** After each Matheron step the per-row residual check
-(:mod:`.residual`) marks the vectors with a row :math:`|(Az-k)_i| > \mathrm{rtol}\,(|A||z|)_i`; only those get a
-refinement step :math:`z \leftarrow z + K(k - Az)` (up to :data:`MAX_REFINEMENT_STEPS`; the map is a projection, so
-this changes neither the distribution nor, to first order, the gradient). A vector still failing makes the
-conditioner move on to the next factor of the list and keep refining with it; after the last one it raises
-:class:`~hardeq.NotPSDError`. Refinement is needed when :math:`\hat z` is much larger than :math:`z` (an
-``ulp(ẑ)`` error: a group of one with scale 1e8 must return its total) or when :math:`\varepsilon\kappa(S)` is not
-small.
+**The conditioner chooses, checks, refines and escalates.** After each Matheron step the coordinates the
+constraint alone determines (:meth:`~hardeq.EqualityConstraint.pinned_values`: a row of ``A`` with one nonzero
+:math:`a_{ij}` fixes :math:`z_j = k_i / a_{ij}`) are set to that value exactly, whatever the factor, and the per-row
+residual check (:mod:`.residual`) marks the vectors with a row :math:`|(Az-k)_i| > \mathrm{rtol}\,(|A||z| + |k|)_i`;
+only those get a refinement step :math:`z \leftarrow z + K(k - Az)` (up to :data:`MAX_REFINEMENT_STEPS`; the map is
+a projection, so this changes neither the distribution nor, to first order, the gradient). A vector still failing
+makes the conditioner move on to the next step of its plan and keep refining with it; after the last one it raises
+:class:`~hardeq.NotPSDError` naming the failing row (index, residual, tolerance). Refinement is needed when
+:math:`\hat z` is much larger than :math:`z` (an ``ulp(ẑ)`` error) or when :math:`\varepsilon\kappa(S)` is not small.
+
+**The plan is a value.** :attr:`Conditioner.plan` is a tuple of ``(kind, precision, kappa_max)`` steps (strings,
+dtypes and floats; no closures), so a conditioner -- and a :class:`~hardeq.ConstrainedNormal` that has factorised --
+pickles and ``torch.save``\ s. Escalating builds the next step's factor and makes it the current
+:attr:`~Conditioner.factor` (a new value; a factor is never modified after it is built).
+:attr:`~Conditioner.requires_grad` is derived from the inputs, not set from outside.
 
 **Static mode** (``static=True``; chosen automatically by :class:`~hardeq.ConstrainedNormal` with
 ``validate_args=False`` under ``torch.compile`` or a ``torch.func`` transform): no data-dependent branch. The factor
 is chosen by structure only (grouped, else Cholesky in float64 of the equilibrated Gram matrix), nothing is checked,
 and every vector gets :data:`STATIC_REFINEMENT_STEPS` refinement steps. Accuracy: the per-row criterion holds for
-well-conditioned problems (:math:`\varepsilon_{64}\kappa(\tilde S) \ll 1`, scales within about eight decades); groups of
-one come back within one ulp of their total rather than exactly.
+well-conditioned problems (:math:`\varepsilon_{64}\kappa(\tilde S) \ll 1`, scales within about eight decades);
+determined coordinates (groups of one) come back within one ulp of their value rather than exactly (nothing is pinned).
 
 Cost: factorisation O(batch n a^2 + batch a^3) (GEMM speed; grouped O(n)); each conditioned vector O(n a) (grouped:
 O(n); sparse: O(nnz)) plus the check, one more O(n a) product. :meth:`Conditioner.sample` fuses ``loc + F eps`` and the
@@ -44,7 +51,7 @@ Matheron step in place when no gradient is needed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -54,7 +61,7 @@ from ...errors import NotPSDError
 from .cholesky import CholeskyFactor
 from .factor import Factor
 from .grouped import GroupedFactor
-from .nullspace import NullspaceFactor
+from .nullspace import NullspaceFactor, _operator_requires_grad
 from .qr import QRFactor
 from .residual import CHECK_RTOL_CAP, ResidualCheck, check_rtol
 
@@ -78,6 +85,55 @@ MAX_REFINEMENT_STEPS = 3
 STATIC_REFINEMENT_STEPS = 1
 #: largest pivot-ratio estimate of kappa accepted by the Cholesky factor, by precision of the factor
 KAPPA_MAX = {"working": 1e3, "float64": 1e10}
+#: refinement steps of :meth:`Conditioner.deviation` (each multiplies the error of the first gain by eps kappa; a
+#: second step changed nothing measurable on the float32 far-from-plane cases)
+DEVIATION_REFINEMENT_STEPS = 1
+
+#: one step of a plan: (kind, precision of the factor or None, largest accepted kappa or None = accept unchecked)
+PlanStep = tuple[str, "torch.dtype | None", "float | None"]
+
+#: the factors :class:`Conditioner` can be forced to use (``method=``)
+FORCED_METHODS = ("cholesky", "cholesky64", "grouped", "qr")
+
+
+def default_plan(dtype: torch.dtype, static: bool = False) -> tuple[PlanStep, ...]:
+    """The steps a conditioner tries in order (the grouped step, when it applies, is the whole plan)."""
+    f64 = torch.float64
+    if static:
+        return (("grouped", None, None), ("cholesky", f64, None))
+    working = (("cholesky", f64, KAPPA_MAX["float64"]),) if dtype == f64 else (
+        ("cholesky", dtype, KAPPA_MAX["working"]), ("cholesky", f64, KAPPA_MAX["float64"]))
+    return (("grouped", None, None), *working, ("qr", f64, None))
+
+
+def forced_plan(method: str, dtype: torch.dtype) -> tuple[PlanStep, ...]:
+    """The one-step plan of ``method=`` (no escalation, no null-space form)."""
+    steps = {"grouped": ("grouped", None, None), "cholesky": ("cholesky", dtype, None),
+             "cholesky64": ("cholesky", torch.float64, None), "qr": ("qr", torch.float64, None)}
+    if method not in steps:
+        raise ValueError(f"method must be one of {sorted(steps)} or None, got {method!r}.")
+    return (steps[method],)
+
+
+def build_factor(step: PlanStep, cov: "Covariance", con: "EqualityConstraint", c: Tensor, *,
+                 static: bool = False) -> Factor | None:
+    """The factor of one plan step, or ``None`` when it does not apply or is not accurate enough."""
+    kind, precision, kappa_max = step
+    if kind == "grouped":
+        return GroupedFactor.build(cov, con, c, checked=not static)
+    if kind == "cholesky":
+        if kappa_max is None:
+            return CholeskyFactor(cov, con, c, precision, checked=not static)
+        return CholeskyFactor.build(cov, con, c, precision, kappa_max)
+    if kind == "qr":
+        return QRFactor.build(cov, con, c)
+    raise ValueError(f"unknown plan step {step!r}.")
+
+
+def _requires_grad(covariance: "Covariance", constraint: "EqualityConstraint") -> bool:
+    """Does any input of the conditioner require grad (covariance tensors, ``k`` or the operator)?"""
+    return (any(t.requires_grad for t in covariance.tensors()) or constraint.k.requires_grad
+            or _operator_requires_grad(constraint))
 
 
 class Conditioner:
@@ -92,12 +148,18 @@ class Conditioner:
 
     Attributes:
         factor (Factor): the current factorisation; :attr:`method` is its name.
+        plan (tuple): the ``(kind, precision, kappa_max)`` steps, in order; :attr:`stage` indexes the current one.
+        requires_grad (bool): whether a covariance tensor, ``k`` or the operator requires grad (derived from the
+            inputs at construction).
 
     Raises:
         TypeError: if the covariance and the constraint are not both float32 or both float64 (half precision is
             computed in float32 by :class:`~hardeq.ConstrainedNormal`).
+        ValueError: if the constraint has no rows (``a = 0``: there is nothing to condition on; use
+            ``torch.distributions.MultivariateNormal`` for the unconstrained law), or the event sizes differ.
         NotPSDError: if :math:`S` is numerically singular (rows of ``A`` dependent under :math:`\Sigma`), or the
-            scales are not finite and positive.
+            scales are not finite and positive; when conditioning, if a row cannot be met (the message names the
+            row, its residual and tolerance, and says when the covariance is subnormal in its dtype).
     """
 
     def __init__(self, covariance: "Covariance", constraint: "EqualityConstraint", *, static: bool = False,
@@ -106,6 +168,12 @@ class Conditioner:
             raise ValueError(
                 f"covariance has event size {covariance.event_size} but the constraint acts on vectors of size "
                 f"{constraint.event_size}."
+            )
+        if constraint.num_constraints == 0:
+            raise ValueError(
+                f"constraint must have at least one row (a >= 1), got a = 0 rows on vectors of size "
+                f"{constraint.event_size}: there is nothing to condition on. Use "
+                "torch.distributions.MultivariateNormal (or Normal) for the unconstrained law."
             )
         if constraint.dtype not in (torch.float32, torch.float64) or covariance.dtype != constraint.dtype:
             raise TypeError(
@@ -118,57 +186,34 @@ class Conditioner:
         self.constraint = constraint
         self.dtype = constraint.dtype
         self.static = static
-        self.requires_grad = False
+        self.requires_grad = _requires_grad(covariance, constraint)
         self.c = covariance.max_abs_sqrt()
         if not static:
             _check_scale(self.c)
-        self._check = ResidualCheck(constraint)
-        self._candidates = self._plan() if method is None else [self._forced(method)]
-        self._wrap_nullspace = method is None and not static
-        self.factor = self._next_factor()
+        self._check = ResidualCheck(constraint, covariance)
+        self._normalised_wide: "Covariance | None" = None  # Sigma / c^2 in float64, made on first log_prob
+        # determined coordinates, pinned after every step (not in static mode: that needs a data-dependent branch)
+        self._pinned = None if static else constraint.pinned_values()
+        self.plan: tuple[PlanStep, ...] = default_plan(self.dtype, static) if method is None else forced_plan(
+            method, self.dtype)
+        self.stage = -1
+        self.factor = self._next_factor(wrap_nullspace=method is None and not static)
 
     # ================================================================== choosing
-    def _plan(self) -> list[Callable[[], Factor | None]]:
-        """The factors to try, in order (each returns ``None`` when it does not apply or is not accurate enough)."""
-        cov, con, c = self.cov, self.constraint, self.c
-        if self.static:
-            grouped = GroupedFactor.build(cov, con, c, checked=False)
-            if grouped is not None:
-                return [lambda: grouped]
-            return [lambda: CholeskyFactor(cov, con, c, torch.float64, checked=False)]
-        grouped = GroupedFactor.build(cov, con, c)
-        if grouped is not None:
-            return [lambda: grouped]
-        plan: list[Callable[[], Factor | None]] = []
-        if self.dtype == torch.float64:
-            plan.append(lambda: CholeskyFactor.build(cov, con, c, torch.float64, KAPPA_MAX["float64"]))
-        else:
-            plan.append(lambda: CholeskyFactor.build(cov, con, c, self.dtype, KAPPA_MAX["working"]))
-            plan.append(lambda: CholeskyFactor.build(cov, con, c, torch.float64, KAPPA_MAX["float64"]))
-        plan.append(lambda: QRFactor.build(cov, con, c))
-        return plan
-
-    def _forced(self, method: str) -> Callable[[], Factor | None]:
-        cov, con, c = self.cov, self.constraint, self.c
-        builders = {
-            "grouped": lambda: GroupedFactor.build(cov, con, c),
-            "cholesky": lambda: CholeskyFactor(cov, con, c, self.dtype),
-            "cholesky64": lambda: CholeskyFactor(cov, con, c, torch.float64),
-            "qr": lambda: QRFactor(cov, con, c),
-        }
-        if method not in builders:
-            raise ValueError(f"method must be one of {sorted(builders)} or None, got {method!r}.")
-        return builders[method]
-
-    def _next_factor(self) -> Factor:
-        """Build the next applicable factor of the plan (the null-space form around the first one)."""
-        while self._candidates:
-            factor = self._candidates.pop(0)()
-            if factor is not None:
-                if self._wrap_nullspace:
-                    self._wrap_nullspace = False
-                    factor = NullspaceFactor.build(factor) or factor
-                return factor
+    def _next_factor(self, wrap_nullspace: bool = False) -> Factor:
+        """The factor of the next applicable step of the plan after :attr:`stage` (the null-space form around the
+        first one); advances :attr:`stage`. A grouped factor, when it applies, ends the plan."""
+        for stage in range(self.stage + 1, len(self.plan)):
+            step = self.plan[stage]
+            factor = build_factor(step, self.cov, self.constraint, self.c, static=self.static)
+            if factor is None:
+                continue
+            self.stage = stage
+            if step[0] == "grouped":
+                self.plan, self.stage = (step,), 0
+            elif wrap_nullspace:
+                factor = NullspaceFactor.build(factor) or factor
+            return factor
         raise NotPSDError(
             f"no factorisation of A Sigma A^T meets A z = k to round-off in {self.dtype} "
             f"(last tried: {getattr(self, 'factor', None)!r}); A Sigma A^T is too ill-conditioned for this dtype. "
@@ -181,10 +226,17 @@ class Conditioner:
         return self.factor.name
 
     # ================================================================== conditioning
+    def _pin(self, z: Tensor) -> Tensor:
+        """``z`` with the determined coordinates set to their values exactly (a no-op when there are none)."""
+        if self._pinned is None:
+            return z
+        mask, values = self._pinned
+        return torch.where(mask, values.to(z.dtype), z)
+
     def condition(self, z_hat: Tensor) -> Tensor:
         r""":math:`z = \hat z + K(k - A\hat z)`, refined until every row passes the check; ``(*sample, *batch, n)``.
         Differentiable."""
-        return self._refined(self.factor.step(z_hat))
+        return self._refined(self._pin(self.factor.step(z_hat)))
 
     def _refined(self, z: Tensor) -> Tensor:
         if self.static:
@@ -196,16 +248,14 @@ class Conditioner:
                 bad = self._check.failing(z, self.method)
                 if bad is None:
                     return z
-                z = torch.where(bad.unsqueeze(-1), self.factor.refine(z), z)
+                z = torch.where(bad.unsqueeze(-1), self._pin(self.factor.refine(z)), z)
             bad = self._check.failing(z, self.method)
             if bad is None:
                 return z
-            if not self._candidates:
-                res = self.constraint.residual(z).abs().amax()
+            if self.stage + 1 >= len(self.plan):
                 raise NotPSDError(
-                    f"the conditioned vector misses A z = k by {res.item():.3e} after {MAX_REFINEMENT_STEPS} "
-                    f"refinement steps (method {self.method!r}, dtype {z.dtype}); A Sigma A^T is too ill-conditioned "
-                    "for this dtype. Use float64, or rescale/remove nearly dependent rows of A."
+                    f"the conditioned vector misses A z = k after {MAX_REFINEMENT_STEPS} refinement steps (method "
+                    f"{self.method!r}, dtype {z.dtype}): {self._check.describe(z)}; {_cause(self.c, z)}"
                 )
             self.factor = self._next_factor()
 
@@ -223,7 +273,42 @@ class Conditioner:
             z = loc + self.cov.sqrt_matvec(noise)
         if self.static or not z.is_contiguous():
             return self.condition(z)
-        return self._refined(self.factor.step_(z))
+        return self._refined(self._pin(self.factor.step_(z)))
+
+    def deviation(self, value: Tensor, loc: Tensor, loc_residual: Tensor) -> Tensor:
+        r""":math:`z - \bar\mu = (z - \mu) - Kr` (``r = k - A\mu``: ``loc_residual``) for ``value`` :math:`= z`
+        and ``loc`` :math:`= \mu`, accurate to the rounding of the result even far from the plane; float64,
+        ``(*sample, *batch, n)``. Differentiable.
+
+        The gain :math:`Kr` carries the factor's error (:math:`\varepsilon\kappa` relative, e.g. 1e-4 for a
+        float32 Cholesky factor), which is not small next to the scale of a coordinate when :math:`\mu` is far from
+        the plane; the gains here end with a float64 product (:meth:`~.factor.Factor.gain_wide`). Every correction
+        lies in :math:`\mathrm{range}(\Sigma A^\top)`, and the exact deviation is the
+        one vector :math:`x = (z - \mu) - \Sigma A^\top y` with :math:`Ax = Az - k`, so
+        :data:`DEVIATION_REFINEMENT_STEPS` step(s) :math:`x \leftarrow x - K(Ax - (Az - k))`, with :math:`x`,
+        :math:`Ax` and :math:`Az - k` in float64, remove it (for a point of the plane, :math:`Az - k` is round-off).
+        Cost: O(n a) per vector and step (O(nnz) for a sparse constraint)."""
+        wide = torch.float64
+        con = self._check.wide()
+        z = value.to(wide)
+        target = con.matvec(z) - con.k
+        x = (z - loc.to(wide)) - self.factor.gain_wide(loc_residual)
+        for _ in range(DEVIATION_REFINEMENT_STEPS):
+            x = x - self.factor.gain_wide((con.matvec(x) - target).to(self.dtype))
+        return x
+
+    def inv_quad_covariance(self, x: Tensor) -> Tensor:
+        r""":math:`x^\top\Sigma^{-1}x` (shape ``(*sample, *batch)``, in the working dtype) evaluated in float64 as
+        :math:`(x/c)^\top\Sigma'^{-1}(x/c)` with the normalised :math:`\Sigma' = \Sigma / c^2`: variances that
+        under- or overflow the dtype (a scale of 1e-20 in float32 has a variance of 1e-40) do not, and a triangular
+        solve with a factor whose scales span five decades keeps its accuracy (in float32 it loses
+        :math:`\varepsilon_{32}\kappa(L)`, 1e-2 nats). Cost: that of ``inv_quad`` in float64 (O(n) diagonal,
+        O(n^2) full, O(n r) low rank), plus a float64 copy of the covariance's tensors."""
+        wide = torch.float64
+        c = self.c.to(wide)
+        if self._normalised_wide is None:  # kept: its own factorisation (e.g. a low-rank capacitance) is done once
+            self._normalised_wide = (self.cov if self.cov.dtype == wide else self.cov.to(dtype=wide)).scaled(c)
+        return self._normalised_wide.inv_quad(x.to(wide) / c).to(self.dtype)
 
     # ================================================================== delegated to the factor
     def gain_matvec(self, residual: Tensor) -> Tensor:
@@ -273,3 +358,14 @@ def _check_scale(c: Tensor) -> None:
             f"the covariance's scales must be finite and not all zero; got a largest entry in "
             f"[{c.min().item():.3e}, {c.max().item():.3e}]."
         )
+
+
+def _cause(c: Tensor, z: Tensor) -> str:
+    """Why refinement could not meet the rows: subnormal scales or values, else the conditioning of S."""
+    tiny = torch.finfo(z.dtype).tiny
+    if bool((c < tiny).any()):
+        return (f"the covariance's largest standard deviation, {c.min().item():.3e}, is subnormal in {c.dtype} "
+                f"(below {tiny:.3e}), so the conditioned values have too few significant bits. Rescale the problem "
+                "(measure z in units of the scale) or use float64.")
+    return ("A Sigma A^T is too ill-conditioned for this dtype. Use float64, or rescale/remove nearly dependent rows "
+            "of A.")

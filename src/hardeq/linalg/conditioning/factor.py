@@ -61,6 +61,14 @@ class Factor(ABC):
     def gain(self, residual: Tensor) -> Tensor:
         r""":math:`Kr = \Sigma A^\top S^{-1}r`: ``(*sample, *batch, a) -> (*sample, *batch, n)``."""
 
+    def gain_wide(self, residual: Tensor) -> Tensor:
+        r""":math:`Kr` in float64 (``(*sample, *batch, n)``), with the last product :math:`\Sigma A^\top y` in float64:
+        its rounding is then not a fraction of the largest terms of the product, which the conditioner's
+        :meth:`~hardeq.linalg.conditioning.Conditioner.deviation` cannot refine away (it lies off
+        :math:`\mathrm{range}(\Sigma A^\top)`). Default: :meth:`gain` cast to float64 (exact for factors that compute
+        in float64 or whose gain is elementwise)."""
+        return self.gain(residual).to(torch.float64)
+
     def step(self, z: Tensor) -> Tensor:
         r"""One Matheron step :math:`z + K(k - Az)`: maps :math:`\mathcal N(\mu, \Sigma)` samples to exact conditional
         samples and :math:`\mu` to :math:`\bar\mu`; a projection, so repeating it refines. Differentiable."""

@@ -90,6 +90,10 @@ class NullspaceFactor(Factor):
         xp = self._particular(residual)  # K r = (I - V U^T) x_p for any A x_p = r
         return (xp - self._project(xp)).to(self.dtype)
 
+    def gain_wide(self, residual: Tensor) -> Tensor:
+        xp = self._particular(residual)
+        return xp - self._project(xp)
+
     def step(self, z: Tensor) -> Tensor:
         zp = self.zp
         return (zp + self._project(z.to(zp.dtype) - zp)).to(self.dtype)

@@ -54,6 +54,10 @@ class QRFactor(Factor):
         y = tri_solve_vec(self.L, residual.to(self.L.dtype), upper=False)
         return self._cov.sqrt_matvec(batch_mv(self.Q, y)).to(self.dtype)
 
+    def gain_wide(self, residual: Tensor) -> Tensor:
+        y = tri_solve_vec(self.L, residual.to(self.L.dtype), upper=False)
+        return self._cov.sqrt_matvec(batch_mv(self.Q, y))
+
     def whiten(self, residual: Tensor) -> Tensor:
         y = tri_solve_vec(self.L, residual.to(self.L.dtype), upper=False)
         return (y / self.c.to(y.dtype)).to(self.dtype)

@@ -2,14 +2,25 @@ r"""The per-row residual check: is every row of :math:`Az = k` met to round-off?
 
 The criterion, per sample and per constraint row ``i``:
 
-.. math::  |(Az - k)_i| \le \mathrm{rtol}\,(|A||z|)_i,
+.. math::  |(Az - k)_i| \le \mathrm{rtol}\,\big((|A||z|)_i + |k_i|\big),
 
-relative to the size of the terms summed in *that* row, never to the largest row (a small group must not hide
+relative to the size of the terms summed in *that* row (as :meth:`~hardeq.EqualityConstraint.check`), never to
+the largest row (a small group must not hide
 behind a large one; the criterion is invariant to rescaling one constraint). ``rtol = min(eps max(4, 2 sqrt(n)), cap)``
 with ``cap`` a quarter of the library's exactness target (1e-5 float32, 1e-12 float64). :math:`Az` and
 :math:`|A||z|` come from :meth:`~hardeq.EqualityConstraint.matvec_and_scale` and the common case costs one host
 synchronisation; only when a row fails, and for float32 and below, the residual is
 re-evaluated in float64, so that evaluation noise never asks for a refinement that cannot help.
+
+A row whose terms are all (nearly) zero would have a (nearly) zero tolerance and could pass only when met exactly.
+The conditioner sets the coordinates a single row determines exactly after every step
+(:meth:`~hardeq.EqualityConstraint.pinned_values`); for coordinates that several rows determine jointly, the
+tolerance has an absolute floor :math:`\varepsilon^2(|A|\sigma)_i` (:math:`\sigma`: the prior standard deviations),
+which such rows reach after a refinement step or two (their terms come back at :math:`\varepsilon^2|\hat z|`, then
+:math:`\varepsilon^3|\hat z|`). Elsewhere the floor is at most the relative tolerance itself at scale ratios up to
+:math:`10^8` in float32 (:math:`\varepsilon_{32}^2 \cdot 10^8 = 1.4\cdot 10^{-6}` next to
+:math:`\mathrm{rtol} = 2.5\cdot 10^{-6}`; negligible in float64), so rows stay within the exactness target.
+:meth:`ResidualCheck.describe` names the failing row of a failing vector, its residual and its tolerance.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ from ...errors import NotPSDError
 
 if TYPE_CHECKING:
     from ...constraints import EqualityConstraint
+    from ..covariance import Covariance
 
 __all__ = ["CHECK_RTOL_CAP", "ResidualCheck", "check_rtol"]
 
@@ -38,11 +50,32 @@ def check_rtol(dtype: torch.dtype, n: int) -> float:
 
 
 class ResidualCheck:
-    """The per-row check of one constraint (see the module docstring)."""
+    """The per-row check of one constraint (see the module docstring).
 
-    def __init__(self, constraint: "EqualityConstraint") -> None:
+    Args:
+        constraint: the constraint.
+        covariance: the prior covariance, optional: with it, the tolerance of row ``i`` has the absolute floor
+            ``eps^2 (|A| sigma)_i`` (``sigma``: the prior standard deviations) -- the coordinates several rows
+            determine jointly (``z_1 + z_2 = 0`` and ``z_1 - z_2 = 0``) come back at ``eps^2 |z_hat|`` and can never
+            meet a tolerance that is relative to themselves. Computed on the first failure only (O(n a) once).
+    """
+
+    def __init__(self, constraint: "EqualityConstraint", covariance: "Covariance | None" = None) -> None:
         self.constraint = constraint
+        self.covariance = covariance
         self._wide: "EqualityConstraint | None" = None
+        self._floor: Tensor | None = None
+
+    def floor(self) -> Tensor | float:
+        r""":math:`\varepsilon^2(|A|\sigma)_i` (``(*batch, a)``, float64), 0 without a covariance."""
+        if self.covariance is None:
+            return 0.0
+        if self._floor is None:
+            with torch.no_grad():
+                wide = self.wide()
+                sigma = self.covariance.to(dtype=torch.float64).diagonal().detach().clamp_min(0).sqrt()
+                self._floor = torch.finfo(self.constraint.dtype).eps ** 2 * wide.abs_matvec(sigma)
+        return self._floor
 
     @torch.no_grad()
     def failing(self, z: Tensor, method: str = "") -> Tensor | None:
@@ -54,6 +87,7 @@ class ResidualCheck:
         con = self.constraint
         rtol = check_rtol(z.dtype, z.shape[-1])
         Az, scale = con.matvec_and_scale(z)
+        scale = scale + con.k.abs()
         res = (Az - con.k).abs()
         bad = ~(res <= rtol * scale)  # NaN fails too
         if not bool(bad.any()):
@@ -64,10 +98,34 @@ class ResidualCheck:
                 "the scales are out of range for this dtype (try float64)."
             )
         if z.dtype != torch.float64:
-            if self._wide is None:
-                self._wide = con.to(dtype=torch.float64)
-            wide = self._wide
-            res64 = (wide.matvec(z.double()) - wide.k).abs()
-            bad = res64 > rtol * scale.double()
+            wide = self.wide()
+            res = (wide.matvec(z.double()) - wide.k).abs()
+        bad = res > (rtol * scale.to(torch.float64) + self.floor()).to(res.dtype)
         bad = bad.any(-1)
         return bad if bool(bad.any()) else None
+
+    def wide(self) -> "EqualityConstraint":
+        """The constraint in float64 (itself when it is float64), converted once."""
+        if self.constraint.dtype == torch.float64:
+            return self.constraint
+        if self._wide is None:
+            self._wide = self.constraint.to(dtype=torch.float64)
+        return self._wide
+
+    @torch.no_grad()
+    def describe(self, z: Tensor) -> str:
+        """The row that fails by the largest factor over its tolerance: its index (batch and sample indices
+        first), residual and tolerance (residual and scale evaluated in float64)."""
+        wide = self.wide()
+        z64 = z.detach().to(torch.float64)
+        Az, scale = wide.matvec_and_scale(z64)
+        res = (Az - wide.k).abs()
+        tol = check_rtol(z.dtype, z.shape[-1]) * (scale + wide.k.abs()) + self.floor()
+        res, tol = torch.broadcast_tensors(res, tol)
+        excess = torch.where(res > tol, res / tol.clamp_min(torch.finfo(torch.float64).tiny), 0.0)
+        flat = int(excess.flatten().argmax())
+        where = torch.unravel_index(torch.tensor(flat), excess.shape)
+        index = tuple(int(i) for i in where)
+        return (f"row {index[-1]} (index {index} over (*sample, *batch, row)) has |(A z - k)_i| = "
+                f"{res[index].item():.3e} > its tolerance {tol[index].item():.3e} = rtol (|A||z| + |k|)_i + "
+                "eps^2 (|A| sigma)_i")
