@@ -25,12 +25,18 @@ RESULTS = Path(__file__).resolve().parents[2] / "results"
 STALE = b"stale placeholder\n"
 
 
+def _private(parts: tuple[str, ...]) -> bool:
+    """A path a user's own runs write beside the committed results (quick runs, checkpoints, the ``.last`` state
+    of ``hardeq report``): gitignored, so not a committed result set."""
+    return any(part in ("quick", "checkpoints") or part.startswith(".") for part in parts[:-1])
+
+
 def _result_sets() -> list[Path]:
     if not RESULTS.is_dir():
         return []
     names = set(available())
     return sorted(p for p in RESULTS.rglob("*.json")
-                  if p.stem in names and "quick" not in p.relative_to(RESULTS).parts)
+                  if p.stem in names and not _private(p.relative_to(RESULTS).parts))
 
 
 def _pixels(path: Path) -> np.ndarray:

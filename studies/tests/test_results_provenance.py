@@ -23,10 +23,16 @@ RESULTS = ROOT / "results"
 RERUN_PENDING: set[str] = set()
 
 
+def _private(parts: tuple[str, ...]) -> bool:
+    """A path a user's own runs write beside the committed results (quick runs, checkpoints, the ``.last`` state
+    of ``hardeq report``): gitignored, so not a committed result set."""
+    return any(part in ("quick", "checkpoints") or part.startswith(".") for part in parts[:-1])
+
+
 def _documents() -> list[Path]:
     names = set(available())
     return sorted(p for p in RESULTS.rglob("*.json")
-                  if p.stem in names and "quick" not in p.relative_to(RESULTS).parts) if RESULTS.is_dir() else []
+                  if p.stem in names and not _private(p.relative_to(RESULTS).parts)) if RESULTS.is_dir() else []
 
 
 def _git(*args: str) -> subprocess.CompletedProcess:
