@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CholeskyFactor"]
 
+#: largest bound (nats) on a float32 factor's log-determinant error accepted without its float64 twin
+LOGDET_FLOAT32_NATS = 1e-4
 #: elements of a transient (chunk x batch x n) tensor in :meth:`CholeskyFactor.variance`
 _CHUNK_ELEMS = 1 << 24
 
@@ -72,6 +74,7 @@ class CholeskyFactor(Factor):
                 self.kappa = kappa if math.isfinite(kappa) else math.inf
         self._W = self._shared_product()
         self._wide_factor: CholeskyFactor | None = None  # float64 twin for logdet, made on first use
+        self._wide_cross: tuple | None = None  # float64 copies of Sigma' and A for gain_wide, made on first use
 
     @classmethod
     def build(cls, cov: "Covariance", constraint: "EqualityConstraint", c: Tensor, precision: torch.dtype,
@@ -113,8 +116,17 @@ class CholeskyFactor(Factor):
         return self._wide_factor
 
     def gain_wide(self, residual: Tensor) -> Tensor:
-        twin = self._twin()  # a float32 factor: the float64 twin that log_prob builds for logdet anyway
-        return twin._apply_cross(twin.solve(residual))
+        r""":math:`\Sigma'A^\top S'^{-1}r` with the solve in the factor's precision and the last product in float64
+        (float64 copies of the covariance and constraint, made on first use and kept: O(n + storage of A), not the
+        :math:`a^2 n` Gram matrix). The solve's error (:math:`\varepsilon\kappa` relative) lies in
+        :math:`\mathrm{range}(\Sigma A^\top)`, where :meth:`~hardeq.linalg.conditioning.Conditioner.deviation`'s
+        refinement removes it."""
+        if self.precision == torch.float64:
+            return self._apply_cross(self.solve(residual))
+        if self._wide_cross is None:
+            self._wide_cross = (self._cov.to(dtype=torch.float64), self._con.to(dtype=torch.float64))
+        cov, con = self._wide_cross
+        return cov.matvec(con.rmatvec(self.solve(residual).to(torch.float64)))
 
     def step_(self, z: Tensor) -> Tensor:
         if self.precision != z.dtype:
@@ -135,12 +147,15 @@ class CholeskyFactor(Factor):
         return (y / self.c.to(self.precision)).to(self.dtype)
 
     def logdet(self) -> Tensor:
-        r""":math:`\log\det S`. A working-precision (float32) factor takes it from a float64 factor of the same
-        :math:`S`, built on first use and kept: the float32 Gram matrix carries an error of
-        :math:`\varepsilon_{32}\kappa` in its log-determinant (4e-3 nats with scales over five decades), which
-        :meth:`~hardeq.ConstrainedNormal.log_prob` would add to every density."""
+        r""":math:`\log\det S`. The rounding of a float32 Gram matrix moves its log-determinant by about
+        :math:`a\,\varepsilon_{32}\kappa(\tilde S)` nats (4e-3 nats with scales over five decades), which
+        :meth:`~hardeq.ConstrainedNormal.log_prob` would add to every density. A working-precision (float32) factor
+        whose bound exceeds :data:`LOGDET_FLOAT32_NATS` takes it from a float64 factor of the same :math:`S` (built
+        on first use and kept; cost :math:`a^2 n` in float64), else from its own factorisation."""
         if self.precision != torch.float64:
-            return self._twin().logdet()
+            bound = self.d.shape[-1] * torch.finfo(self.precision).eps * self.kappa
+            if not bound <= LOGDET_FLOAT32_NATS:
+                return self._twin().logdet()
         a = self.d.shape[-1]
         out = (2 * self.L.diagonal(dim1=-2, dim2=-1).log().sum(-1) + 2 * self.d.log().sum(-1)
                + 2 * a * self.c.squeeze(-1).to(self.precision).log())
