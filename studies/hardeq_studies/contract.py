@@ -133,21 +133,22 @@ class Study(ABC):
         if run.ctx.is_main and not run.resume:
             forget_legs(run.legs)
         t0 = time.perf_counter()
-        try:
+        doc: dict[str, Any] = {}
+        try:  # the leg's time is kept until its document is written (a stop while summarising it included)
             result = self.execute(run)
+            wall = time.perf_counter() - t0
+            if run.ctx.is_main:
+                fields = self.document(run, result, wall)
+                config, records = fields.pop("config"), fields.pop("records")
+                fields.setdefault("command", run.command)
+                fields.update(resumed=resumed, resumed_legs=[*legs, wall], wall_seconds_total=sum(legs) + wall)
+                doc = write_json(run.out / f"{self.name}.json", self.name, run.preset, config, records, **fields)
+                self.write_extra(run, result)
         except BaseException:
             if run.ctx.is_main:
                 record_leg(run.legs, time.perf_counter() - t0)
             raise
-        wall = time.perf_counter() - t0
-        doc: dict[str, Any] = {}
         if run.ctx.is_main:
-            fields = self.document(run, result, wall)
-            config, records = fields.pop("config"), fields.pop("records")
-            fields.setdefault("command", run.command)
-            fields.update(resumed=resumed, resumed_legs=[*legs, wall], wall_seconds_total=sum(legs) + wall)
-            doc = write_json(run.out / f"{self.name}.json", self.name, run.preset, config, records, **fields)
-            self.write_extra(run, result)
             forget_legs(run.legs)
             if not self.keeps_checkpoints:
                 discard_checkpoints(args, run.checkpoint_dir, f"{self.name}*.pt")

@@ -267,6 +267,25 @@ def test_a_resumed_run_records_its_legs_and_total(tmp_path):
     assert fresh["resumed"] is False and fresh["resumed_legs"] == [fresh["wall_seconds_total"]]
 
 
+
+def test_a_stop_while_the_document_is_summarised_records_the_leg(tmp_path):
+    """A signal that arrives after the computation but before the JSON is written (vae-data summarising its
+    units, say) leaves the checkpoints for --resume, so its leg's time must be recorded too."""
+    args = argparse.Namespace(preset="quick", out=tmp_path, resume=False, quiet=True, seeds=None, epochs=None,
+                              device=None, keep_checkpoints=False)
+
+    class _StopsInDocument(_Toy):
+        def document(self, run: RunSetup, result: dict, wall: float) -> dict:
+            time.sleep(0.05)
+            raise StopRun(signal.SIGINT)
+
+    with pytest.raises(StopRun):
+        _StopsInDocument(lambda: {"x": 1.0}).run(args)
+    legs = earlier_legs(legs_path(tmp_path / "checkpoints", "toy"))
+    assert len(legs) == 1 and legs[0] >= 0.05 and not (tmp_path / "toy.json").exists()
+    doc = _Toy(lambda: {"x": 1.0}).run(argparse.Namespace(**{**vars(args), "resume": True}))
+    assert doc["resumed"] is True and doc["resumed_legs"][0] == legs[0] and len(doc["resumed_legs"]) == 2
+
 # ------------------------------------------------------------------------- progress, dependencies, report
 def test_progress_lines_within_long_epochs_when_stderr_is_no_terminal(capsys, monkeypatch):
     import torch
