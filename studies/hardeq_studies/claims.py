@@ -256,8 +256,10 @@ def claims_section(claims: Sequence[Claim], note: str = "", alpha: float = ALPHA
     rows = [[d.claim.claim + (f" (reading: {d.claim.reading})" if d.claim.reading else ""), d.claim.paper,
              d.claim.here, format_p(d.p_raw), format_p(d.p_holm), d.verdict] for d in decisions]
     text = ("## Claims of the paper\n\n" + (intro + "\n\n" if intro else "")
-            + f"Each tested claim's two-sided paired p is Holm-adjusted over this study's {m} tested claims; the "
-            f"verdict reads the adjusted p at level {alpha} and is one of five (docs/claims.md): reproduced, not "
-            "reproduced at this budget, refuted, holds by construction, undecided.\n\n"
+            + (f"Each tested claim's two-sided paired p is Holm-adjusted over this study's {m} tested claims; the "
+               f"verdict reads the adjusted p at level {alpha} and" if m else
+               "No claim has a test in this run (too few pairs), so there is no p to adjust; each verdict")
+            + " is one of five (docs/claims.md): reproduced, not reproduced at this budget, refuted, holds by "
+            "construction, undecided.\n\n"
             + markdown_table(["claim (paper)", "paper's evidence", "here", "p", "p (Holm)", "verdict"], rows))
     return text + (f"\n{note}\n" if note else "")

@@ -142,6 +142,8 @@ def test_claims_section_shows_raw_and_adjusted_p_and_only_the_five_verdicts():
     assert "| ours beats KKT (reading: shared noise) | Table 1 | 1.0 vs 2.0 | 0.002 | 0.002 | reproduced (" in text
     assert "| exact | 0 | 0 | - | - | holds by construction (exact conditioning) |" in text
     assert "over this study's 1 tested claims" in text
+    untested = claims_section(rows[1:])  # a quick run with one trial: nothing to adjust, and it says so
+    assert "No claim has a test in this run" in untested and "tested claims" not in untested
     for d in decide(rows):
         assert d.word in VERDICTS
     assert {REPRODUCED, NOT_AT_BUDGET, REFUTED, BY_CONSTRUCTION, UNDECIDED} == set(VERDICTS)

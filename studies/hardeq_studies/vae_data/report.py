@@ -182,6 +182,11 @@ def _fmt(r: dict[str, Any] | None, digits: int = 2) -> str:
     return "" if r is None else f"{r['mean']:.{digits}f} ± {r['std']:.{digits}f}"
 
 
+def _p3(p: float | None) -> str:
+    """A paired test's p with three significant digits; "-" where no test was possible (fewer than 2 trials)."""
+    return "-" if p is None or not np.isfinite(p) else f"{p:.3g}"
+
+
 def _epochs(cfg: dict[str, Any], model: str | None = None) -> int:
     """Epochs ``model``'s units trained: the preset's ``model_epochs`` for it, else the run's."""
     return int((cfg.get("model_epochs") or {}).get(model, cfg["epochs"]))
@@ -324,7 +329,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
     lines += [markdown_table(["model", "a", "b", "metric", "a - b", "p"],
                              [[MODEL_LABELS.get(s["dataset"], s["dataset"]), s["a"], s["b"],
                                METRICS.get(s["metric"], s["metric"]), f"{s['ttest']['mean_diff']:+.3f}",
-                               f"{s['ttest']['p']:.3g}"] for s in doc["significance"]])]
+                               _p3(s["ttest"]["p"])] for s in doc["significance"]])]
     t = doc["timing"]
     paper_t = cfg["paper"]["seconds_per_epoch"]
     shown = [v for v in ORDER if "+" not in v and any(v in d for d in t["epoch_seconds_median"].values())]
