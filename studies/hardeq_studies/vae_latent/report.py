@@ -212,6 +212,15 @@ def render_markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _tick_label(method: str) -> str:
+    """A method's name under its bar; a long one (Constrained Reparametrization (independent noise)) on lines of
+    at most 20 characters, so that the rotated labels leave the panels their height."""
+    import textwrap
+
+    label = LABELS.get(method, method)
+    return label if len(label) <= 24 else textwrap.fill(label, 20)
+
+
 def plot_metrics(doc: dict[str, Any], out: Path) -> Path:
     """Bars of the three test metrics per constraint (mean ± std over trials), like the paper's Fig. 4."""
     import matplotlib
@@ -235,7 +244,7 @@ def plot_metrics(doc: dict[str, Any], out: Path) -> Path:
                 if v > hi:  # off scale: the value in a box inside the axes, clear of the frame
                     ax.text(pos, lo + 0.9 * (hi - lo), f"{v:.0f}\n(off\nscale)", ha="center", va="top", fontsize=7,
                             zorder=5, bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "0.6"})
-            ax.set_xticks(range(len(methods)), [LABELS.get(m, m) for m in methods], rotation=60, ha="right",
+            ax.set_xticks(range(len(methods)), [_tick_label(m) for m in methods], rotation=60, ha="right",
                           fontsize=7)
             ax.set_ylabel(f"{label} (nats per image,\nlower is better)", fontsize=8)
             ax.set_title(f"{c}: {label}, mean ± std over {len(cfg['trials'])} trials", fontsize=9)
