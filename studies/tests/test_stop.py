@@ -343,6 +343,26 @@ def test_report_draws_where_reproduce_wrote_last(tmp_path, capsys, monkeypatch):
     assert "the committed results" in capsys.readouterr().out
 
 
+def test_a_run_off_a_terminal_says_it_is_alive_at_least_once_a_minute(tmp_path, capsys, monkeypatch):
+    """Output to a log file (here captured: not a terminal): the command line itself prints a status line every
+    interval (60 s by default, shortened here) whatever the study is doing, and none with --quiet."""
+    import inspect
+
+    from hardeq_studies.harness import pool, progress
+
+    inner = progress.still_running.__wrapped__
+    assert inspect.signature(inner).parameters["interval"].default <= 60.0
+    assert progress.HEARTBEAT_S <= 60.0 and pool.HEARTBEAT_S <= 60.0
+    monkeypatch.setattr(inner, "__defaults__", (0.05,))
+    study = load_study("synthetic")
+    monkeypatch.setattr(type(study), "run", lambda self, args: time.sleep(0.4) or {})
+    assert main(["reproduce", "synthetic", "--out", str(tmp_path)]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if "still running" in line]
+    assert len(lines) >= 3 and all(line.startswith("[synthetic] still running, ") for line in lines), lines
+    assert main(["reproduce", "synthetic", "--out", str(tmp_path), "--quiet"]) == 0
+    assert "still running" not in capsys.readouterr().err
+
+
 def test_cpu_preset_prints_no_smoke_line(tmp_path, capsys, monkeypatch):
     study = load_study("chemical")
     monkeypatch.setattr(type(study), "run", lambda self, args: {})
