@@ -38,7 +38,8 @@ def _describe(name: str, meta: dict) -> str:
     lines = [meta["summary"] + ".", "",
              f"Default preset: {default} ({presets[default].get('duration', 'not measured')}).", "", "Presets:"]
     for key, p in presets.items():
-        lines.append(f"  {key:6s} {p.get('description', '')}; measured: {p.get('duration', 'not measured')}")
+        # the duration's own text says whether it was measured or is projected ("projected ... (not run in full)")
+        lines.append(f"  {key:6s} {p.get('description', '')}; duration: {p.get('duration', 'not measured')}")
     lines += ["", f"Writes OUT/{name}.json (records, config, environment with git commit and dirty flag), "
               f"OUT/{name}.md and figures; OUT defaults to results/quick for the quick preset, results otherwise."]
     if meta.get("extra"):
@@ -94,7 +95,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         description="The studies of 'Deep Generative Models with Hard Linear Equality Constraints', reproduced with "
                     "the hardeq library\n(package hardeq-studies).",
         epilog="studies:\n" + "\n".join(f"  {n:12s}{info(n)['summary']}" for n in names)
-               + "\n\nRun `hardeq reproduce STUDY --help` for a study's presets, their measured durations, flags.")
+               + "\n\nRun `hardeq reproduce STUDY --help` for a study's presets, their durations (measured, or "
+                 "projected where a preset was not run in full), flags.")
     parser.add_argument("--version", action="version",
                         version=f"hardeq-studies {__version__} (hardeq {hardeq_version})")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

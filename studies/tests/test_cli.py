@@ -66,6 +66,11 @@ def test_help_states_default_preset_and_measured_durations():
             assert meta["presets"][preset]["duration"]
             assert preset in proc.stdout
         assert "--full" in proc.stdout and "--quick" in proc.stdout
+        # a projected duration (a preset not run in full) is not labelled as a measurement
+        assert "measured: projected" not in proc.stdout and "measured: not run" not in proc.stdout
+        for preset in ("quick", "cpu", "paper"):
+            duration = " ".join(meta["presets"][preset]["duration"].split())
+            assert f"duration: {duration}" in " ".join(proc.stdout.split()), (name, preset)
 
 
 def test_help_imports_no_study_and_no_matplotlib():
