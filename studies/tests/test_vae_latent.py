@@ -141,8 +141,9 @@ def test_claim_verdicts_follow_the_tests_and_no_test_is_counted_twice():
     assert len(ps) == 3 * 5  # per metric: ME best (shared), CL trails ME, the tie, two "beat Random"
     # with an independent-noise CR run, its reading gets its own rows
     means["constrained_reparam_independent"] = 130.0
-    doc = _doc({(me, pw): (12.0, 0.001), (me, "constrained_reparam_independent"): (-10.0, 0.0001), (me, cl): (-50.0, 0.01),
-                (um, cm): (3.0, 0.6), (cm, rnd): (-20.0, 0.01), (um, rnd): (-15.0, 0.2)}, means)
+    doc = _doc({(me, pw): (12.0, 0.001), (me, "constrained_reparam_independent"): (-10.0, 0.0001),
+                (me, cl): (-50.0, 0.01), (um, cm): (3.0, 0.6), (cm, rnd): (-20.0, 0.01), (um, rnd): (-15.0, 0.2)},
+               means)
     rows = {(d.claim.claim, d.claim.reading): d.verdict for d in decide(R.claims(doc))}
     assert rows[("Marginal Expectation is best (`sum`, rec)", "independent noise; the closest rival is CR, so this "
                  "row is also 'CR trails ME'")].startswith("reproduced (paired t, n = 5)")
