@@ -89,7 +89,8 @@ class _GramFactors:
         pivots = L.diagonal()
         ok = int(info) == 0 and bool((d > 0).all())
         self.row_norms, self.L = safe, L
-        self.min_pivot = float(pivots.min()) if ok else 0.0
+        # no rows: an empty Cholesky, det 1 and no pivot to fail (the conditioner refuses a = 0 with its own error)
+        self.min_pivot = (float(pivots.min()) if a else math.inf) if ok else 0.0
         self.logdet = 2 * (d.log().sum() + pivots.log().sum()) if ok else torch.tensor(-math.inf, dtype=torch.float64)
         row_nnz = int((A64.crow_indices()[1:] - A64.crow_indices()[:-1]).max()) if A64._nnz() else 0
         self.tol = max(max(a, row_nnz) * torch.finfo(dtype).eps, 10 * math.sqrt(a * torch.finfo(torch.float64).eps))
