@@ -111,3 +111,27 @@ def test_sparse_constraint_without_rows_is_a_clear_error(layout):
     constraint = SparseConstraint(A, torch.zeros(0))
     with pytest.raises(ValueError, match="at least one row"):
         ConstrainedNormal(torch.zeros(5), torch.ones(5), constraint=constraint).sample()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["lowrank", "block"])
+def test_rank_zero_factor_is_the_diagonal_law(dtype, kind):
+    """A low-rank / block-diagonal covariance with a rank-0 factor (``W`` of shape ``(n, 0)``) is the diagonal law;
+    the conditioner's normalising scale took ``amax`` over the empty factor (``IndexError``)."""
+    g = torch.Generator().manual_seed(97)
+    n = 7
+    scale = (torch.rand(2, n, generator=g, dtype=torch.float64) + 0.4).to(dtype)
+    W = torch.zeros(2, n, 0, dtype=dtype)
+    index = torch.tensor([0, 0, 1, 1, 1, 2, 2])
+    covariance = LowRankCovariance(W, scale) if kind == "lowrank" else BlockDiagonalCovariance(index, W, scale)
+    A = torch.randn(2, n, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(2, generator=g, dtype=torch.float64).to(dtype)
+    loc = torch.randn(2, n, generator=g, dtype=torch.float64).to(dtype)
+    d = ConstrainedNormal(loc, covariance=covariance, constraint=LinearConstraint(A, k))
+    ref = ConstrainedNormal(loc, scale, constraint=LinearConstraint(A, k))
+    z = ref.sample((3,))
+    assert d.sample((3,)).shape == (3, 2, n)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(d.log_prob(z), ref.log_prob(z), **tol)
+    torch.testing.assert_close(d.entropy(), ref.entropy(), **tol)
+    torch.testing.assert_close(d.variance, ref.variance, **tol)

@@ -28,7 +28,7 @@ def batch_mv(matrix: Tensor, vec: Tensor) -> Tensor:
     if extra <= 0:
         return (matrix @ vec.unsqueeze(-1)).squeeze(-1)
     sample_shape = vec.shape[:extra]
-    cols = vec.reshape((-1,) + vec.shape[extra:])  # (s, *bv, q)
+    cols = vec.reshape((sample_shape.numel(),) + vec.shape[extra:])  # (s, *bv, q); explicit s: q may be 0 (rank 0)
     cols = cols.movedim(0, -1)  # (*bv, q, s)
     out = matrix @ cols  # (*b, p, s)
     out = out.movedim(-1, 0)  # (s, *b, p)

@@ -168,7 +168,11 @@ class BlockDiagonalCovariance(Covariance):
     def max_abs_sqrt(self) -> Tensor:
         with torch.no_grad():
             c1 = self.scale.abs().amax(-1, keepdim=True)
-            c2 = self.cov_factor.abs().amax((-2, -1)).unsqueeze(-1)
+            W = self.cov_factor
+            if W.shape[-1] == 0:  # rank 0 (no factor): amax over an empty dimension is an error
+                c2 = W.new_zeros(W.shape[:-2] + (1,))
+            else:
+                c2 = W.abs().amax((-2, -1)).unsqueeze(-1)
             return torch.maximum(c1, c2)
 
     def __repr__(self) -> str:
