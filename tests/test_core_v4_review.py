@@ -135,3 +135,40 @@ def test_rank_zero_factor_is_the_diagonal_law(dtype, kind):
     torch.testing.assert_close(d.log_prob(z), ref.log_prob(z), **tol)
     torch.testing.assert_close(d.entropy(), ref.entropy(), **tol)
     torch.testing.assert_close(d.variance, ref.variance, **tol)
+
+
+def test_error_messages_name_argument_expected_and_received():
+    """Messages that named the wrong argument, listed a hard-coded subset of types, or came from torch unchecked."""
+    A = torch.randn(2, 5)
+    c = LinearConstraint(A, torch.zeros(2))
+    # a BlockDiagonalCovariance's groups are checked against num_groups (the message said total.shape[-1])
+    with pytest.raises(ValueError, match=r"a = num_groups = 2, got range \[0, 2\]"):
+        BlockDiagonalCovariance(torch.tensor([0, 0, 1, 1, 2]), torch.ones(5, 1), torch.ones(5), num_groups=2)
+    # no hard-coded list of covariance types (it omitted BlockDiagonalCovariance)
+    with pytest.raises(TypeError, match=r"covariance must be a hardeq\.Covariance .*got Tensor"):
+        ConstrainedNormal(torch.zeros(5), covariance=torch.eye(5), constraint=c)
+    # scale: a non-number, non-tensor says that a number is accepted too
+    for bad, name in ((True, "bool"), (1j, "complex"), ([1.0], "list")):
+        with pytest.raises(TypeError, match=rf"scale must be a torch.Tensor, got {name} \(a real Python number"):
+            ConstrainedNormal(torch.zeros(5), bad, constraint=c)
+    # the user-facing point methods of a constraint check the event size (torch's matmul error before)
+    for con in (c, SumConstraint(torch.tensor([0, 0, 1, 1, 1]), torch.zeros(2)),
+                SparseConstraint(A.to_sparse_csr(), torch.zeros(2))):
+        for method in (con.project, con.check, con.residual):
+            with pytest.raises(ValueError, match=r"z must have shape \(\.\.\., n\) with n = 5 .*got \(4,\)"):
+                method(torch.ones(4))
+        with pytest.raises(TypeError, match="z must be a floating-point tensor"):
+            con.check(torch.ones(5, dtype=torch.long))
+
+
+def test_image_shaped_value_hints_at_flattening():
+    """``log_prob`` / ``expected_l1`` of image-shaped input name the trailing dimensions to flatten."""
+    n = 2 * 3 * 3
+    c = SumConstraint(torch.arange(n) // 9, torch.zeros(2))
+    d = ConstrainedNormal(torch.zeros(4, n), 1.0, constraint=c)
+    with pytest.raises(ValueError, match=r"trailing dimensions 2 x 3 x 3 hold n = 18 .*value\.flatten\(-3\)"):
+        d.log_prob(torch.zeros(4, 2, 3, 3))
+    with pytest.raises(ValueError, match=r"target\.flatten\(-3\)"):
+        d.expected_l1(torch.zeros(4, 2, 3, 3))
+    with pytest.raises(ValueError, match=r"got \(4, 17\)\.$"):  # no misleading hint when nothing flattens to n
+        d.log_prob(torch.zeros(4, 17))

@@ -317,6 +317,7 @@ class SparseConstraint(EqualityConstraint):
     def project(self, z: Tensor) -> Tensor:
         r""":math:`z - A^\top(AA^\top)^{-1}(Az - k)`, evaluated in float64 with the cached Cholesky: O(nnz + a^2)
         per vector. Differentiable w.r.t. ``z`` and ``k``."""
+        self._check_points(z)
         A64, At64 = self._float64()
         z64 = z.to(torch.float64)
         r = _spmm(A64, z64) - self.k.to(torch.float64)

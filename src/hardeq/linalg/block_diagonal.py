@@ -66,9 +66,10 @@ class BlockDiagonalCovariance(Covariance):
                              f"{n}, got {tuple(cov_factor.shape)} and {tuple(index.shape)}.")
         if index.device != scale.device:
             raise ValueError(f"index is on device {index.device} but scale is on {scale.device}.")
+        explicit = num_groups is not None
         if num_groups is None:
             num_groups = int(index.max()) + 1 if n else 0
-        self.counts = check_group_index(index, num_groups)
+        self.counts = check_group_index(index, num_groups, "a = num_groups" if explicit else "a = index.max() + 1")
         try:
             self.batch_shape = torch.broadcast_shapes(cov_factor.shape[:-2], scale.shape[:-1])
         except RuntimeError:
