@@ -185,6 +185,10 @@ class CholeskyFactor(Factor):
             return self._twin()
         return self
 
+    def trace_correction(self, other: "Covariance") -> Tensor:
+        factor = self._moments_factor()  # tr(G^T Sigma_p^-1 G) nearly cancels tr(Sigma_p^-1 Sigma_q) in the KL
+        return super().trace_correction(other) if factor is self else factor.trace_correction(other)
+
     def covariance_matrix(self) -> Tensor:
         factor = self._moments_factor()
         return super().covariance_matrix() if factor is self else factor.covariance_matrix()
