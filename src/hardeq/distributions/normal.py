@@ -520,7 +520,8 @@ def _build_covariance(n: int, scale: Tensor | None, covariance: Covariance | Non
                              "scale), not both.")
         if not isinstance(covariance, Covariance):
             raise TypeError("covariance must be a hardeq.Covariance (e.g. hardeq.DiagonalCovariance, "
-                            f"hardeq.BlockDiagonalCovariance or a subclass of your own), got {type(covariance).__name__}.")
+                            "hardeq.BlockDiagonalCovariance or a subclass of your own), got "
+                            f"{type(covariance).__name__}.")
     elif scale_tril is not None:
         if scale is not None or cov_factor is not None:
             raise ValueError("pass either scale_tril alone, scale alone, or cov_factor with scale.")

@@ -181,7 +181,8 @@ class CholeskyFactor(Factor):
         :math:`\varepsilon_{32}\kappa(\tilde S)` relative error, so past :data:`MOMENTS_FLOAT32_RTOL` the float64
         twin is used (without it, float32 variances were 1.3e-3 :math:`\Sigma_{ii}` off at scales over ten decades,
         4.7e-5 at ratios of 300)."""
-        if self.precision != torch.float64 and not 32 * torch.finfo(self.precision).eps * self.kappa <= MOMENTS_FLOAT32_RTOL:
+        bound = 32 * torch.finfo(self.precision).eps * self.kappa
+        if self.precision != torch.float64 and not bound <= MOMENTS_FLOAT32_RTOL:
             return self._twin()
         return self
 
