@@ -77,7 +77,7 @@ WRONG_INPUTS = [
     ("scale and covariance both", lambda: _normal(scale=torch.ones(N), covariance=DiagonalCovariance(torch.ones(N))),
      ValueError, r"pass covariance= alone"),
     ("covariance is a tensor", lambda: _normal(covariance=torch.eye(N)), TypeError,
-     r"^covariance must be a hardeq\.DiagonalCovariance.*got Tensor"),
+     r"^covariance must be a hardeq\.Covariance .*got Tensor"),
     ("scale_tril has the wrong shape", lambda: _normal(scale_tril=torch.eye(3)), ValueError,
      r"^scale_tril must have shape \(\.\.\., n, n\)"),
     ("cov_factor has the wrong shape", lambda: _normal(cov_factor=torch.ones(3, 1)), ValueError,

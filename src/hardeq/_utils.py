@@ -28,7 +28,7 @@ def batch_mv(matrix: Tensor, vec: Tensor) -> Tensor:
     if extra <= 0:
         return (matrix @ vec.unsqueeze(-1)).squeeze(-1)
     sample_shape = vec.shape[:extra]
-    cols = vec.reshape((-1,) + vec.shape[extra:])  # (s, *bv, q)
+    cols = vec.reshape((sample_shape.numel(),) + vec.shape[extra:])  # (s, *bv, q); explicit s: q may be 0 (rank 0)
     cols = cols.movedim(0, -1)  # (*bv, q, s)
     out = matrix @ cols  # (*b, p, s)
     out = out.movedim(-1, 0)  # (s, *b, p)
@@ -113,22 +113,24 @@ def group_sizes(index: Tensor, num_groups: int) -> Tensor:
     return torch.zeros(num_groups, dtype=torch.long, device=index.device).index_add_(0, index, torch.ones_like(index))
 
 
-def check_group_index(index: Tensor, num_groups: int) -> Tensor:
+def check_group_index(index: Tensor, num_groups: int, source: str = "a = total.shape[-1]") -> Tensor:
     """Check a group-id vector (``(n,)``, values in ``[0, num_groups)``, no empty group); return group sizes.
-    Two host synchronisations: the range, and the smallest group."""
+    ``source`` names where ``num_groups`` came from, for the message. Two host synchronisations: the range, and
+    the smallest group."""
     if index.numel() == 0:
         raise ValueError("index must not be empty.")
     lo, hi = torch.aminmax(index)
     lo, hi = torch.stack([lo, hi]).tolist()
     if lo < 0 or hi >= num_groups:
         raise ValueError(
-            f"index values must lie in [0, a) with a = total.shape[-1] = {num_groups}, got range [{lo}, {hi}]."
+            f"index values must lie in [0, a) with {source} = {num_groups}, got range [{lo}, {hi}]."
         )
     counts = torch.bincount(index, minlength=num_groups)
     if int(counts.min()) == 0:
         empty = torch.nonzero(counts == 0)[:5, 0].tolist()
         raise ValueError(
-            f"every group must have at least one coordinate, but groups {empty} (of a = {num_groups}) are empty."
+            f"every group must have at least one coordinate, but groups {empty} (of {source} = {num_groups}) are "
+            "empty."
         )
     return counts
 

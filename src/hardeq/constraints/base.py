@@ -185,8 +185,21 @@ class EqualityConstraint(ABC):
         """
         return None
 
+    def _check_points(self, z: Tensor, name: str = "z") -> None:
+        """``TypeError`` / ``ValueError`` naming ``name`` unless ``z`` is a floating tensor ``(..., n)`` (a shape check
+        only: no host synchronisation). Used by the user-facing :meth:`residual`, :meth:`check` and :meth:`project`;
+        the products (:meth:`matvec`, ...) are left unchecked on the hot path."""
+        if not isinstance(z, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(z).__name__}.")
+        if not z.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {z.dtype}.")
+        if z.dim() < 1 or z.shape[-1] != self.event_size:
+            raise ValueError(f"{name} must have shape (..., n) with n = {self.event_size} (the constraint's event "
+                             f"size), got {tuple(z.shape)}.")
+
     def residual(self, z: Tensor) -> Tensor:
         """``A z - k``, shape ``(*sample, *batch, a)``."""
+        self._check_points(z)
         return self.matvec(z) - self.k
 
     def check(self, z: Tensor, rtol: float | None = None) -> Tensor:
@@ -195,6 +208,7 @@ class EqualityConstraint(ABC):
         Per row ``i``: :math:`|(Az - k)_i| \le \mathrm{rtol}\,(|A||z| + |k|)_i`, with ``rtol = 1e3 eps(dtype)``
         by default, i.e. relative to the size of the terms summed in that row (never to the largest row:
         a small group cannot hide behind a large one)."""
+        self._check_points(z)
         if rtol is None:
             rtol = 1e3 * torch.finfo(z.dtype).eps
         residual = self.residual(z).abs()
@@ -263,6 +277,7 @@ class EqualityConstraint(ABC):
 
         Idempotent; the correction is orthogonal to the plane. Differentiable w.r.t. ``z`` and ``k``.
         Default: float64 QR of the row-normalised :math:`A^\top` (O(a^2 n)), result cast to ``z.dtype``."""
+        self._check_points(z)
         return project_dense(self.dense_matrix(), self.k, z)
 
     def same_row_space(self, other: EqualityConstraint) -> bool:

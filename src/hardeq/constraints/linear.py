@@ -197,6 +197,7 @@ class LinearConstraint(EqualityConstraint):
 
     def project(self, z: Tensor) -> Tensor:
         r""":math:`z - Q(Q^\top z - R^{-\top}D^{-1}k)` from the cached float64 QR: O(n a) per vector."""
+        self._check_points(z)
         return project_dense(self._source, self.k, z, self._cached_factors())
 
     def same_row_space(self, other: EqualityConstraint) -> bool:

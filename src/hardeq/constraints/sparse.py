@@ -89,7 +89,8 @@ class _GramFactors:
         pivots = L.diagonal()
         ok = int(info) == 0 and bool((d > 0).all())
         self.row_norms, self.L = safe, L
-        self.min_pivot = float(pivots.min()) if ok else 0.0
+        # no rows: an empty Cholesky, det 1 and no pivot to fail (the conditioner refuses a = 0 with its own error)
+        self.min_pivot = (float(pivots.min()) if a else math.inf) if ok else 0.0
         self.logdet = 2 * (d.log().sum() + pivots.log().sum()) if ok else torch.tensor(-math.inf, dtype=torch.float64)
         row_nnz = int((A64.crow_indices()[1:] - A64.crow_indices()[:-1]).max()) if A64._nnz() else 0
         self.tol = max(max(a, row_nnz) * torch.finfo(dtype).eps, 10 * math.sqrt(a * torch.finfo(torch.float64).eps))
@@ -316,6 +317,7 @@ class SparseConstraint(EqualityConstraint):
     def project(self, z: Tensor) -> Tensor:
         r""":math:`z - A^\top(AA^\top)^{-1}(Az - k)`, evaluated in float64 with the cached Cholesky: O(nnz + a^2)
         per vector. Differentiable w.r.t. ``z`` and ``k``."""
+        self._check_points(z)
         A64, At64 = self._float64()
         z64 = z.to(torch.float64)
         r = _spmm(A64, z64) - self.k.to(torch.float64)

@@ -141,6 +141,7 @@ class SumConstraint(EqualityConstraint):
 
     def project(self, z: Tensor) -> Tensor:
         r""":math:`z - A^\top((Az - t) / c)`: subtract each group's mean excess; O(n) per vector."""
+        self._check_points(z)
         return z - self.rmatvec(self.residual(z) / self._sizes(z.dtype))
 
     def same_row_space(self, other: EqualityConstraint) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import numbers
 
 import torch
@@ -158,8 +159,11 @@ class ConstrainedNormal(Distribution):
                 f"{type(constraint).__name__}."
             )
         n = loc.shape[-1]
-        if isinstance(scale, numbers.Number) and not isinstance(scale, bool):  # as torch.distributions.Normal
+        if isinstance(scale, numbers.Real) and not isinstance(scale, bool):  # as torch.distributions.Normal
             scale = torch.tensor(float(scale), dtype=loc.dtype, device=loc.device)
+        elif scale is not None and not isinstance(scale, torch.Tensor):
+            raise TypeError(f"scale must be a torch.Tensor, got {type(scale).__name__} (a real Python number is also "
+                            "accepted, as in torch.distributions.Normal).")
         validate = Distribution._validate_args if validate_args is None else validate_args
         covariance = _build_covariance(n, scale, covariance, scale_tril, cov_factor, covariance_matrix,
                                        precision_matrix, validate)
@@ -372,8 +376,13 @@ class ConstrainedNormal(Distribution):
         except RuntimeError:
             ok = False
         if not ok:
+            shape, n = tuple(value.shape), self.event_shape[0]
+            start = next((s for s in range(len(shape) - 1) if math.prod(shape[s:]) == n), None)
+            hint = "" if start is None else (
+                f"; its trailing dimensions {' x '.join(map(str, shape[start:]))} hold n = {n} values (an image?): "
+                f"flatten them, {name}.flatten({start - len(shape)})")
             raise ValueError(f"{name} must have shape (..., n) broadcastable with batch_shape + (n,) = "
-                             f"{tuple(expected)}, got {tuple(value.shape)}.")
+                             f"{tuple(expected)}, got {shape}{hint}.")
         loc = self._unbroadcasted_loc
         if value.device != loc.device:
             raise ValueError(f"{name} is on device {value.device} but loc is on {loc.device}; pass {name} on "
@@ -510,8 +519,9 @@ def _build_covariance(n: int, scale: Tensor | None, covariance: Covariance | Non
             raise ValueError("pass covariance= alone, or one of the shortcuts (scale, scale_tril, cov_factor with "
                              "scale), not both.")
         if not isinstance(covariance, Covariance):
-            raise TypeError("covariance must be a hardeq.DiagonalCovariance, FullCovariance or LowRankCovariance, "
-                            f"got {type(covariance).__name__}.")
+            raise TypeError("covariance must be a hardeq.Covariance (e.g. hardeq.DiagonalCovariance, "
+                            "hardeq.BlockDiagonalCovariance or a subclass of your own), got "
+                            f"{type(covariance).__name__}.")
     elif scale_tril is not None:
         if scale is not None or cov_factor is not None:
             raise ValueError("pass either scale_tril alone, scale alone, or cov_factor with scale.")

@@ -66,9 +66,10 @@ class BlockDiagonalCovariance(Covariance):
                              f"{n}, got {tuple(cov_factor.shape)} and {tuple(index.shape)}.")
         if index.device != scale.device:
             raise ValueError(f"index is on device {index.device} but scale is on {scale.device}.")
+        explicit = num_groups is not None
         if num_groups is None:
             num_groups = int(index.max()) + 1 if n else 0
-        self.counts = check_group_index(index, num_groups)
+        self.counts = check_group_index(index, num_groups, "a = num_groups" if explicit else "a = index.max() + 1")
         try:
             self.batch_shape = torch.broadcast_shapes(cov_factor.shape[:-2], scale.shape[:-1])
         except RuntimeError:
@@ -168,7 +169,11 @@ class BlockDiagonalCovariance(Covariance):
     def max_abs_sqrt(self) -> Tensor:
         with torch.no_grad():
             c1 = self.scale.abs().amax(-1, keepdim=True)
-            c2 = self.cov_factor.abs().amax((-2, -1)).unsqueeze(-1)
+            W = self.cov_factor
+            if W.shape[-1] == 0:  # rank 0 (no factor): amax over an empty dimension is an error
+                c2 = W.new_zeros(W.shape[:-2] + (1,))
+            else:
+                c2 = W.abs().amax((-2, -1)).unsqueeze(-1)
             return torch.maximum(c1, c2)
 
     def __repr__(self) -> str:

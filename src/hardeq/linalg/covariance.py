@@ -265,7 +265,7 @@ def _fold(op: Callable[[Tensor], Tensor], x: Tensor, batch_dims: int) -> Tensor:
     if len(lead) <= batch_dims:
         return op(x.unsqueeze(-1)).squeeze(-1)
     sample, batch = lead[:len(lead) - batch_dims], lead[len(lead) - batch_dims:]
-    X = x.reshape((-1,) + batch + x.shape[-1:]).movedim(0, -1)  # (*batch, q, N)
+    X = x.reshape((sample.numel(),) + batch + x.shape[-1:]).movedim(0, -1)  # (*batch, q, N); q may be 0
     out = op(X).movedim(-1, 0)  # (N, *batch', r)
     return out.reshape(sample + out.shape[1:])
 
@@ -586,7 +586,11 @@ class LowRankCovariance(Covariance):
     def max_abs_sqrt(self) -> Tensor:
         with torch.no_grad():
             c1 = self.scale.abs().amax(-1, keepdim=True)
-            c2 = self.cov_factor.abs().amax((-2, -1)).unsqueeze(-1)
+            W = self.cov_factor
+            if W.shape[-1] == 0:  # rank 0 (no factor): amax over an empty dimension is an error
+                c2 = W.new_zeros(W.shape[:-2] + (1,))
+            else:
+                c2 = W.abs().amax((-2, -1)).unsqueeze(-1)
             return torch.maximum(c1, c2)
 
     def scaled(self, c: Tensor) -> "LowRankCovariance":

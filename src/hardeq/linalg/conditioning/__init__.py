@@ -334,12 +334,22 @@ class Conditioner:
         return self.factor.plane_logdet()
 
     def variance(self) -> Tensor:
-        r"""Conditional marginal variances, ``(*batch, n)``."""
-        return self.factor.variance()
+        r"""Conditional marginal variances, ``(*batch, n)``; exactly 0 at the determined coordinates (the factor's
+        formula leaves round-off there, whose square root, the standard deviation, is not small: 6e-4 in
+        float32)."""
+        variance = self.factor.variance()
+        if self._pinned is None:
+            return variance
+        return variance.masked_fill(self._pinned[0], 0.0)
 
     def covariance_matrix(self) -> Tensor:
-        r"""Dense conditional covariance :math:`\Sigma - KA\Sigma`, ``(*batch, n, n)``."""
-        return self.factor.covariance_matrix()
+        r"""Dense conditional covariance :math:`\Sigma - KA\Sigma`, ``(*batch, n, n)``; the rows and columns of
+        the determined coordinates exactly 0."""
+        matrix = self.factor.covariance_matrix()
+        if self._pinned is None:
+            return matrix
+        mask = self._pinned[0]
+        return matrix.masked_fill(mask.unsqueeze(-1) | mask.unsqueeze(-2), 0.0)
 
     def gain_factor(self) -> Tensor:
         r""":math:`G` with :math:`GG^\top = \Sigma A^\top S^{-1}A\Sigma`, ``(*batch, n, a)``."""
