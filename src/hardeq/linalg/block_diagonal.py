@@ -27,7 +27,7 @@ from torch.distributions import constraints
 from .._utils import check_group_index, check_same_dtype_device, check_tensor, is_tracing, stale_without_graph
 from ..constraints import SumConstraint, pairs
 from ..ops.group_sum import GroupSum
-from .covariance import Covariance, _check_positive, register_trace_inv_mul
+from .covariance import Covariance, _check_positive, low_rank_max_abs_sqrt, register_trace_inv_mul
 
 __all__ = ["BlockDiagonalCovariance"]
 
@@ -167,14 +167,7 @@ class BlockDiagonalCovariance(Covariance):
         return (onehot.unsqueeze(-1) * W.unsqueeze(-2)).flatten(-2)
 
     def max_abs_sqrt(self) -> Tensor:
-        with torch.no_grad():
-            c1 = self.scale.abs().amax(-1, keepdim=True)
-            W = self.cov_factor
-            if W.shape[-1] == 0:  # rank 0 (no factor): amax over an empty dimension is an error
-                c2 = W.new_zeros(W.shape[:-2] + (1,))
-            else:
-                c2 = W.abs().amax((-2, -1)).unsqueeze(-1)
-            return torch.maximum(c1, c2)
+        return low_rank_max_abs_sqrt(self.scale, self.cov_factor)
 
     def __repr__(self) -> str:
         return (f"BlockDiagonalCovariance(n={self.event_size}, groups={self.num_groups}, rank={self.rank}, "

@@ -284,6 +284,19 @@ def _check_positive(name: str, value: Tensor) -> None:
                          f"({tiny:.3e}), where precision is lost; rescale the problem or use float64.")
 
 
+def low_rank_max_abs_sqrt(scale: Tensor, cov_factor: Tensor) -> Tensor:
+    r"""Largest absolute entry of :math:`F = [\mathrm{diag}(\mathrm{scale}), W]` per batch element, ``(*batch, 1)``,
+    detached (:meth:`Covariance.max_abs_sqrt` of a diagonal-plus-low-rank structure); rank 0 (``W`` with no
+    columns) gives the scale's."""
+    with torch.no_grad():
+        c1 = scale.abs().amax(-1, keepdim=True)
+        if cov_factor.shape[-1] == 0:  # amax over an empty dimension is an error; keep the factor's batch shape
+            c2 = cov_factor.new_zeros(cov_factor.shape[:-2] + (1,))
+        else:
+            c2 = cov_factor.abs().amax((-2, -1)).unsqueeze(-1)
+        return torch.maximum(c1, c2)
+
+
 class DiagonalCovariance(Covariance):
     r""":math:`\Sigma = \mathrm{diag}(\mathrm{scale}^2)`.
 
@@ -584,14 +597,7 @@ class LowRankCovariance(Covariance):
         return cap_logdet + self.cov_diag.log().sum(-1)
 
     def max_abs_sqrt(self) -> Tensor:
-        with torch.no_grad():
-            c1 = self.scale.abs().amax(-1, keepdim=True)
-            W = self.cov_factor
-            if W.shape[-1] == 0:  # rank 0 (no factor): amax over an empty dimension is an error
-                c2 = W.new_zeros(W.shape[:-2] + (1,))
-            else:
-                c2 = W.abs().amax((-2, -1)).unsqueeze(-1)
-            return torch.maximum(c1, c2)
+        return low_rank_max_abs_sqrt(self.scale, self.cov_factor)
 
     def scaled(self, c: Tensor) -> "LowRankCovariance":
         return LowRankCovariance(self.cov_factor / c.unsqueeze(-1), self.scale / c)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 
@@ -45,14 +45,9 @@ class StopRun(BaseException):
         return 128 + self.signum
 
 
-@contextmanager
-def stop_on_signals() -> Iterator[None]:
-    """While inside, the first SIGINT or SIGTERM raises :class:`StopRun` in the main thread and later ones are
-    ignored; the previous handlers come back on exit. Outside the main thread (where Python cannot install
-    handlers) it does nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+def _stop_once() -> Callable[[int, FrameType | None], None]:
+    """A signal handler that raises :class:`StopRun` on the first signal it receives and ignores every later one
+    (a second Ctrl-C during cleanup must not interrupt it)."""
     received: list[int] = []
 
     def handler(signum: int, frame: FrameType | None) -> None:
@@ -61,6 +56,18 @@ def stop_on_signals() -> Iterator[None]:
         received.append(signum)
         raise StopRun(signum)
 
+    return handler
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """While inside, the first SIGINT or SIGTERM raises :class:`StopRun` in the main thread and later ones are
+    ignored; the previous handlers come back on exit. Outside the main thread (where Python cannot install
+    handlers) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handler = _stop_once()
     previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
     try:
         yield
@@ -73,14 +80,7 @@ def worker_signals() -> None:
     """In a worker process: ignore SIGINT, and raise :class:`StopRun` on the first SIGTERM (the main process's
     request to stop; the worker unwinds and leaves quietly). Then unblock both (the pool starts its workers
     with them blocked, so that none arrives before this)."""
-    received: list[int] = []
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        if received:
-            return
-        received.append(signum)
-        raise StopRun(signum)
-
+    handler = _stop_once()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, handler)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
