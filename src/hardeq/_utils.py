@@ -103,9 +103,17 @@ def check_same_dtype_device(**tensors: Tensor) -> None:
 
 
 def is_tracing() -> bool:
-    """True under ``torch.compile`` tracing or inside a ``torch.func`` transform (``vmap``, ``grad``, ...): then
-    data-dependent Python branches (``bool(tensor)``, ``.item()``) must be avoided."""
-    return torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is not None
+    """True under ``torch.compile`` tracing, inside a ``torch.func`` transform (``vmap``, ``grad``, ...) or while
+    the current CUDA stream is being captured into a CUDA graph: then data-dependent Python branches
+    (``bool(tensor)``, ``.item()``) must be avoided (a host synchronisation is an error during capture)."""
+    return (torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is not None
+            or cuda_graph_capturing())
+
+
+def cuda_graph_capturing() -> bool:
+    """Is the current CUDA stream capturing a CUDA graph (``torch.cuda.graph``)? ``False`` without CUDA; no
+    synchronisation (CUDA is not initialised by asking)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def group_sizes(index: Tensor, num_groups: int) -> Tensor:

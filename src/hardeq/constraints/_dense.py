@@ -44,11 +44,19 @@ class RowSpaceFactors:
             self.row_norms = d
             self.R = torch.linalg.qr(_normalised_t(A64, d), mode="r")[1]  # (*batch_A, a, a)
             pivots = self.R.diagonal(dim1=-2, dim2=-1).abs()
-            #: smallest |R_jj| over rows and batch (0 for a zero row): 1 for orthogonal rows
-            self.min_pivot = float(torch.where(d > 0, pivots, 0.0).min()) if d.numel() else 1.0
+            # smallest |R_jj| over rows and batch (0 for a zero row), read on the host only when asked (min_pivot)
+            self._min_pivot = torch.where(d > 0, pivots, 0.0).amin() if d.numel() else None
             self.logdet = 2 * (d.log().sum(-1) + pivots.log().sum(-1))  # float64, (*batch_A)
         self.shape = A.shape
         self._Q: Tensor | None = None
+
+    @property
+    def min_pivot(self) -> float:
+        """Smallest ``|R_jj|`` over rows and batch (0 for a zero row; 1 for orthogonal rows). One host
+        synchronisation on first use (validation only), none when the factors are built."""
+        if not isinstance(self._min_pivot, float):
+            self._min_pivot = 1.0 if self._min_pivot is None else float(self._min_pivot)
+        return self._min_pivot
 
     def full_rank(self, dtype: torch.dtype) -> bool:
         """Is every normalised row more than ``max(a, n) eps(dtype)`` away from the span of the rows before it?"""

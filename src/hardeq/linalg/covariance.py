@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 from torch.distributions import constraints
 
-from .._utils import batch_mv, check_same_dtype_device, check_tensor, stale_without_graph
+from .._utils import batch_mv, check_same_dtype_device, check_tensor, is_tracing, stale_without_graph
 from ..ops.gram_pairs import gram_from_pairs, row_pairs
 from .triangular import tri_solve_vec
 
@@ -524,12 +524,14 @@ class LowRankCovariance(Covariance):
     @property
     def capacitance_tril(self) -> Tensor:
         r"""Cholesky factor of :math:`C = I + W^\top D^{-1} W` (``r x r``), computed once (again when that was
-        under ``no_grad`` and a gradient is needed now)."""
+        under ``no_grad`` and a gradient is needed now). :math:`C \succeq I` for positive ``scale``; when tracing
+        (``torch.compile``, ``torch.func``, CUDA-graph capture) the factorisation's status is not read back to the
+        host (``cholesky_ex``), otherwise a failure raises."""
         if stale_without_graph(self._cap_tril, self.cov_factor, self.scale):
             W = self.cov_factor
             cap = (W.mT / self.cov_diag.unsqueeze(-2)) @ W
             cap = cap + torch.eye(self.rank, dtype=W.dtype, device=W.device)
-            self._cap_tril = torch.linalg.cholesky(cap)
+            self._cap_tril = torch.linalg.cholesky_ex(cap).L if is_tracing() else torch.linalg.cholesky(cap)
         return self._cap_tril
 
     def diagonal(self) -> Tensor:
