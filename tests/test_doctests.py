@@ -14,6 +14,7 @@ MODULES = ["hardeq.constraints.linear", "hardeq.constraints.sum", "hardeq.constr
            "hardeq.testing.exactness"]
 
 
+@pytest.mark.cpu_only(reason="the examples print CPU tensors")
 @pytest.mark.parametrize("name", MODULES)
 def test_doctests(name):
     module = importlib.import_module(name)

@@ -23,6 +23,7 @@ from hardeq import (ConstrainedNormal, ConstrainedPoisson, DiagonalCovariance, L
 from hardeq.estimators import available_estimators, get_estimator, register_estimator
 from hardeq.linalg.conditioning import Conditioner
 from hardeq.testing import assert_exact_per_row
+from tests.device import device
 
 N = 4
 A = torch.tensor([[1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 1.0]])
@@ -343,7 +344,7 @@ def test_autocast_head_forward_backward():
     head = hardeq.nn.ConstrainedGaussianHead(8, 6, constraint_matrix=torch.randn(2, 6))
     x, y, k = torch.randn(16, 8), torch.randn(16, 6), torch.randn(16, 2)
     for rhs, dtype in [(k, torch.float32), (k.bfloat16(), torch.bfloat16)]:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device().type, dtype=torch.bfloat16):
             d = head(x, rhs)
             z = d.rsample((4,))
             loss = d.expected_l2(y).sum() + d.expected_l1(y).sum() - d.log_prob(z).sum() - d.entropy().sum()
@@ -366,7 +367,7 @@ def test_autocast_float32_distribution_stays_exact():
     g = torch.Generator().manual_seed(1)
     n, a = 40, 8
     con = LinearConstraint(torch.randn(a, n, generator=g), torch.randn(3, a, generator=g))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(device().type, dtype=torch.bfloat16):
         d = ConstrainedNormal(torch.randn(3, n, generator=g), torch.rand(3, n, generator=g) + 0.1, constraint=con)
         z, mean = d.rsample((5,)), d.mean
     assert z.dtype == mean.dtype == torch.float32

@@ -14,6 +14,7 @@ MODULES = ["hardeq.diffusion.schedules", "hardeq.diffusion.image_constraints", "
            "hardeq.diffusion.noise_schedule"]
 
 
+@pytest.mark.cpu_only(reason="the examples print CPU tensors")
 @pytest.mark.parametrize("name", MODULES)
 def test_doctests(name):
     module = importlib.import_module(name)

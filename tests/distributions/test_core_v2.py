@@ -165,7 +165,7 @@ def test_constraint_to(constraint):
     c64 = constraint.to(dtype=torch.float64)
     assert c64.k.dtype == torch.float64 and type(c64) is type(constraint)
     assert constraint.to(dtype=torch.float32) is constraint
-    assert constraint.to(device="cpu") is constraint
+    assert constraint.to(device=constraint.k.device) is constraint
     z = torch.randn(3, 5, dtype=torch.float64)
     torch.testing.assert_close(c64.matvec(z), constraint.matvec(z.float()).double(), rtol=1e-6, atol=1e-6)
     if isinstance(constraint, hardeq.SumConstraint):

@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._utils import is_tracing
+
 __all__ = ["GroupSum", "group_sum", "gather", "group_probs", "SUM_CHUNK"]
 
 #: coordinates per chunk in the two-level summation
@@ -39,8 +41,9 @@ class GroupSum:
         self.slot = index if self.num_chunks == 1 else chunk_of * num_groups + index
         #: size of each group when the groups are equal consecutive blocks (one sum; the channels of an image;
         #: equal graphs), else None. Then a sum is a reshape + ``torch.sum`` (pairwise, vectorised) and the
-        #: gather an ``expand``: no scatter, which accumulates serially (10-50x slower for few groups).
-        self.block = _equal_block_size(index, num_groups)
+        #: gather an ``expand``: no scatter, which accumulates serially (10-50x slower for few groups). Not looked
+        #: for when tracing (torch.compile, torch.func, CUDA-graph capture): the test reads a value on the host.
+        self.block = None if is_tracing() else _equal_block_size(index, num_groups)
 
     def __call__(self, x: Tensor) -> Tensor:
         a = self.num_groups
