@@ -75,6 +75,8 @@ class ConstraintTestCase(ABC):
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float64)
     #: seed of :meth:`create` and of the random test vectors
     seed: int = 0
+    #: device of the last case :meth:`create` returned (``k.device``); the test vectors are moved there
+    _device: torch.device | None = None
 
     @abstractmethod
     def create(self, batch_shape: tuple[int, ...], dtype: torch.dtype, seed: int
@@ -95,11 +97,12 @@ class ConstraintTestCase(ABC):
               ) -> tuple[EqualityConstraint, Tensor, Tensor]:
         """``(constraint, A, k)`` from :meth:`create`, with ``A`` and ``k`` as the float64 oracle's inputs."""
         c, A, k = self.create(tuple(batch_shape), dtype, self.seed)
+        self._device = k.device  # the random test vectors below are drawn on the host, then moved here
         return c, A.to(torch.float64), k.to(torch.float64)
 
     def _rand(self, *shape: int, dtype: torch.dtype, offset: int = 1) -> Tensor:
         g = torch.Generator().manual_seed(self.seed + offset)
-        return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+        return torch.randn(shape, generator=g, dtype=torch.float64).to(device=self._device, dtype=dtype)
 
     @staticmethod
     def _oracle_projection(A: Tensor, k: Tensor, z: Tensor) -> Tensor:
@@ -113,7 +116,7 @@ class ConstraintTestCase(ABC):
         g = torch.Generator().manual_seed(self.seed + 7)
 
         def rand(*shape):
-            return torch.randn(batch_shape + shape, generator=g, dtype=torch.float64)
+            return torch.randn(batch_shape + shape, generator=g, dtype=torch.float64).to(self._device)
 
         scale = rand(n).abs() + 0.5
         yield "diagonal", DiagonalCovariance(scale.to(dtype)), torch.diag_embed(scale)
@@ -216,7 +219,7 @@ class ConstraintTestCase(ABC):
         Q, R, N = c.orthonormal_decomposition()
         assert Q.dtype == R.dtype == N.dtype == torch.float64
         assert Q.shape[-2:] == (n, a) and R.shape[-2:] == (a, a) and N.shape[-2:] == (n, n - a)
-        eye = torch.eye(n, dtype=torch.float64)
+        eye = torch.eye(n, dtype=torch.float64, device=Q.device)
         QN = torch.cat([Q, N], -1)
         torch.testing.assert_close(QN.mT @ QN, eye.expand(QN.shape[:-2] + (n, n)), rtol=0, atol=1e-12)
         torch.testing.assert_close(torch.triu(R), R, rtol=0, atol=0)
@@ -252,7 +255,8 @@ class ConstraintTestCase(ABC):
         c, A, k = self._case(dtype, batch_shape)
         z0 = c.particular_solution()
         assert z0.shape == c.batch_shape + (A.shape[-1],) and z0.dtype == dtype
-        expected = self._oracle_projection(A, k, torch.zeros(c.batch_shape + (A.shape[-1],), dtype=torch.float64))
+        expected = self._oracle_projection(A, k, torch.zeros(c.batch_shape + (A.shape[-1],), dtype=torch.float64,
+                                                                  device=A.device))
         assert_close_scaled(z0, expected, expected.abs().amax(-1, keepdim=True), dtype, "particular_solution")
         assert bool(c.check(z0).all()), "the particular solution is not on the plane"
 
@@ -278,15 +282,15 @@ class ConstraintTestCase(ABC):
         assert c.same_row_space(c)
         # the same plane written with permuted, rescaled rows
         g = torch.Generator().manual_seed(self.seed + 3)
-        perm = torch.randperm(a, generator=g)
-        D = torch.rand(a, generator=g, dtype=torch.float64) * 10 + 0.1
+        perm = torch.randperm(a, generator=g).to(A.device)
+        D = (torch.rand(a, generator=g, dtype=torch.float64) * 10 + 0.1).to(A.device)
         A2 = (A[..., perm, :] * D.unsqueeze(-1)).to(dtype)
         other = LinearConstraint(A2, (k[..., perm] * D).to(dtype))
         assert c.same_row_space(other), "a rescaled, reordered copy of A is not recognised"
         assert other.same_row_space(c)
         # a different plane: replace the last row by a random direction
         A3 = A.clone()
-        A3[..., -1, :] = torch.randn(n, generator=g, dtype=torch.float64)
+        A3[..., -1, :] = torch.randn(n, generator=g, dtype=torch.float64).to(A.device)
         different = LinearConstraint(A3.to(dtype), k.to(dtype))
         assert not c.same_row_space(different) and not different.same_row_space(c)
 
