@@ -6,7 +6,9 @@ operations are no copy on CPU, so a CPU test could not see them; :class:`forbid_
 
 - reading a tensor's value into Python: ``item``, ``tolist``, ``bool()``/``int()``/``float()``/``index``,
   ``numpy``, ``torch.equal``, ``torch.allclose``, ``torch.is_nonzero``, formatting a tensor into a string;
-- moving a tensor to the host: ``cpu()``, ``to("cpu")``;
+- moving a tensor to the host: ``cpu()``, ``to("cpu")``; making one from Python data (``torch.tensor(1.0)``,
+  ``as_tensor``, ``asarray``, ``new_tensor``), which on a GPU is a copy from pageable host memory, not allowed
+  while a CUDA graph is being captured;
 - operations whose output size depends on the values: ``nonzero``, ``argwhere``, ``masked_select``, ``unique``,
   ``unique_consecutive``, ``bincount``, ``repeat_interleave`` without ``output_size``, indexing with a boolean tensor;
 - linear algebra that checks its result on the host: ``cholesky``, ``inv``, ``solve``, ``eigh``, ``eigvalsh``,
@@ -19,7 +21,7 @@ synchronisation, and so can be captured in a CUDA graph.
 from __future__ import annotations
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, resolve_name
 
 __all__ = ["HostSyncError", "forbid_host_sync"]
 
@@ -68,6 +70,11 @@ def _sync_reason(func, args, kwargs) -> str | None:
             return "repeat_interleave with tensor repeats and no output_size"
         if isinstance(args[0], torch.Tensor) and len(args) == 1 and not kwargs and func is torch.repeat_interleave:
             return "torch.repeat_interleave(repeats)"
+        return None
+    if func in (torch.tensor, torch.as_tensor, torch.asarray, _T.new_tensor):
+        data = args[1] if func is _T.new_tensor else (args[0] if args else kwargs.get("data"))
+        if not isinstance(data, torch.Tensor):  # on a GPU: a copy from pageable host memory (illegal in capture)
+            return f"{resolve_name(func) or func.__name__} from Python data (a host-to-device copy on a GPU)"
         return None
     if func is _T.to:
         device = kwargs.get("device")

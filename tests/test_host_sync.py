@@ -58,9 +58,10 @@ def no_host_sync():
     lambda x: f"{x.sum():.3f}", lambda x: torch.unique(x), lambda x: torch.equal(x, x),
     lambda x: torch.linalg.cholesky(torch.eye(2, dtype=x.dtype) + 0 * x[:2, None]),
     lambda x: torch.linalg.cholesky_ex(torch.eye(2, dtype=x.dtype), check_errors=True),
-    lambda x: x.repeat_interleave(torch.ones(5, dtype=torch.long)),
+    lambda x: x.repeat_interleave(torch.ones(5, dtype=torch.long)), lambda x: x + torch.tensor(1.0),
+    lambda x: torch.as_tensor([1.0, 2.0], device=x.device),
 ], ids=["item", "bool", "mask", "nonzero", "tolist", "cpu", "to_cpu", "int", "format", "unique", "equal",
-        "cholesky", "cholesky_ex_checked", "repeat_interleave"])
+        "cholesky", "cholesky_ex_checked", "repeat_interleave", "tensor_from_python", "as_tensor_from_python"])
 def test_guard_catches_host_syncs(call):
     x = torch.randn(5)
     with pytest.raises(HostSyncError, match="host synchronisation"):
@@ -103,6 +104,7 @@ def test_static_path_makes_no_host_sync(static_regime, kind, cov, dtype):
     z_ref = ref.rsample((2,), noise=t["eps"])
     lp_ref = ref.log_prob(z_ref)
     (z_ref.square().sum() - lp_ref.sum() - ref.entropy().sum()).backward()
+    z, lp, z_ref, lp_ref = z.detach(), lp.detach(), z_ref.detach(), lp_ref.detach()
     rtol = RTOL[dtype]
     torch.testing.assert_close(z, z_ref, rtol=rtol, atol=rtol * float(z_ref.abs().amax()))
     torch.testing.assert_close(lp, lp_ref, rtol=rtol, atol=rtol * float(lp_ref.abs().amax()))

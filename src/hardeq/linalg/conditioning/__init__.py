@@ -38,7 +38,8 @@ pickles and ``torch.save``\ s. Escalating builds the next step's factor and make
 :attr:`~Conditioner.requires_grad` is derived from the inputs, not set from outside.
 
 **Static mode** (``static=True``; chosen automatically by :class:`~hardeq.ConstrainedNormal` with
-``validate_args=False`` under ``torch.compile`` or a ``torch.func`` transform): no data-dependent branch. The factor
+``validate_args=False`` under ``torch.compile``, a ``torch.func`` transform or CUDA-graph capture): no data-dependent
+branch and no host synchronisation. The factor
 is chosen by structure only (grouped, else Cholesky in float64 of the equilibrated Gram matrix), nothing is checked,
 and every vector gets :data:`STATIC_REFINEMENT_STEPS` refinement steps. Accuracy: the per-row criterion holds for
 well-conditioned problems (:math:`\varepsilon_{64}\kappa(\tilde S) \ll 1`, scales within about eight decades);
