@@ -10,6 +10,15 @@ very different sizes cost nothing) and factorised, :math:`\tilde S = LL^\top`. T
 
 and :math:`G = c\,\Sigma'A^\top D^{-1}L^{-\top}` (:math:`GG^\top = \Sigma A^\top S^{-1}A\Sigma`).
 
+**Large shared dense A under a diagonal covariance** (``a >=`` :data:`BLOCKED_MIN_ROWS`, CPU, no gradient wanted):
+:math:`S'` is never formed. :func:`~hardeq.linalg.cholesky.gram_cholesky_lower` computes the lower Cholesky factor of
+:math:`S'` itself block column by block column, fused with the lower half of the Gram product (about
+:math:`a^2 n + a^3/3` flops per batch element instead of :math:`2a^2 n`, no triangle copy, no ``a x a`` elementwise
+pass); :math:`D = I` in the formulas above. Cholesky is invariant to diagonal scaling, so this factor is the
+equilibrated one up to :math:`D`: the pivot ratio uses :math:`L_{jj}/S'^{1/2}_{jj}`, the pivots of
+:math:`D^{-1}L`. Only the lower triangle of :attr:`CholeskyFactor.L` is then defined; every use reads that
+triangle only.
+
 In float64 for a float32 input (``precision=torch.float64``), the ``a x a`` factor, the solves and the gain product
 :math:`\Sigma'A^\top x` are float64 (the entries of :math:`x = S'^{-1}r` cancel in that product when
 :math:`\kappa(\tilde S)` is large); the samples stay float32, rounded once.
@@ -29,6 +38,7 @@ import torch
 from torch import Tensor
 
 from ..._utils import batch_mv
+from ..cholesky import gram_cholesky_lower
 from ..triangular import tri_solve_vec
 from .factor import Factor
 
@@ -46,6 +56,33 @@ LOGDET_FLOAT32_NATS = 1e-4
 MOMENTS_FLOAT32_RTOL = 1e-5
 #: elements of a transient (chunk x batch x n) tensor in :meth:`CholeskyFactor.variance`
 _CHUNK_ELEMS = 1 << 24
+#: fewest constraint rows for which the factor of a shared dense ``A`` under a diagonal covariance is built by the
+#: blocked Gram-Cholesky (:func:`~hardeq.linalg.cholesky.gram_cholesky_lower`, CPU): below it, forming
+#: :math:`S` and ``torch.linalg.cholesky_ex`` cost little
+BLOCKED_MIN_ROWS = 256
+
+
+def _blocked_operand(con: "EqualityConstraint", cov: "Covariance") -> Tensor | None:
+    """The 2-D ``A`` when the factor is built by :func:`~hardeq.linalg.cholesky.gram_cholesky_lower` (a shared dense
+    ``A`` with at least :data:`BLOCKED_MIN_ROWS` rows, a diagonal covariance, CPU, no gradient wanted), else ``None``."""
+    from ...constraints.linear import LinearConstraint
+
+    if not isinstance(con, LinearConstraint) or not cov.is_diagonal:
+        return None
+    A = con.A
+    if A.dim() != 2 or A.shape[0] < BLOCKED_MIN_ROWS or A.device.type != "cpu":
+        return None
+    if torch.is_grad_enabled() and (A.requires_grad or any(t.requires_grad for t in cov.tensors())):
+        return None
+    return A
+
+
+def _pivot_ratio(pivots: Tensor) -> float:
+    r""":math:`(\max_j L_{jj} / \min_j L_{jj})^2` over the batch (``inf`` when not finite): the estimate of
+    :math:`\kappa(\tilde S)` from the pivots of the equilibrated factor."""
+    kappa = float(((pivots.amax(-1) / pivots.amin(-1)).amax().detach()) ** 2)
+    return kappa if math.isfinite(kappa) else math.inf
+
 
 
 class CholeskyFactor(Factor):
@@ -65,17 +102,25 @@ class CholeskyFactor(Factor):
             self.name = "cholesky64"
         self._con = constraint if precision == constraint.dtype else constraint.to(dtype=precision)
         self._cov = cov.to(dtype=precision).scaled(c.to(precision))  # Sigma' in the factor's precision
-        S = self._con.gram(self._cov)
-        d = S.diagonal(dim1=-2, dim2=-1).sqrt()
-        self.d = d  # (*batch, a)
-        L, info = torch.linalg.cholesky_ex(S / (d.unsqueeze(-1) * d.unsqueeze(-2)))
-        self.L = L
         self.kappa = math.inf
-        if checked:
-            if bool(torch.isfinite(S).all()) and not bool((info > 0).any()) and bool((d > 0).all()):
-                diag = L.diagonal(dim1=-2, dim2=-1)
-                kappa = float(((diag.amax(-1) / diag.amin(-1)).amax().detach()) ** 2)
-                self.kappa = kappa if math.isfinite(kappa) else math.inf
+        A = _blocked_operand(self._con, self._cov)
+        if A is not None:  # no S, no equilibration pass: the pivot ratio is taken against diag(S') below
+            self.L, info, diag_S = gram_cholesky_lower(A, self._cov.variance)
+            self.d = None
+            if checked:
+                diag = self.L.diagonal(dim1=-2, dim2=-1) / diag_S.sqrt()  # the equilibrated factor's pivots
+                ok = torch.isfinite(diag).all() & (info == 0).all() & (diag_S > 0).all()
+                if bool(ok):
+                    self.kappa = _pivot_ratio(diag)
+        else:
+            S = self._con.gram(self._cov)
+            d = S.diagonal(dim1=-2, dim2=-1).sqrt()
+            self.d = d  # (*batch, a)
+            L, info = torch.linalg.cholesky_ex(S / (d.unsqueeze(-1) * d.unsqueeze(-2)))
+            self.L = L
+            if checked:
+                if bool(torch.isfinite(S).all()) and not bool((info > 0).any()) and bool((d > 0).all()):
+                    self.kappa = _pivot_ratio(L.diagonal(dim1=-2, dim2=-1))
         self._W = self._shared_product()
         self._wide_factor: CholeskyFactor | None = None  # float64 twin for logdet, made on first use
         self._wide_cross: tuple | None = None  # float64 copies of Sigma' and A for gain_wide, made on first use
@@ -97,10 +142,14 @@ class CholeskyFactor(Factor):
         return con.cross_covariance(cov).mT
 
     # ------------------------------------------------------------------ solves
+    def _unscale(self, r: Tensor) -> Tensor:
+        """``r / d`` (Jacobi scaling of the equilibrated factor), or ``r`` for a factor of :math:`S'` itself."""
+        return r if self.d is None else r / self.d
+
     def solve(self, residual: Tensor) -> Tensor:
-        r""":math:`S'^{-1}r`, in the factor's precision."""
-        y = tri_solve_vec(self.L, residual.to(self.precision) / self.d, upper=False)
-        return tri_solve_vec(self.L.mT, y, upper=True) / self.d
+        r""":math:`S'^{-1}r`, in the factor's precision (the solves read the lower triangle of :attr:`L` only)."""
+        y = tri_solve_vec(self.L, self._unscale(residual.to(self.precision)), upper=False)
+        return self._unscale(tri_solve_vec(self.L.mT, y, upper=True))
 
     def _apply_cross(self, x: Tensor) -> Tensor:
         r""":math:`\Sigma'A^\top x` in the factor's precision."""
@@ -147,7 +196,7 @@ class CholeskyFactor(Factor):
         return z.add_(self._apply_cross(x))
 
     def whiten(self, residual: Tensor) -> Tensor:
-        y = tri_solve_vec(self.L, residual.to(self.precision) / self.d, upper=False)
+        y = tri_solve_vec(self.L, self._unscale(residual.to(self.precision)), upper=False)
         return (y / self.c.to(self.precision)).to(self.dtype)
 
     def logdet(self) -> Tensor:
@@ -157,19 +206,21 @@ class CholeskyFactor(Factor):
         whose bound exceeds :data:`LOGDET_FLOAT32_NATS` takes it from a float64 factor of the same :math:`S` (built
         on first use and kept; cost :math:`a^2 n` in float64), else from its own factorisation."""
         if self.precision != torch.float64:
-            bound = self.d.shape[-1] * torch.finfo(self.precision).eps * self.kappa
+            bound = self.L.shape[-1] * torch.finfo(self.precision).eps * self.kappa
             if not bound <= LOGDET_FLOAT32_NATS:
                 return self._twin().logdet()
-        a = self.d.shape[-1]
-        out = (2 * self.L.diagonal(dim1=-2, dim2=-1).log().sum(-1) + 2 * self.d.log().sum(-1)
-               + 2 * a * self.c.squeeze(-1).to(self.precision).log())
+        a = self.L.shape[-1]
+        out = 2 * self.L.diagonal(dim1=-2, dim2=-1).log().sum(-1) + 2 * a * self.c.squeeze(-1).to(self.precision).log()
+        if self.d is not None:
+            out = out + 2 * self.d.log().sum(-1)
         return out.to(self.dtype)
 
     # ------------------------------------------------------------------ second moments
     def _whitening(self) -> Tensor:
         r""":math:`Y = D^{-1}L^{-\top}` (``(*batch, a, a)``), so that :math:`G = c\,\Sigma'A^\top Y`."""
         eye = torch.eye(self.L.shape[-1], dtype=self.precision, device=self.L.device)
-        return torch.linalg.solve_triangular(self.L.mT, eye.expand_as(self.L), upper=True) / self.d.unsqueeze(-1)
+        Y = torch.linalg.solve_triangular(self.L.mT, eye.expand_as(self.L), upper=True)
+        return Y if self.d is None else Y / self.d.unsqueeze(-1)
 
     def gain_factor(self) -> Tensor:
         cross = self._W.mT if self._W is not None else self._con.cross_covariance(self._cov)
