@@ -110,7 +110,7 @@ def test_blocked_factor_against_the_dense_oracle(dtype):
 def test_blocked_and_unblocked_factors_agree(dtype, monkeypatch):
     A, loc, scale, k = _problem(dtype, seed=1)
     blocked = _dist(A, loc, scale, k)
-    blocked.conditioner  # built now, before the route is switched off
+    assert blocked.conditioner.factor.d is None  # built now, before the route is switched off
     monkeypatch.setattr(factor_module, "BLOCKED_MIN_ROWS", 10 ** 9)
     plain = _dist(A, loc, scale, k)
     assert plain.conditioner.factor.d is not None and blocked.conditioner.factor.d is None

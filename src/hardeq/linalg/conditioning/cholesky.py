@@ -64,7 +64,8 @@ BLOCKED_MIN_ROWS = 256
 
 def _blocked_operand(con: "EqualityConstraint", cov: "Covariance") -> Tensor | None:
     """The 2-D ``A`` when the factor is built by :func:`~hardeq.linalg.cholesky.gram_cholesky_lower` (a shared dense
-    ``A`` with at least :data:`BLOCKED_MIN_ROWS` rows, a diagonal covariance, CPU, no gradient wanted), else ``None``."""
+    ``A`` with at least :data:`BLOCKED_MIN_ROWS` rows, a diagonal covariance, CPU, no gradient wanted), else
+    ``None``."""
     from ...constraints.linear import LinearConstraint
 
     if not isinstance(con, LinearConstraint) or not cov.is_diagonal:
