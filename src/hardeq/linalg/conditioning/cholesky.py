@@ -38,13 +38,14 @@ import torch
 from torch import Tensor
 
 from ..._utils import batch_mv
+from ...ops.gram_pairs import gram_from_pairs_flat
 from ..cholesky import gram_cholesky_lower
+from ..covariance import Covariance, DiagonalCovariance
 from ..triangular import tri_solve_vec
 from .factor import Factor
 
 if TYPE_CHECKING:
     from ...constraints import EqualityConstraint
-    from ..covariance import Covariance
 
 __all__ = ["CholeskyFactor"]
 
@@ -60,6 +61,8 @@ _CHUNK_ELEMS = 1 << 24
 #: blocked Gram-Cholesky (:func:`~hardeq.linalg.cholesky.gram_cholesky_lower`, CPU): below it, forming
 #: :math:`S` and ``torch.linalg.cholesky_ex`` cost little
 BLOCKED_MIN_ROWS = 256
+#: elements of one chunk of rows in :meth:`CholeskyFactor.sample_fused` (each of its transients is one chunk)
+FUSED_CHUNK_ELEMS = 1 << 21
 
 
 def _blocked_operand(con: "EqualityConstraint", cov: "Covariance") -> Tensor | None:
@@ -76,6 +79,19 @@ def _blocked_operand(con: "EqualityConstraint", cov: "Covariance") -> Tensor | N
     if torch.is_grad_enabled() and (A.requires_grad or any(t.requires_grad for t in cov.tensors())):
         return None
     return A
+
+
+def _pairs_operand(con: "EqualityConstraint", cov: "Covariance") -> Tensor | None:
+    """The row-pair matrix of a shared 2-D ``A`` (:func:`~hardeq.ops.gram_pairs.row_pairs`, kept per ``A`` tensor)
+    when the Gram matrix under a per-sample diagonal covariance ``(B, n)`` is built from it without a gradient,
+    else ``None``."""
+    from ...constraints.linear import LinearConstraint, shared_row_pairs
+
+    if not isinstance(con, LinearConstraint) or not isinstance(cov, DiagonalCovariance) or cov.scale.dim() != 2:
+        return None
+    if torch.is_grad_enabled() and (con.A.requires_grad or cov.scale.requires_grad):
+        return None
+    return shared_row_pairs(con)
 
 
 def _pivot_ratio(pivots: Tensor) -> float:
@@ -102,9 +118,10 @@ class CholeskyFactor(Factor):
         if precision != self.dtype:
             self.name = "cholesky64"
         self._con = constraint if precision == constraint.dtype else constraint.to(dtype=precision)
-        self._cov = cov.to(dtype=precision).scaled(c.to(precision))  # Sigma' in the factor's precision
+        self._scaled_cov: Covariance | None = None  # Sigma' in the factor's precision, made on first use (_cov)
         self.kappa = math.inf
-        A = _blocked_operand(self._con, self._cov)
+        A = _blocked_operand(self._con, cov)
+        pairs = _pairs_operand(self._con, cov)
         if A is not None:  # no S, no equilibration pass: the pivot ratio is taken against diag(S') below
             self.L, info, diag_S = gram_cholesky_lower(A, self._cov.variance)
             self.d = None
@@ -114,7 +131,7 @@ class CholeskyFactor(Factor):
                 if bool(ok):
                     self.kappa = _pivot_ratio(diag)
         else:
-            S = self._con.gram(self._cov)
+            S = self._con.gram(self._cov) if pairs is None else self._pairs_gram(pairs)
             d = S.diagonal(dim1=-2, dim2=-1).sqrt()
             self.d = d  # (*batch, a)
             L, info = torch.linalg.cholesky_ex(S / (d.unsqueeze(-1) * d.unsqueeze(-2)))
@@ -134,13 +151,42 @@ class CholeskyFactor(Factor):
         factor = cls(cov, constraint, c, precision)
         return factor if factor.kappa <= kappa_max else None
 
+    @property
+    def _cov(self) -> "Covariance":
+        r""":math:`\Sigma' = \Sigma / c^2` in the factor's precision, made on first use (the per-sample diagonal
+        path never forms it: :meth:`_scaled_variance` gives it chunk by chunk)."""
+        if self._scaled_cov is None:
+            self._scaled_cov = self.cov.to(dtype=self.precision).scaled(self.c.to(self.precision))
+        return self._scaled_cov
+
+    def _scaled_variance(self, r0: int, r1: int, out: Tensor) -> Tensor:
+        r"""Rows ``r0:r1`` of the diagonal of :math:`\Sigma'`, :math:`(\sigma/c)^2`, computed into ``out`` (a
+        reused chunk buffer) as :attr:`_cov` would compute them (a per-sample diagonal covariance)."""
+        if self._scaled_cov is not None:
+            return self._scaled_cov.variance[r0:r1]
+        scale = self.cov.scale[r0:r1].to(self.precision)
+        return torch.div(scale, self.c[r0:r1].to(self.precision), out=out).square_()
+
+    def _pairs_gram(self, pairs: Tensor) -> Tensor:
+        r""":math:`S' = A\,\mathrm{diag}((\sigma/c)^2)A^\top` for a shared 2-D ``A`` and per-sample scales
+        ``(B, n)``: the row-pair GEMM of :func:`~hardeq.ops.gram_pairs.gram_from_pairs`, over chunks of rows whose
+        normalised variances are computed into one reused buffer (no ``B x n`` temporary)."""
+        count, n = self.cov.scale.shape
+        step = max(1, min(count, FUSED_CHUNK_ELEMS // max(1, n)))
+        buffer = torch.empty((step, n), dtype=self.precision, device=pairs.device)
+        flat = torch.empty((count, pairs.shape[0]), dtype=self.precision, device=pairs.device)
+        for r0 in range(0, count, step):
+            r1 = min(r0 + step, count)
+            torch.mm(self._scaled_variance(r0, r1, buffer[:r1 - r0]), pairs.mT, out=flat[r0:r1])
+        return gram_from_pairs_flat(flat, self._con.num_constraints)
+
     def _shared_product(self) -> Tensor | None:
         r""":math:`W' = A\Sigma'` (``(*batch, a, n)``) when it is no larger than the inputs, else ``None``."""
-        con, cov = self._con, self._cov
+        con, cov = self._con, self.cov
         batch = torch.broadcast_shapes(con.batch_shape, cov.batch_shape)
         if math.prod(batch) * con.num_constraints * con.event_size > max(con.storage_numel, cov.param_numel):
             return None
-        return con.cross_covariance(cov).mT
+        return con.cross_covariance(self._cov).mT
 
     # ------------------------------------------------------------------ solves
     def _unscale(self, r: Tensor) -> Tensor:
@@ -195,6 +241,74 @@ class CholeskyFactor(Factor):
         if self._cov.is_diagonal:
             return z.addcmul_(self._cov.variance, con.rmatvec(x))
         return z.add_(self._apply_cross(x))
+
+    @torch.no_grad()
+    def sample_fused(self, loc: Tensor, sample_shape: torch.Size, generator: torch.Generator | None,
+                     rtol: float) -> tuple[Tensor, bool] | None:
+        r"""Draw, reparameterise, take the Matheron step and check every row, chunk by chunk of rows of the output,
+        so that every transient stays in cache and every ``n``-sized temporary is reused (a fresh ``batch x n``
+        tensor costs its page faults, about as much as one pass over it).
+
+        Per chunk of rows: ``randn`` into the output, :math:`z = \mu + \sigma\varepsilon`, :math:`r = k - Az` (one
+        GEMM), :math:`x = S'^{-1}r`, :math:`z \mathrel{+}= \Sigma'(A^\top x)` (one GEMM into a reused buffer and one
+        ``addcmul_``), then the conditioner's per-row check
+        :math:`|(Az - k)_i| \le \mathrm{rtol}\,((|A||z|)_i + |k_i|)` (two GEMMs, ``|z|`` into the reused buffer);
+        the verdicts of all chunks are read with one host synchronisation at the end.
+
+        Applies to a shared dense 2-D ``A`` under a diagonal covariance, a factor in the working precision, and
+        either no batch dimensions (chunks of samples) or no sample dimensions (chunks of batch elements; the
+        per-batch tensors are sliced, not copied). Returns ``(z, passed)`` (``passed``: every row of every vector
+        met the check, so the conditioner needs no refinement), or ``None`` where it does not apply (the caller
+        then takes the unfused path). The noise is drawn in the same order as ``torch.randn`` of the whole
+        output."""
+        from ...constraints.linear import LinearConstraint
+
+        con, cov = self.constraint, self.cov
+        if (self.precision != self.dtype or not isinstance(con, LinearConstraint) or con.A.dim() != 2
+                or not cov.is_diagonal or not hasattr(cov, "scale") or loc.dtype != self.dtype):
+            return None
+        n = con.event_size
+        batch = torch.broadcast_shapes(loc.shape[:-1], cov.batch_shape, con.batch_shape)
+        if len(batch) > 1 or (len(batch) == 1 and len(sample_shape) > 0) or not loc.is_contiguous():
+            return None
+        count = batch.numel() if batch else torch.Size(sample_shape).numel()
+        A = con.A
+        A_t, abs_A_t = con.columns()
+        out = torch.empty(torch.Size(sample_shape) + batch + (n,), dtype=self.dtype, device=loc.device)
+        flat = out.view(count, n)
+        step = max(1, min(count, FUSED_CHUNK_ELEMS // max(1, n)))
+        buffer = torch.empty((2, step, n), dtype=self.dtype, device=loc.device)
+        failed = torch.zeros((), dtype=torch.bool, device=loc.device)
+        scale, k_all, L, d = cov.scale, con.k, self.L, self.d
+        per_row_scale = bool(batch) and scale.dim() > 1 and scale.shape[0] == count
+        if not per_row_scale:
+            variance = self._cov.variance
+
+        def rows(t: Tensor | None, r0: int, r1: int, event_dims: int) -> Tensor | None:
+            """The rows ``r0:r1`` of a per-batch-element tensor; a shared one as it is."""
+            if t is None or not batch or t.dim() == event_dims:
+                return t
+            return t[0] if t.shape[0] == 1 else t[r0:r1]
+
+        for r0 in range(0, count, step):
+            r1 = min(r0 + step, count)
+            z, y = flat[r0:r1], buffer[0, :r1 - r0]
+            z.normal_(generator=generator)
+            z.mul_(rows(scale, r0, r1, 1)).add_(rows(loc, r0, r1, 1))  # as reparameterize_: loc + scale * eps
+            k = rows(k_all, r0, r1, 1)
+            residual = k - z @ A_t
+            Lr, dr = rows(L, r0, r1, 2), rows(d, r0, r1, 1)
+            residual = residual if dr is None else residual / dr
+            x = tri_solve_vec(Lr.mT, tri_solve_vec(Lr, residual, upper=False), upper=True)
+            x = x if dr is None else x / dr
+            if self._W is not None and self._W.dim() == 2:
+                z.addmm_(x, self._W)  # shared covariance: the gain as one GEMM with beta = 1
+            else:
+                v = self._scaled_variance(r0, r1, buffer[1, :r1 - r0]) if per_row_scale else variance
+                z.addcmul_(v, torch.mm(x, A, out=y))
+            Az, size = z @ A_t, torch.abs(z, out=y) @ abs_A_t
+            failed |= ~((Az - k).abs() <= rtol * (size + k.abs())).all()
+        return out, not bool(failed)
 
     def whiten(self, residual: Tensor) -> Tensor:
         y = tri_solve_vec(self.L, self._unscale(residual.to(self.precision)), upper=False)
