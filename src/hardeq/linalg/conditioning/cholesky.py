@@ -172,7 +172,7 @@ class CholeskyFactor(Factor):
         ``(B, n)``: the row-pair GEMM of :func:`~hardeq.ops.gram_pairs.gram_from_pairs`, over chunks of rows whose
         normalised variances are computed into one reused buffer (no ``B x n`` temporary)."""
         count, n = self.cov.scale.shape
-        step = max(1, min(count, FUSED_CHUNK_ELEMS // max(1, n)))
+        step = max(1, min(count, max(pairs.shape[0], FUSED_CHUNK_ELEMS // max(1, n))))  # P streamed once per chunk
         buffer = torch.empty((step, n), dtype=self.precision, device=pairs.device)
         flat = torch.empty((count, pairs.shape[0]), dtype=self.precision, device=pairs.device)
         for r0 in range(0, count, step):
@@ -276,7 +276,8 @@ class CholeskyFactor(Factor):
         A_t, abs_A_t = con.columns()
         out = torch.empty(torch.Size(sample_shape) + batch + (n,), dtype=self.dtype, device=loc.device)
         flat = out.view(count, n)
-        step = max(1, min(count, FUSED_CHUNK_ELEMS // max(1, n)))
+        # at least a rows per chunk: each chunk's products stream A once, which must not cost more than the chunk
+        step = max(1, min(count, max(con.num_constraints, FUSED_CHUNK_ELEMS // max(1, n))))
         buffer = torch.empty((2, step, n), dtype=self.dtype, device=loc.device)
         failed = torch.zeros((), dtype=torch.bool, device=loc.device)
         scale, k_all, L, d = cov.scale, con.k, self.L, self.d
