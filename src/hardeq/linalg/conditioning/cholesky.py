@@ -65,15 +65,22 @@ BLOCKED_MIN_ROWS = 256
 FUSED_CHUNK_ELEMS = 1 << 21
 
 
+def _dense_2d(con: "EqualityConstraint") -> Tensor | None:
+    """The shared dense 2-D ``A`` of a constraint that keeps its per-``A`` constants (``columns()``, ``abs_A()``,
+    the row pairs: a :class:`~hardeq.LinearConstraint`), else ``None``."""
+    A = getattr(con, "A", None)
+    if getattr(con, "columns", None) is None or not isinstance(A, Tensor) or A.layout != torch.strided or A.dim() != 2:
+        return None
+    return A
+
+
 def _blocked_operand(con: "EqualityConstraint", cov: "Covariance") -> Tensor | None:
     """The 2-D ``A`` when the factor is built by :func:`~hardeq.linalg.cholesky.gram_cholesky_lower` (a shared dense
     ``A`` with at least :data:`BLOCKED_MIN_ROWS` rows, a diagonal covariance, CPU, no gradient wanted), else
     ``None``."""
-    from ...constraints.linear import LinearConstraint
-
-    if not isinstance(con, LinearConstraint) or not cov.is_diagonal:
+    A = _dense_2d(con)
+    if A is None or not cov.is_diagonal:
         return None
-    A = con.A
     if A.dim() != 2 or A.shape[0] < BLOCKED_MIN_ROWS or A.device.type != "cpu":
         return None
     if torch.is_grad_enabled() and (A.requires_grad or any(t.requires_grad for t in cov.tensors())):
@@ -85,9 +92,9 @@ def _pairs_operand(con: "EqualityConstraint", cov: "Covariance") -> Tensor | Non
     """The row-pair matrix of a shared 2-D ``A`` (:func:`~hardeq.ops.gram_pairs.row_pairs`, kept per ``A`` tensor)
     when the Gram matrix under a per-sample diagonal covariance ``(B, n)`` is built from it without a gradient,
     else ``None``."""
-    from ...constraints.linear import LinearConstraint, shared_row_pairs
+    from ...constraints.linear import shared_row_pairs
 
-    if not isinstance(con, LinearConstraint) or not isinstance(cov, DiagonalCovariance) or cov.scale.dim() != 2:
+    if _dense_2d(con) is None or not isinstance(cov, DiagonalCovariance) or cov.scale.dim() != 2:
         return None
     if torch.is_grad_enabled() and (con.A.requires_grad or cov.scale.requires_grad):
         return None
@@ -261,10 +268,8 @@ class CholeskyFactor(Factor):
         met the check, so the conditioner needs no refinement), or ``None`` where it does not apply (the caller
         then takes the unfused path). The noise is drawn in the same order as ``torch.randn`` of the whole
         output."""
-        from ...constraints.linear import LinearConstraint
-
         con, cov = self.constraint, self.cov
-        if (self.precision != self.dtype or not isinstance(con, LinearConstraint) or con.A.dim() != 2
+        if (self.precision != self.dtype or _dense_2d(con) is None
                 or not cov.is_diagonal or not hasattr(cov, "scale") or loc.dtype != self.dtype):
             return None
         n = con.event_size
