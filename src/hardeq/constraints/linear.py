@@ -20,6 +20,7 @@ from ..ops.gram_pairs import gram_from_pairs, row_pairs
 from . import pairs
 from ._cache import PerTensorCache
 from ._dense import RowSpaceFactors, particular_dense, project_dense, same_row_space_dense
+from ._pinned import pinned_from_rows, singleton_rows
 from .base import EqualityConstraint, config_dtype, dtype_name, register_constraint_kind, require_keys
 
 if TYPE_CHECKING:
@@ -27,9 +28,10 @@ if TYPE_CHECKING:
 
 __all__ = ["LinearConstraint"]
 
-#: per A tensor: (factors, validated); and the row-product matrix of its Gram under a per-sample diagonal covariance
+#: per A tensor: (factors, validated); and a dict of the constants derived from it (the row-product matrix of its
+#: Gram under a per-sample diagonal covariance, the singleton rows, ``|A|``), filled on first use of each
 _FACTORS = PerTensorCache()
-_PAIRS = PerTensorCache()
+_DERIVED = PerTensorCache()
 
 
 def _lookup(A: Tensor) -> tuple[RowSpaceFactors, bool] | None:
@@ -105,6 +107,7 @@ class LinearConstraint(EqualityConstraint):
         self._batch_shape = batch_shape
         self._factors = factors
         self._abs_A: Tensor | None = None
+        self._derived: dict | None = None  # the _DERIVED entry of the source A, looked up once per instance
 
     def _validate_A(self) -> None:
         hit = _lookup(self._source)
@@ -154,6 +157,8 @@ class LinearConstraint(EqualityConstraint):
         return self._batch_shape
 
     def matvec(self, z: Tensor) -> Tensor:
+        if self.A.dim() == 2 and not self.A.requires_grad and z.dim() == 2:
+            return z @ self.columns()[0]  # one GEMM with the contiguous A^T (about 1.6x faster than with A.mT)
         return batch_mv(self.A, z)
 
     def rmatvec(self, u: Tensor) -> Tensor:
@@ -182,12 +187,61 @@ class LinearConstraint(EqualityConstraint):
     def storage_numel(self) -> int:
         return self._source.numel()
 
-    def abs_matvec(self, z_abs: Tensor) -> Tensor:
+    def derived(self) -> dict | None:
+        """The constants derived from ``A`` alone, shared by every constraint built on the same unchanged ``A``
+        tensor (one lookup per instance, whose cost is one comparison of ``A`` with its snapshot); ``None`` when
+        ``A`` requires grad or under tracing (then nothing is cached)."""
+        if self._derived is None and not self._source.requires_grad:
+            entry = _DERIVED.get(self._source)
+            if entry is None:
+                entry = {}
+                _DERIVED.put(self._source, entry)
+            self._derived = entry
+        return self._derived
+
+    def abs_A(self) -> Tensor:
+        """``|A|`` (elementwise), computed once per ``A`` tensor when it needs no gradient."""
         if self.A.requires_grad:
-            return batch_mv(self.A.abs(), z_abs)
+            return self.A.abs()
         if self._abs_A is None:
-            self._abs_A = self.A.abs()
-        return batch_mv(self._abs_A, z_abs)
+            derived = self.derived() if self.A is self._source else None
+            if derived is None:
+                self._abs_A = self.A.abs()
+            else:
+                if "abs" not in derived:
+                    derived["abs"] = self.A.abs()
+                self._abs_A = derived["abs"]
+        return self._abs_A
+
+    def abs_matvec(self, z_abs: Tensor) -> Tensor:
+        if self.A.dim() == 2 and not self.A.requires_grad and z_abs.dim() == 2:
+            return z_abs @ self.columns()[1]
+        return batch_mv(self.abs_A(), z_abs)
+
+    def columns(self) -> tuple[Tensor, Tensor]:
+        """``A^T`` and ``|A|^T`` as contiguous ``(n, a)`` tensors, for a 2-D ``A`` that needs no gradient, made once
+        per ``A`` tensor: a product ``Z @ A^T`` with ``Z`` ``(rows, n)`` and a small ``a`` runs at about 1.6x the
+        speed of one with the strided ``A.mT`` (and a product with the row pairs at 4x)."""
+        derived = self.derived() if self.A is self._source else None
+        if derived is None:
+            return self.A.mT.contiguous(), self.abs_A().mT.contiguous()
+        if "columns" not in derived:
+            derived["columns"] = (self.A.mT.contiguous(), self.abs_A().mT.contiguous())
+        return derived["columns"]
+
+    def pinned_values(self) -> tuple[Tensor, Tensor] | None:
+        """As :meth:`EqualityConstraint.pinned_values`; the singleton rows of ``A`` are found once per ``A`` tensor
+        (O(a n) and a host synchronisation the first time), the values are ``k_i / a_ij`` per call."""
+        derived = self.derived() if not self.A.requires_grad else None
+        if derived is None:
+            return super().pinned_values()
+        if "pinned" not in derived:
+            derived["pinned"] = singleton_rows(self._source)
+        rows = derived["pinned"]
+        if rows is None:
+            return None
+        single, col, coef = rows
+        return pinned_from_rows(single, col, coef, self.k, self.event_size)
 
     def particular_solution(self) -> Tensor:
         r"""Minimum-norm solution :math:`QR^{-\top}D^{-1}k`, ``(*batch, n)``, from the cached float64 QR (O(n a)
@@ -253,11 +307,23 @@ def _gram_linear(constraint: LinearConstraint, covariance: Covariance) -> Tensor
     matrix is small; otherwise the covariance's own product."""
     A = constraint.A
     if covariance.is_diagonal and A.dim() == 2 and len(covariance.batch_shape) > 0 and not A.requires_grad:
-        pairs_ = _PAIRS.get(A)
-        if pairs_ is None:
-            pairs_ = row_pairs(A)
-            if pairs_ is not None:
-                _PAIRS.put(A, pairs_)
+        pairs_ = shared_row_pairs(constraint)
         if pairs_ is not None:
             return gram_from_pairs(pairs_, covariance.variance, constraint.num_constraints)
     return covariance.sandwich(A)
+
+
+def shared_row_pairs(constraint: LinearConstraint) -> Tensor | None:
+    """The row-product matrix of a 2-D ``A`` that needs no gradient (:func:`~hardeq.ops.gram_pairs.row_pairs`),
+    computed once per ``A`` tensor; ``None`` for a batched ``A``, one that requires grad, or when it would exceed
+    :data:`~hardeq.ops.gram_pairs.PAIR_ELEMS` elements."""
+    A = constraint.A
+    if A.dim() != 2 or A.requires_grad:
+        return None
+    derived = constraint.derived() if A is constraint._source else None
+    if derived is None:
+        return row_pairs(A)
+    if "pairs" not in derived:  # stored column-major: the GEMM v @ P^T reads a contiguous P^T (4x faster)
+        pairs_ = row_pairs(A)
+        derived["pairs"] = None if pairs_ is None else pairs_.mT.contiguous().mT
+    return derived["pairs"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["row_pairs", "gram_from_pairs", "PAIR_ELEMS"]
+__all__ = ["row_pairs", "gram_from_pairs", "gram_from_pairs_flat", "PAIR_ELEMS"]
 
 
 #: largest n * a(a+1)/2 for the row-product matrix of a Gram under a per-sample diagonal covariance
@@ -29,8 +29,14 @@ def gram_from_pairs(pairs: Tensor, variance: Tensor, a: int) -> Tensor:
     ``(*batch, a, a)``, one GEMM; symmetric to the last bit."""
     n = variance.shape[-1]
     flat = variance.reshape(-1, n) @ pairs.mT  # (B, a(a+1)/2)
-    iu = torch.triu_indices(a, a, device=variance.device)
+    return gram_from_pairs_flat(flat, a).reshape(variance.shape[:-1] + (a, a))
+
+
+def gram_from_pairs_flat(flat: Tensor, a: int) -> Tensor:
+    """The symmetric ``(B, a, a)`` Gram matrices from their packed upper triangles ``flat`` (``(B, a(a+1)/2)``, the
+    product ``v @ P^T`` of :func:`gram_from_pairs`)."""
+    iu = torch.triu_indices(a, a, device=flat.device)
     S = flat.new_zeros(flat.shape[0], a, a)
     S[:, iu[0], iu[1]] = flat
     S[:, iu[1], iu[0]] = flat
-    return S.reshape(variance.shape[:-1] + (a, a))
+    return S

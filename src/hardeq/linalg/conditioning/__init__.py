@@ -121,8 +121,8 @@ def build_factor(step: PlanStep, cov: "Covariance", con: "EqualityConstraint", c
                  static: bool = False) -> Factor | None:
     """The factor of one plan step, or ``None`` when it does not apply or is not accurate enough."""
     kind, precision, kappa_max = step
-    if kind == "grouped":
-        return GroupedFactor.build(cov, con, c, checked=not static)
+    if kind == "grouped":  # (every grouped pair has a diagonal Gram; asking first skips preparing it for a dense A)
+        return GroupedFactor.build(cov, con, c, checked=not static) if con.has_diagonal_gram else None
     if kind == "cholesky":
         if kappa_max is None:
             return CholeskyFactor(cov, con, c, precision, checked=not static)
@@ -266,6 +266,11 @@ class Conditioner:
                generator: torch.Generator | None = None) -> Tensor:
         r"""Exact conditional samples ``condition(loc + F eps)`` without gradient, on one ``(*sample, *batch, n)``
         buffer. ``noise`` (shape ``(*sample_shape, *batch, noise_size)``) defaults to fresh ``randn``."""
+        fused = None if noise is not None or self.static or self._pinned is not None else getattr(
+            self.factor, "sample_fused", None)
+        done = fused and fused(loc, torch.Size(sample_shape), generator, check_rtol(loc.dtype, loc.shape[-1]))
+        if done:  # drawn, stepped and checked chunk by chunk; only a failing row needs the loop below
+            return done[0] if done[1] else self._refined(done[0])
         batch = torch.broadcast_shapes(loc.shape[:-1], self.cov.batch_shape, self.constraint.batch_shape)
         if noise is None:
             shape = torch.Size(sample_shape) + batch + (self.cov.noise_size,)

@@ -10,6 +10,15 @@ very different sizes cost nothing) and factorised, :math:`\tilde S = LL^\top`. T
 
 and :math:`G = c\,\Sigma'A^\top D^{-1}L^{-\top}` (:math:`GG^\top = \Sigma A^\top S^{-1}A\Sigma`).
 
+**Large shared dense A under a diagonal covariance** (``a >=`` :data:`BLOCKED_MIN_ROWS`, CPU, no gradient wanted):
+:math:`S'` is never formed. :func:`~hardeq.linalg.cholesky.gram_cholesky_lower` computes the lower Cholesky factor of
+:math:`S'` itself block column by block column, fused with the lower half of the Gram product (about
+:math:`a^2 n + a^3/3` flops per batch element instead of :math:`2a^2 n`, no triangle copy, no ``a x a`` elementwise
+pass); :math:`D = I` in the formulas above. Cholesky is invariant to diagonal scaling, so this factor is the
+equilibrated one up to :math:`D`: the pivot ratio uses :math:`L_{jj}/S'^{1/2}_{jj}`, the pivots of
+:math:`D^{-1}L`. Only the lower triangle of :attr:`CholeskyFactor.L` is then defined; every use reads that
+triangle only.
+
 In float64 for a float32 input (``precision=torch.float64``), the ``a x a`` factor, the solves and the gain product
 :math:`\Sigma'A^\top x` are float64 (the entries of :math:`x = S'^{-1}r` cancel in that product when
 :math:`\kappa(\tilde S)` is large); the samples stay float32, rounded once.
@@ -29,12 +38,14 @@ import torch
 from torch import Tensor
 
 from ..._utils import batch_mv
+from ...ops.gram_pairs import gram_from_pairs_flat
+from ..cholesky import gram_cholesky_lower
+from ..covariance import Covariance, DiagonalCovariance
 from ..triangular import tri_solve_vec
 from .factor import Factor
 
 if TYPE_CHECKING:
     from ...constraints import EqualityConstraint
-    from ..covariance import Covariance
 
 __all__ = ["CholeskyFactor"]
 
@@ -46,6 +57,56 @@ LOGDET_FLOAT32_NATS = 1e-4
 MOMENTS_FLOAT32_RTOL = 1e-5
 #: elements of a transient (chunk x batch x n) tensor in :meth:`CholeskyFactor.variance`
 _CHUNK_ELEMS = 1 << 24
+#: fewest constraint rows for which the factor of a shared dense ``A`` under a diagonal covariance is built by the
+#: blocked Gram-Cholesky (:func:`~hardeq.linalg.cholesky.gram_cholesky_lower`, CPU): below it, forming
+#: :math:`S` and ``torch.linalg.cholesky_ex`` cost little
+BLOCKED_MIN_ROWS = 256
+#: elements of one chunk of rows in :meth:`CholeskyFactor.sample_fused` (each of its transients is one chunk)
+FUSED_CHUNK_ELEMS = 1 << 21
+
+
+def _dense_2d(con: "EqualityConstraint") -> Tensor | None:
+    """The shared dense 2-D ``A`` of a constraint that keeps its per-``A`` constants (``columns()``, ``abs_A()``,
+    the row pairs: a :class:`~hardeq.LinearConstraint`), else ``None``."""
+    A = getattr(con, "A", None)
+    if getattr(con, "columns", None) is None or not isinstance(A, Tensor) or A.layout != torch.strided or A.dim() != 2:
+        return None
+    return A
+
+
+def _blocked_operand(con: "EqualityConstraint", cov: "Covariance") -> Tensor | None:
+    """The 2-D ``A`` when the factor is built by :func:`~hardeq.linalg.cholesky.gram_cholesky_lower` (a shared dense
+    ``A`` with at least :data:`BLOCKED_MIN_ROWS` rows, a diagonal covariance, CPU, no gradient wanted), else
+    ``None``."""
+    A = _dense_2d(con)
+    if A is None or not cov.is_diagonal:
+        return None
+    if A.dim() != 2 or A.shape[0] < BLOCKED_MIN_ROWS or A.device.type != "cpu":
+        return None
+    if torch.is_grad_enabled() and (A.requires_grad or any(t.requires_grad for t in cov.tensors())):
+        return None
+    return A
+
+
+def _pairs_operand(con: "EqualityConstraint", cov: "Covariance") -> Tensor | None:
+    """The row-pair matrix of a shared 2-D ``A`` (:func:`~hardeq.ops.gram_pairs.row_pairs`, kept per ``A`` tensor)
+    when the Gram matrix under a per-sample diagonal covariance ``(B, n)`` is built from it without a gradient,
+    else ``None``."""
+    from ...constraints.linear import shared_row_pairs
+
+    if _dense_2d(con) is None or not isinstance(cov, DiagonalCovariance) or cov.scale.dim() != 2:
+        return None
+    if torch.is_grad_enabled() and (con.A.requires_grad or cov.scale.requires_grad):
+        return None
+    return shared_row_pairs(con)
+
+
+def _pivot_ratio(pivots: Tensor) -> float:
+    r""":math:`(\max_j L_{jj} / \min_j L_{jj})^2` over the batch (``inf`` when not finite): the estimate of
+    :math:`\kappa(\tilde S)` from the pivots of the equilibrated factor."""
+    kappa = float(((pivots.amax(-1) / pivots.amin(-1)).amax().detach()) ** 2)
+    return kappa if math.isfinite(kappa) else math.inf
+
 
 
 class CholeskyFactor(Factor):
@@ -64,18 +125,27 @@ class CholeskyFactor(Factor):
         if precision != self.dtype:
             self.name = "cholesky64"
         self._con = constraint if precision == constraint.dtype else constraint.to(dtype=precision)
-        self._cov = cov.to(dtype=precision).scaled(c.to(precision))  # Sigma' in the factor's precision
-        S = self._con.gram(self._cov)
-        d = S.diagonal(dim1=-2, dim2=-1).sqrt()
-        self.d = d  # (*batch, a)
-        L, info = torch.linalg.cholesky_ex(S / (d.unsqueeze(-1) * d.unsqueeze(-2)))
-        self.L = L
+        self._scaled_cov: Covariance | None = None  # Sigma' in the factor's precision, made on first use (_cov)
         self.kappa = math.inf
-        if checked:
-            if bool(torch.isfinite(S).all()) and not bool((info > 0).any()) and bool((d > 0).all()):
-                diag = L.diagonal(dim1=-2, dim2=-1)
-                kappa = float(((diag.amax(-1) / diag.amin(-1)).amax().detach()) ** 2)
-                self.kappa = kappa if math.isfinite(kappa) else math.inf
+        A = _blocked_operand(self._con, cov)
+        pairs = _pairs_operand(self._con, cov)
+        if A is not None:  # no S, no equilibration pass: the pivot ratio is taken against diag(S') below
+            self.L, info, diag_S = gram_cholesky_lower(A, self._cov.variance)
+            self.d = None
+            if checked:
+                diag = self.L.diagonal(dim1=-2, dim2=-1) / diag_S.sqrt()  # the equilibrated factor's pivots
+                ok = torch.isfinite(diag).all() & (info == 0).all() & (diag_S > 0).all()
+                if bool(ok):
+                    self.kappa = _pivot_ratio(diag)
+        else:
+            S = self._con.gram(self._cov) if pairs is None else self._pairs_gram(pairs)
+            d = S.diagonal(dim1=-2, dim2=-1).sqrt()
+            self.d = d  # (*batch, a)
+            L, info = torch.linalg.cholesky_ex(S / (d.unsqueeze(-1) * d.unsqueeze(-2)))
+            self.L = L
+            if checked:
+                if bool(torch.isfinite(S).all()) and not bool((info > 0).any()) and bool((d > 0).all()):
+                    self.kappa = _pivot_ratio(L.diagonal(dim1=-2, dim2=-1))
         self._W = self._shared_product()
         self._wide_factor: CholeskyFactor | None = None  # float64 twin for logdet, made on first use
         self._wide_cross: tuple | None = None  # float64 copies of Sigma' and A for gain_wide, made on first use
@@ -88,19 +158,52 @@ class CholeskyFactor(Factor):
         factor = cls(cov, constraint, c, precision)
         return factor if factor.kappa <= kappa_max else None
 
+    @property
+    def _cov(self) -> "Covariance":
+        r""":math:`\Sigma' = \Sigma / c^2` in the factor's precision, made on first use (the per-sample diagonal
+        path never forms it: :meth:`_scaled_variance` gives it chunk by chunk)."""
+        if self._scaled_cov is None:
+            self._scaled_cov = self.cov.to(dtype=self.precision).scaled(self.c.to(self.precision))
+        return self._scaled_cov
+
+    def _scaled_variance(self, r0: int, r1: int, out: Tensor) -> Tensor:
+        r"""Rows ``r0:r1`` of the diagonal of :math:`\Sigma'`, :math:`(\sigma/c)^2`, computed into ``out`` (a
+        reused chunk buffer) as :attr:`_cov` would compute them (a per-sample diagonal covariance)."""
+        if self._scaled_cov is not None:
+            return self._scaled_cov.variance[r0:r1]
+        scale = self.cov.scale[r0:r1].to(self.precision)
+        return torch.div(scale, self.c[r0:r1].to(self.precision), out=out).square_()
+
+    def _pairs_gram(self, pairs: Tensor) -> Tensor:
+        r""":math:`S' = A\,\mathrm{diag}((\sigma/c)^2)A^\top` for a shared 2-D ``A`` and per-sample scales
+        ``(B, n)``: the row-pair GEMM of :func:`~hardeq.ops.gram_pairs.gram_from_pairs`, over chunks of rows whose
+        normalised variances are computed into one reused buffer (no ``B x n`` temporary)."""
+        count, n = self.cov.scale.shape
+        step = max(1, min(count, max(pairs.shape[0], FUSED_CHUNK_ELEMS // max(1, n))))  # P streamed once per chunk
+        buffer = torch.empty((step, n), dtype=self.precision, device=pairs.device)
+        flat = torch.empty((count, pairs.shape[0]), dtype=self.precision, device=pairs.device)
+        for r0 in range(0, count, step):
+            r1 = min(r0 + step, count)
+            torch.mm(self._scaled_variance(r0, r1, buffer[:r1 - r0]), pairs.mT, out=flat[r0:r1])
+        return gram_from_pairs_flat(flat, self._con.num_constraints)
+
     def _shared_product(self) -> Tensor | None:
         r""":math:`W' = A\Sigma'` (``(*batch, a, n)``) when it is no larger than the inputs, else ``None``."""
-        con, cov = self._con, self._cov
+        con, cov = self._con, self.cov
         batch = torch.broadcast_shapes(con.batch_shape, cov.batch_shape)
         if math.prod(batch) * con.num_constraints * con.event_size > max(con.storage_numel, cov.param_numel):
             return None
-        return con.cross_covariance(cov).mT
+        return con.cross_covariance(self._cov).mT
 
     # ------------------------------------------------------------------ solves
+    def _unscale(self, r: Tensor) -> Tensor:
+        """``r / d`` (Jacobi scaling of the equilibrated factor), or ``r`` for a factor of :math:`S'` itself."""
+        return r if self.d is None else r / self.d
+
     def solve(self, residual: Tensor) -> Tensor:
-        r""":math:`S'^{-1}r`, in the factor's precision."""
-        y = tri_solve_vec(self.L, residual.to(self.precision) / self.d, upper=False)
-        return tri_solve_vec(self.L.mT, y, upper=True) / self.d
+        r""":math:`S'^{-1}r`, in the factor's precision (the solves read the lower triangle of :attr:`L` only)."""
+        y = tri_solve_vec(self.L, self._unscale(residual.to(self.precision)), upper=False)
+        return self._unscale(tri_solve_vec(self.L.mT, y, upper=True))
 
     def _apply_cross(self, x: Tensor) -> Tensor:
         r""":math:`\Sigma'A^\top x` in the factor's precision."""
@@ -146,8 +249,75 @@ class CholeskyFactor(Factor):
             return z.addcmul_(self._cov.variance, con.rmatvec(x))
         return z.add_(self._apply_cross(x))
 
+    @torch.no_grad()
+    def sample_fused(self, loc: Tensor, sample_shape: torch.Size, generator: torch.Generator | None,
+                     rtol: float) -> tuple[Tensor, bool] | None:
+        r"""Draw, reparameterise, take the Matheron step and check every row, chunk by chunk of rows of the output,
+        so that every transient stays in cache and every ``n``-sized temporary is reused (a fresh ``batch x n``
+        tensor costs its page faults, about as much as one pass over it).
+
+        Per chunk of rows: ``randn`` into the output, :math:`z = \mu + \sigma\varepsilon`, :math:`r = k - Az` (one
+        GEMM), :math:`x = S'^{-1}r`, :math:`z \mathrel{+}= \Sigma'(A^\top x)` (one GEMM into a reused buffer and one
+        ``addcmul_``), then the conditioner's per-row check
+        :math:`|(Az - k)_i| \le \mathrm{rtol}\,((|A||z|)_i + |k_i|)` (two GEMMs, ``|z|`` into the reused buffer);
+        the verdicts of all chunks are read with one host synchronisation at the end.
+
+        Applies to a shared dense 2-D ``A`` under a diagonal covariance, a factor in the working precision, and
+        either no batch dimensions (chunks of samples) or no sample dimensions (chunks of batch elements; the
+        per-batch tensors are sliced, not copied). Returns ``(z, passed)`` (``passed``: every row of every vector
+        met the check, so the conditioner needs no refinement), or ``None`` where it does not apply (the caller
+        then takes the unfused path). The noise is drawn in the same order as ``torch.randn`` of the whole
+        output."""
+        con, cov = self.constraint, self.cov
+        if (self.precision != self.dtype or _dense_2d(con) is None
+                or not cov.is_diagonal or not hasattr(cov, "scale") or loc.dtype != self.dtype):
+            return None
+        n = con.event_size
+        batch = torch.broadcast_shapes(loc.shape[:-1], cov.batch_shape, con.batch_shape)
+        if len(batch) > 1 or (len(batch) == 1 and len(sample_shape) > 0) or not loc.is_contiguous():
+            return None
+        count = batch.numel() if batch else torch.Size(sample_shape).numel()
+        A = con.A
+        A_t, abs_A_t = con.columns()
+        out = torch.empty(torch.Size(sample_shape) + batch + (n,), dtype=self.dtype, device=loc.device)
+        flat = out.view(count, n)
+        # at least a rows per chunk: each chunk's products stream A once, which must not cost more than the chunk
+        step = max(1, min(count, max(con.num_constraints, FUSED_CHUNK_ELEMS // max(1, n))))
+        buffer = torch.empty((2, step, n), dtype=self.dtype, device=loc.device)
+        failed = torch.zeros((), dtype=torch.bool, device=loc.device)
+        scale, k_all, L, d = cov.scale, con.k, self.L, self.d
+        per_row_scale = bool(batch) and scale.dim() > 1 and scale.shape[0] == count
+        if not per_row_scale:
+            variance = self._cov.variance
+
+        def rows(t: Tensor | None, r0: int, r1: int, event_dims: int) -> Tensor | None:
+            """The rows ``r0:r1`` of a per-batch-element tensor; a shared one as it is."""
+            if t is None or not batch or t.dim() == event_dims:
+                return t
+            return t[0] if t.shape[0] == 1 else t[r0:r1]
+
+        for r0 in range(0, count, step):
+            r1 = min(r0 + step, count)
+            z, y = flat[r0:r1], buffer[0, :r1 - r0]
+            z.normal_(generator=generator)
+            z.mul_(rows(scale, r0, r1, 1)).add_(rows(loc, r0, r1, 1))  # as reparameterize_: loc + scale * eps
+            k = rows(k_all, r0, r1, 1)
+            residual = k - z @ A_t
+            Lr, dr = rows(L, r0, r1, 2), rows(d, r0, r1, 1)
+            residual = residual if dr is None else residual / dr
+            x = tri_solve_vec(Lr.mT, tri_solve_vec(Lr, residual, upper=False), upper=True)
+            x = x if dr is None else x / dr
+            if self._W is not None and self._W.dim() == 2:
+                z.addmm_(x, self._W)  # shared covariance: the gain as one GEMM with beta = 1
+            else:
+                v = self._scaled_variance(r0, r1, buffer[1, :r1 - r0]) if per_row_scale else variance
+                z.addcmul_(v, torch.mm(x, A, out=y))
+            Az, size = z @ A_t, torch.abs(z, out=y) @ abs_A_t
+            failed |= ~((Az - k).abs() <= rtol * (size + k.abs())).all()
+        return out, not bool(failed)
+
     def whiten(self, residual: Tensor) -> Tensor:
-        y = tri_solve_vec(self.L, residual.to(self.precision) / self.d, upper=False)
+        y = tri_solve_vec(self.L, self._unscale(residual.to(self.precision)), upper=False)
         return (y / self.c.to(self.precision)).to(self.dtype)
 
     def logdet(self) -> Tensor:
@@ -157,19 +327,21 @@ class CholeskyFactor(Factor):
         whose bound exceeds :data:`LOGDET_FLOAT32_NATS` takes it from a float64 factor of the same :math:`S` (built
         on first use and kept; cost :math:`a^2 n` in float64), else from its own factorisation."""
         if self.precision != torch.float64:
-            bound = self.d.shape[-1] * torch.finfo(self.precision).eps * self.kappa
+            bound = self.L.shape[-1] * torch.finfo(self.precision).eps * self.kappa
             if not bound <= LOGDET_FLOAT32_NATS:
                 return self._twin().logdet()
-        a = self.d.shape[-1]
-        out = (2 * self.L.diagonal(dim1=-2, dim2=-1).log().sum(-1) + 2 * self.d.log().sum(-1)
-               + 2 * a * self.c.squeeze(-1).to(self.precision).log())
+        a = self.L.shape[-1]
+        out = 2 * self.L.diagonal(dim1=-2, dim2=-1).log().sum(-1) + 2 * a * self.c.squeeze(-1).to(self.precision).log()
+        if self.d is not None:
+            out = out + 2 * self.d.log().sum(-1)
         return out.to(self.dtype)
 
     # ------------------------------------------------------------------ second moments
     def _whitening(self) -> Tensor:
         r""":math:`Y = D^{-1}L^{-\top}` (``(*batch, a, a)``), so that :math:`G = c\,\Sigma'A^\top Y`."""
         eye = torch.eye(self.L.shape[-1], dtype=self.precision, device=self.L.device)
-        return torch.linalg.solve_triangular(self.L.mT, eye.expand_as(self.L), upper=True) / self.d.unsqueeze(-1)
+        Y = torch.linalg.solve_triangular(self.L.mT, eye.expand_as(self.L), upper=True)
+        return Y if self.d is None else Y / self.d.unsqueeze(-1)
 
     def gain_factor(self) -> Tensor:
         cross = self._W.mT if self._W is not None else self._con.cross_covariance(self._cov)
