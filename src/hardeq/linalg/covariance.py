@@ -274,6 +274,9 @@ def _check_positive(name: str, value: Tensor) -> None:
     """Finite, positive, and a normal number of its dtype (a subnormal scale has lost its precision)."""
     from .._utils import check_finite
 
+    tiny = torch.finfo(value.dtype).tiny
+    if bool(value.sum().isfinite() & (value.amin() >= tiny)):  # the common case, one host synchronisation
+        return
     check_finite(name, value)
     low = value.min().item()
     if not low > 0:
