@@ -115,7 +115,10 @@ class _GroupedSample(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, loc, scale, k, eps, con, col, pinned, rtol):
-        c = scale.abs().amax(-1, keepdim=True)  # the normalising scale: s and u neither under- nor overflow
+        # the normalising scale (s and u neither under- nor overflow): any nonzero c gives the same step; the largest
+        # scale is max |scale| unless a sign got in (validate_args=False), and a c that makes v overflow or vanish
+        # (c <= 0, or negative scales far larger than the positive ones) shows as a failing row (the general path)
+        c = scale.amax(-1, keepdim=True)
         sc = scale / c
         v = sc * sc
         s = con.diagonal_gram(v)
