@@ -340,7 +340,9 @@ class ConstrainedNormal(Distribution):
             z = grouped_rsample(self.covariance, self.constraint, self._unbroadcasted_loc, eps)
         if z is None:
             z = est(self.conditioner, self._unbroadcasted_loc, eps, **estimator_kwargs)
-        return self._out(z).expand(eps.shape[:-1] + self.event_shape)
+        shape = eps.shape[:-1] + self.event_shape
+        z = self._out(z)
+        return z if z.shape == shape else z.expand(shape)
 
     @_full_precision
     def sample(self, sample_shape: torch.Size | tuple = ()) -> Tensor:

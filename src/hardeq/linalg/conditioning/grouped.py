@@ -107,14 +107,15 @@ class _GroupedSample(torch.autograd.Function):
     \varepsilon`, the Matheron step of :class:`_GroupedStep`, the determined coordinates and the per-row check.
 
     Inputs ``(loc, scale, k)`` are differentiable, ``eps`` (the noise), the constraint, :math:`A^\top\mathbf 1` (None
-    for a sum) and the determined coordinates are constants. Returns ``z`` and a 0-d bool ``ok``: every row of every
-    vector passes the check of :mod:`.residual` with ``rtol`` and every :math:`s_g > 0` (no NaN); the caller takes the
+    for a sum) and the determined coordinates are constants. Returns ``z``; a 0-d bool ``ok``: every row of every
+    vector passes the check of :mod:`.residual` with ``rtol`` and every :math:`s_g > 0` (no NaN), put in the list
+    ``verdict`` (not a second output: the autograd engine would handle a gradient slot for it); the caller takes the
     general path when not ``ok``. Backward: :math:`\bar\mu = \bar{\hat z}`,
     :math:`\bar\sigma = \bar{\hat z}\odot\varepsilon + 2(\sigma/c^2)\odot\bar v` with :math:`\bar{\hat z}`,
     :math:`\bar v`, :math:`\bar k` of the module docstring."""
 
     @staticmethod
-    def forward(ctx, loc, scale, k, eps, con, col, pinned, rtol):
+    def forward(ctx, loc, scale, k, eps, con, col, pinned, rtol, verdict):
         # the normalising scale (s and u neither under- nor overflow): any nonzero c gives the same step; the largest
         # scale is max |scale| unless a sign got in (validate_args=False), and a c that makes v overflow or vanish
         # (c <= 0, or negative scales far larger than the positive ones) shows as a failing row (the general path)
@@ -131,16 +132,15 @@ class _GroupedSample(torch.autograd.Function):
         # the first check of .residual, |(Az - k)_i| <= rtol ((|A||z|)_i + |k_i|); NaN fails (s = 0 makes u inf or
         # NaN). A failing row goes to the general path, which re-evaluates it in float64 and refines.
         Az, rows = con.matvec_and_scale(z)
-        ok = torch.le(Az.sub_(k).abs_(), rows.add_(k.abs()).mul_(rtol)).all()
+        verdict.append(torch.le(Az.sub_(k).abs_(), rows.add_(k.abs()).mul_(rtol)).all())
         ctx.con, ctx.col, ctx.mask = con, col, None if pinned is None else pinned[0]
         ctx.shapes = (loc.shape, scale.shape, k.shape, z.shape)
         ctx.save_for_backward(eps, sc, c, v, s, u, Atu)
-        ctx.mark_non_differentiable(ok)
-        return z, ok
+        return z
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, g, _):
+    def backward(ctx, g):
         eps, sc, c, v, s, u, Atu = ctx.saved_tensors
         con, col, mask = ctx.con, ctx.col, ctx.mask
         loc_shape, scale_shape, k_shape, z_shape = ctx.shapes
@@ -162,7 +162,7 @@ class _GroupedSample(torch.autograd.Function):
                 g_scale = _sum_to(torch.addcmul(g_hat * eps, g_v, sc / c, value=2.0), scale_shape, z_shape)
         if need_k:
             g_k = _sum_to(q, k_shape, q.shape)
-        return g_loc, g_scale, g_k, None, None, None, None, None
+        return g_loc, g_scale, g_k, None, None, None, None, None, None
 
 
 def _sum_to(x: Tensor, shape: torch.Size, full: torch.Size) -> Tensor:
@@ -194,8 +194,9 @@ def grouped_rsample(cov: "Covariance", constraint: "EqualityConstraint", loc: Te
         if pinned is not None:
             pinned = (pinned[0], pinned[1].detach())
     rtol = check_rtol(eps.dtype, eps.shape[-1])
-    z, ok = _GroupedSample.apply(loc, scale, k, eps, constraint, col, pinned, rtol)
-    return z if bool(ok) else None
+    verdict: list[Tensor] = []
+    z = _GroupedSample.apply(loc, scale, k, eps, constraint, col, pinned, rtol, verdict)
+    return z if bool(verdict[0]) else None
 
 
 class GroupedFactor(Factor):
