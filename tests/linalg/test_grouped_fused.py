@@ -90,10 +90,31 @@ def test_gradcheck_float64(kind, shapes):
 
 
 def _general(kind: str, loc, scale, k, eps):
-    """The general path: the conditioner's step written out, differentiated by autograd."""
+    """The step written out op by op and differentiated by autograd: the static conditioner (no fused node; one
+    refinement step more, which changes the value by round-off only)."""
     con = _constraint(kind, k)
-    cond = hardeq.linalg.conditioning.Conditioner(hardeq.DiagonalCovariance(scale), con)
+    cond = hardeq.linalg.conditioning.Conditioner(hardeq.DiagonalCovariance(scale), con, static=True)
     return exact_sample(cond, loc, eps)
+
+
+@KINDS
+def test_gradcheck_of_the_conditioners_one_node_step(kind):
+    """``Conditioner.condition`` (the other estimators, the conditional mean) takes the one-node step
+    ``_GroupedStep`` when a gradient is needed."""
+    loc, scale, k = _inputs(kind, torch.float64, batch=(2,), seed=7)
+    eps = torch.randn(3, 2, loc.shape[-1], generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+
+    def conditioned(loc, scale, k):
+        cond = hardeq.linalg.conditioning.Conditioner(hardeq.DiagonalCovariance(scale), _constraint(kind, k))
+        return exact_sample(cond, loc, eps)
+
+    def mean(loc, scale, k):
+        return hardeq.ConstrainedNormal(loc, scale, constraint=_constraint(kind, k)).mean
+
+    assert "_GroupedStepBackward" in repr(conditioned(loc, scale, k).grad_fn) or any(
+        "_GroupedStepBackward" in repr(f) for f, _ in conditioned(loc, scale, k).grad_fn.next_functions)
+    assert torch.autograd.gradcheck(conditioned, (loc, scale, k))
+    assert torch.autograd.gradcheck(mean, (loc, scale, k))
 
 
 @DTYPES
