@@ -244,3 +244,24 @@ def test_validation_still_names_the_argument(bad):
     with pytest.raises(ValueError, match="positive"):
         hardeq.ConstrainedNormal(loc, scale.clone().index_fill_(0, torch.tensor([3]), -1.0),
                                  constraint=hardeq.SumConstraint(RAGGED, torch.zeros(6)))
+
+
+def test_a_grouped_registration_for_the_pair_is_honoured():
+    """A ``"grouped"`` registration returning None turns the O(n) path off for the pair: the one-node sample and
+    step are not taken either (the dense path, the same law)."""
+    from hardeq.constraints import register_pair
+
+    class NoGrouped(hardeq.SumConstraint):
+        pass
+
+    @register_pair("grouped", NoGrouped, hardeq.DiagonalCovariance)
+    def _off(constraint, covariance):
+        return None
+
+    loc, scale, k = _inputs("ragged", torch.float64)
+    eps = torch.randn(3, loc.shape[-1], generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    d = hardeq.ConstrainedNormal(loc, scale, constraint=NoGrouped(RAGGED, k))
+    z = d.rsample((3,), noise=eps)
+    assert d.conditioner.method != "grouped" and "Grouped" not in repr(z.grad_fn)
+    ref = hardeq.ConstrainedNormal(loc, scale, constraint=hardeq.SumConstraint(RAGGED, k)).rsample((3,), noise=eps)
+    torch.testing.assert_close(z, ref, rtol=1e-10, atol=1e-10)

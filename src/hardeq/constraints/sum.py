@@ -87,13 +87,13 @@ class SumConstraint(EqualityConstraint):
             raise ValueError(f"total is on device {total.device} but index is on {index.device}.")
         a, n = total.shape[-1], index.shape[0]
         self._validate_args = validate_default(validate_args)
+        # checked once per index tensor (cached while it lives unchanged); under torch.compile / torch.func with
+        # validation off, no data-dependent check (static shapes only)
+        layout = _layout(index, a, self._validate_args)
         if a >= n:
             raise ValueError(
                 f"there must be fewer groups than coordinates (a < n), got a = {a} groups for n = {n}."
             )
-        # checked once per index tensor (cached while it lives unchanged); under torch.compile / torch.func with
-        # validation off, no data-dependent check (static shapes only)
-        layout = _layout(index, a, self._validate_args)
         self.index = index
         self.k = total
         self.counts = layout.counts

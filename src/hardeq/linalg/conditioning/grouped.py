@@ -59,6 +59,17 @@ if TYPE_CHECKING:
 __all__ = ["GroupedFactor", "grouped_rsample"]
 
 
+def _generic_diagonal(constraint: "EqualityConstraint", cov: "Covariance") -> bool:
+    r"""Is the pair a plain :class:`~hardeq.DiagonalCovariance` whose ``"grouped"`` structure is the generic one
+    (:math:`w = \sigma^2`, :math:`s = (A\circ A)w`)? A registration for the pair (:func:`~hardeq.register_pair`,
+    e.g. one returning ``None`` to turn the O(n) path off) is honoured: the one-node paths are not taken then."""
+    if type(cov) is not DiagonalCovariance:
+        return False
+    from ...constraints.base import _grouped
+
+    return pairs._dispatch("grouped", type(constraint), DiagonalCovariance) is _grouped
+
+
 class _GroupedStep(torch.autograd.Function):
     r"""The Matheron step :math:`z = \hat z + v\odot A^\top((k - A\hat z)/s)` of a diagonal covariance, with the
     closed-form backward of the module docstring; inputs ``(z_hat, scale, k)`` are differentiable, the factor's
@@ -180,9 +191,9 @@ def grouped_rsample(cov: "Covariance", constraint: "EqualityConstraint", loc: Te
 
     Cost: one host synchronisation (the verdict); forward 5 products with ``A`` or :math:`A^\top` and about 12
     elementwise passes, backward 3 products and about 8 passes (O(n) for a :class:`~hardeq.SumConstraint`)."""
-    if type(cov) is not DiagonalCovariance or eps.requires_grad or eps.shape[-1] != cov.event_size or is_tracing():
+    if eps.requires_grad or eps.shape[-1] != cov.event_size or is_tracing():
         return None
-    if not constraint.has_diagonal_gram:
+    if not _generic_diagonal(constraint, cov) or not constraint.has_diagonal_gram:
         return None
     scale, k = cov.scale, constraint.k
     col = None
@@ -219,14 +230,14 @@ class GroupedFactor(Factor):
             check_pivots(s, 0.0)
         self._pinned = constraint.pinned_values() if checked else None
         # the one-node step (_GroupedStep) needs v = (scale / c)^2 of a plain diagonal covariance; not when tracing
-        self._fused = checked and type(cov) is DiagonalCovariance
+        self._fused = checked and _generic_diagonal(constraint, cov)
         self._col: Tensor | None = None
 
     @classmethod
     def build(cls, cov: "Covariance", constraint: "EqualityConstraint", c: Tensor, *,
               checked: bool = True) -> "GroupedFactor | None":
         """The factor, or ``None`` when the pair has no grouped structure (see the module docstring)."""
-        if type(cov) is DiagonalCovariance and constraint.has_diagonal_gram:
+        if _generic_diagonal(constraint, cov) and constraint.has_diagonal_gram:
             # the generic registration's (v, s), without building the scaled covariance: v = (scale / c)^2
             v = (cov.scale / c).square()
             s = constraint.diagonal_gram(v)
