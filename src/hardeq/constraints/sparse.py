@@ -61,9 +61,20 @@ def _transpose_csr(A: Tensor) -> Tensor:
 
 def _spmm(A: Tensor, z: Tensor) -> Tensor:
     r"""``A z`` for a CSR ``A`` ``(p, q)`` and ``z`` ``(*lead, q)``: the leading dims become the columns of one
-    sparse-dense product; returns ``(*lead, p)``."""
+    sparse-dense product; returns ``(*lead, p)``.
+
+    The product runs row-parallel over ``A`` with the columns of the dense operand contiguous (each stored entry
+    reads ``N`` consecutive values). A wide result (``p > q``: :math:`A^\top u`) is written without gradient by
+    that product directly in the layout of ``(*lead, p)`` (its transpose is column-major: one buffer and no
+    transposing copy, which costs about as much as the product; for a narrow result the column-major product is
+    2x slower than the copy); with gradient, through the copy (``out=`` is not differentiable)."""
     lead = z.shape[:-1]
     cols = z.reshape(-1, z.shape[-1]).mT.contiguous()  # shape: (q, N), rows of N contiguous values
+    if A.shape[0] > A.shape[1] and cols.shape[1] > 1 and not (
+            torch.is_grad_enabled() and (cols.requires_grad or A.requires_grad)):
+        out = torch.empty(lead + (A.shape[0],), dtype=cols.dtype, device=cols.device)
+        _quiet(lambda: torch.mm(A, cols, out=out.view(-1, A.shape[0]).mT))
+        return out
     out = _quiet(torch.matmul, A, cols)  # shape: (p, N)
     # one transposing copy here rather than strided access in every consumer of the result
     return out.mT.contiguous().reshape(lead + (A.shape[0],))
@@ -258,6 +269,20 @@ class SparseConstraint(EqualityConstraint):
 
     def abs_matvec(self, z_abs: Tensor) -> Tensor:
         return _spmm(self._abs(), z_abs)
+
+    def matvec_and_scale(self, z: Tensor) -> tuple[Tensor, Tensor]:
+        r""":math:`Az` and :math:`|A||z|` from one transposed copy of ``z`` (the columns of both products), made
+        absolute in place between them: without gradient, one ``(n, N)`` buffer instead of three (``|z|``, and a
+        transposed copy of each). Results ``(*lead, a)`` (transposed views of the ``(a, N)`` products)."""
+        if torch.is_grad_enabled() and (z.requires_grad or self._A.requires_grad) or z.dim() < 2:
+            return super().matvec_and_scale(z)
+        lead, a = z.shape[:-1], self.num_constraints
+        cols = z.reshape(-1, z.shape[-1]).mT.contiguous()  # shape: (n, N)
+        Az = _quiet(torch.matmul, self._A, cols)  # shape: (a, N)
+        # |z| in place on the copy; not when the transpose was z's own storage (one vector, or transposed samples)
+        shared = cols.untyped_storage().data_ptr() == z.untyped_storage().data_ptr()
+        scale = _quiet(torch.matmul, self._abs(), cols.abs() if shared else cols.abs_())
+        return Az.mT.reshape(lead + (a,)), scale.mT.reshape(lead + (a,))
 
     def dense_matrix(self) -> Tensor:
         return self._A.to_dense()

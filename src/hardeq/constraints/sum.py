@@ -7,9 +7,43 @@ from torch import Tensor
 
 from .._utils import check_finite, check_group_index, check_tensor, group_sizes, is_tracing, validate_default
 from ..ops.group_sum import GroupSum
+from ._cache import PerTensorCache
 from .base import EqualityConstraint, config_dtype, dtype_name, register_constraint_kind, require_keys
 
 __all__ = ["SumConstraint"]
+
+
+class _Layout:
+    """What one ``index`` with ``a`` groups determines: the group sizes (checked), the summation layout and the
+    groups of one (computed on first use). Shared by every constraint on that index."""
+
+    __slots__ = ("counts", "group_sum", "pinned")
+
+    def __init__(self, index: Tensor, a: int, counts: Tensor) -> None:
+        self.counts = counts
+        self.group_sum = GroupSum(index, a, counts)
+        self.pinned: tuple[Tensor, bool] | None = None
+
+
+#: per index tensor given by the user: ``{a: _Layout}``, so that the per-step pattern ``SumConstraint(batch, totals)``
+#: (a new constraint around the same PyG ``batch`` vector every step) checks and lays out the index once
+_LAYOUTS = PerTensorCache()
+
+
+def _layout(index: Tensor, a: int, validate: bool) -> _Layout:
+    """The (cached) layout of ``index`` with ``a`` groups; checks the index the first time (range, no empty group).
+    Under ``torch.compile`` / ``torch.func`` with validation off: computed afresh, with no data-dependent check."""
+    if not validate and is_tracing():
+        return _Layout(index, a, group_sizes(index, a))
+    layouts = _LAYOUTS.get(index)
+    layout = None if layouts is None else layouts.get(a)
+    if layout is None:
+        layout = _Layout(index, a, check_group_index(index, a))
+        if layouts is None:
+            layouts = {}
+            _LAYOUTS.put(index, layouts)
+        layouts[a] = layout
+    return layout
 
 
 @register_constraint_kind("sum", "channel_sum")
@@ -53,18 +87,19 @@ class SumConstraint(EqualityConstraint):
             raise ValueError(f"total is on device {total.device} but index is on {index.device}.")
         a, n = total.shape[-1], index.shape[0]
         self._validate_args = validate_default(validate_args)
-        # under torch.compile / torch.func with validation off, no data-dependent check (static shapes only)
-        counts = group_sizes(index, a) if not self._validate_args and is_tracing() else check_group_index(index, a)
+        # checked once per index tensor (cached while it lives unchanged); under torch.compile / torch.func with
+        # validation off, no data-dependent check (static shapes only)
+        layout = _layout(index, a, self._validate_args)
         if a >= n:
             raise ValueError(
                 f"there must be fewer groups than coordinates (a < n), got a = {a} groups for n = {n}."
             )
         self.index = index
         self.k = total
-        self.counts = counts
+        self.counts = layout.counts
         # precise two-level summation (hardeq.ops.GroupSum): a plain index_add drifts ~ n eps
-        self._group_sum = GroupSum(index, a)
-        self._pinned = None
+        self._group_sum = layout.group_sum
+        self._layout = layout
         if self._validate_args:
             check_finite("total", total)
 
@@ -124,10 +159,11 @@ class SumConstraint(EqualityConstraint):
 
     def pinned_values(self) -> tuple[Tensor, Tensor] | None:
         """Members of groups of one: their value is the group's total."""
-        if self._pinned is None:
+        layout = self._layout
+        if layout.pinned is None:
             mask = self.counts.index_select(0, self.index) == 1
-            self._pinned = (mask, bool(self.counts.min() == 1))
-        mask, any_pinned = self._pinned
+            layout.pinned = (mask, bool(self.counts.min() == 1))
+        mask, any_pinned = layout.pinned
         if not any_pinned:
             return None
         return mask, self.k.index_select(-1, self.index)
@@ -163,8 +199,7 @@ class SumConstraint(EqualityConstraint):
     def expand(self, batch_shape: torch.Size) -> SumConstraint:
         new = object.__new__(SumConstraint)
         new.index, new.counts, new._validate_args = self.index, self.counts, False
-        new._group_sum = self._group_sum
-        new._pinned = self._pinned
+        new._group_sum, new._layout = self._group_sum, self._layout
         new.k = self.k.expand(torch.Size(batch_shape) + self.k.shape[-1:])
         return new
 

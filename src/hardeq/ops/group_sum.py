@@ -23,15 +23,27 @@ class GroupSum:
     accumulates sequentially, with relative error ~ ``n eps`` (1.3e-4 at n = 1e6 in float32); this one has
     ~ ``(SUM_CHUNK + log n) eps``. The slot layout is computed once per ``index``.
 
+    Two layouts need no scatter (a scatter accumulates serially, 10-50x slower than a vectorised reduction):
+
+    * equal consecutive blocks (:attr:`block`; one sum, the channels of an image, equal graphs): a reshape and a
+      pairwise ``torch.sum``; the gather back is an ``expand``;
+    * sorted groups of at most :data:`SUM_CHUNK` coordinates each (:attr:`offsets`; PyG's ``batch`` vector of a
+      ragged batch of graphs): one ``torch.segment_reduce`` over contiguous segments, 3x faster than the scatter
+      at n = 1e4 on a CPU; each group is summed sequentially, so its error is at most that of one chunk of the
+      two-level summation (``SUM_CHUNK eps`` relative to the group's absolute sum). Not under ``torch.compile``
+      or a ``torch.func`` transform (no batching rule): the scatter path then.
+
     Args:
         index (LongTensor): group id of each coordinate, ``(n,)``, values in ``[0, num_groups)``.
         num_groups (int): ``a``.
+        counts (LongTensor, optional): members per group, ``(num_groups,)``, when the caller has them already
+            (saves one ``bincount``).
 
     Shapes:
         ``__call__``: ``(*, n) -> (*, a)``; :meth:`matmul`: ``(*, n, m) -> (*, a, m)``.
     """
 
-    def __init__(self, index: Tensor, num_groups: int) -> None:
+    def __init__(self, index: Tensor, num_groups: int, counts: Tensor | None = None) -> None:
         n = index.shape[0]
         chunk = max(SUM_CHUNK, num_groups)
         self.index = index
@@ -44,11 +56,17 @@ class GroupSum:
         #: gather an ``expand``: no scatter, which accumulates serially (10-50x slower for few groups). Not looked
         #: for when tracing (torch.compile, torch.func, CUDA-graph capture): the test reads a value on the host.
         self.block = None if is_tracing() else _equal_block_size(index, num_groups)
+        #: ``(num_groups + 1,)`` segment boundaries when the groups are sorted (``index`` non-decreasing) and at most
+        #: :data:`SUM_CHUNK` long but not equal blocks, else None (never under tracing)
+        self.offsets = None if self.block is not None else _sorted_offsets(index, num_groups, counts)
 
     def __call__(self, x: Tensor) -> Tensor:
         a = self.num_groups
         if self.block is not None:
             return x.reshape(x.shape[:-1] + (a, self.block)).sum(-1)
+        if self.offsets is not None and not is_tracing():
+            offsets = self.offsets if x.dim() == 1 else self.offsets.expand(x.shape[:-1] + self.offsets.shape)
+            return torch.segment_reduce(x, "sum", offsets=offsets, axis=-1)
         out = x.new_zeros(x.shape[:-1] + (self.num_chunks * a,)).index_add(-1, self.slot, x)
         return out.view(x.shape[:-1] + (self.num_chunks, a)).sum(-2)
 
@@ -67,6 +85,22 @@ class GroupSum:
 
     def to(self, device: torch.device | str | None) -> "GroupSum":
         return GroupSum(self.index.to(device=device), self.num_groups)
+
+
+def _sorted_offsets(index: Tensor, num_groups: int, counts: Tensor | None) -> Tensor | None:
+    """Segment boundaries ``(num_groups + 1,)`` if ``index`` is non-decreasing and no group has more than
+    :data:`SUM_CHUNK` members, else None (O(n), once; not under tracing: data-dependent)."""
+    n = index.shape[0]
+    if is_tracing() or n < 2 or num_groups < 1:
+        return None
+    # sorted, with ids in [0, num_groups) (others: not ours to judge, the scatter path reports them as it always did)
+    if not bool((index[1:] >= index[:-1]).all() & (index[0] >= 0) & (index[-1] < num_groups)):
+        return None
+    if counts is None:
+        counts = torch.bincount(index, minlength=num_groups)
+    if bool(counts.max() > SUM_CHUNK):
+        return None
+    return torch.cat([counts.new_zeros(1), counts.cumsum(0)])
 
 
 def _equal_block_size(index: Tensor, num_groups: int) -> int | None:

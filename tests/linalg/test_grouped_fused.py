@@ -1,0 +1,267 @@
+"""The one-node grouped sample (``_GroupedSample``: ``ConstrainedNormal.rsample`` under a diagonal covariance and a
+constraint whose columns have at most one nonzero) and the layouts behind it (segment sums of sorted groups, the
+per-index cache of ``SumConstraint``).
+
+Checked against independent references: ``gradcheck`` in float64 for ``loc``, ``scale`` and the totals (ragged and
+unsorted groups, groups of one, weighted sums, broadcast batch shapes); values and gradients against the general
+path written out op by op (the conditioner's step, differentiated by autograd) in float32 and float64; group sums
+against float64 sums.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import hardeq
+from hardeq.estimators.normal import exact_sample
+from hardeq.ops import SUM_CHUNK, GroupSum
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+FUSED = "_GroupedSampleBackward"
+
+#: ragged sorted groups with two groups of one (coordinates 3 and 9)
+RAGGED = torch.tensor([0, 0, 0, 1, 2, 2, 3, 3, 3, 4, 5, 5])
+#: the same partition, unsorted (the scatter path of GroupSum)
+UNSORTED = torch.tensor([2, 0, 2, 1, 0, 5, 3, 3, 0, 4, 5, 3])
+
+
+def _weighted(dtype: torch.dtype, free: bool = True) -> torch.Tensor:
+    """A sparse ``(4, 9)`` with one signed weight per column (column 8 in no row when ``free``)."""
+    rows = torch.tensor([0, 0, 1, 1, 1, 2, 3, 3, 0 if not free else 3])
+    values = torch.tensor([1.5, -0.5, 2.0, 1.0, -3.0, 0.75, 1.0, -1.25, 1.0], dtype=dtype)
+    if free:
+        values[8] = 0.0
+    A = torch.zeros(4, 9, dtype=dtype)
+    A[rows, torch.arange(9)] = values
+    return A
+
+
+@pytest.fixture(autouse=True)
+def _quiet_sparse_beta():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
+        yield
+
+
+def _constraint(kind: str, k: torch.Tensor) -> hardeq.EqualityConstraint:
+    if kind == "ragged":
+        return hardeq.SumConstraint(RAGGED, k)
+    if kind == "unsorted":
+        return hardeq.SumConstraint(UNSORTED, k)
+    return hardeq.SparseConstraint(_weighted(k.dtype, free=kind == "weighted_free").to_sparse_csr(), k)
+
+
+def _sizes(kind: str) -> tuple[int, int]:
+    return {"ragged": (12, 6), "unsorted": (12, 6), "weighted": (9, 4), "weighted_free": (9, 4)}[kind]
+
+
+KINDS = pytest.mark.parametrize("kind", ["ragged", "unsorted", "weighted", "weighted_free"])
+
+
+def _inputs(kind: str, dtype: torch.dtype, batch=(), k_batch=(), seed: int = 0):
+    n, a = _sizes(kind)
+    g = torch.Generator().manual_seed(seed)
+    loc = torch.randn(batch + (n,), generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    scale = (0.5 + torch.rand(batch + (n,), generator=g, dtype=torch.float64)).to(dtype).requires_grad_()
+    k = torch.randn(k_batch + (a,), generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    return loc, scale, k
+
+
+@KINDS
+@pytest.mark.parametrize("shapes", [((), (), (3,)), ((2,), (), (3,)), ((), (2,), (3,)), ((2,), (4, 1), ())],
+                         ids=["shared", "batched_params", "batched_k", "broadcast"])
+def test_gradcheck_float64(kind, shapes):
+    batch, k_batch, sample = shapes
+    loc, scale, k = _inputs(kind, torch.float64, batch, k_batch)
+    full = torch.broadcast_shapes(batch, k_batch)
+    eps = torch.randn(sample + full + (loc.shape[-1],), generator=torch.Generator().manual_seed(1),
+                      dtype=torch.float64)
+
+    def sample_of(loc, scale, k):
+        d = hardeq.ConstrainedNormal(loc, scale, constraint=_constraint(kind, k))
+        return d.rsample(sample, noise=eps)
+
+    z = sample_of(loc, scale, k)
+    assert type(z.grad_fn).__name__ == FUSED or (z.grad_fn is not None and FUSED in str(z.grad_fn.next_functions))
+    assert torch.autograd.gradcheck(sample_of, (loc, scale, k))
+
+
+def _general(kind: str, loc, scale, k, eps):
+    """The step written out op by op and differentiated by autograd: the static conditioner (no fused node; one
+    refinement step more, which changes the value by round-off only)."""
+    con = _constraint(kind, k)
+    cond = hardeq.linalg.conditioning.Conditioner(hardeq.DiagonalCovariance(scale), con, static=True)
+    return exact_sample(cond, loc, eps)
+
+
+@KINDS
+def test_gradcheck_of_the_conditioners_one_node_step(kind):
+    """``Conditioner.condition`` (the other estimators, the conditional mean) takes the one-node step
+    ``_GroupedStep`` when a gradient is needed."""
+    loc, scale, k = _inputs(kind, torch.float64, batch=(2,), seed=7)
+    eps = torch.randn(3, 2, loc.shape[-1], generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+
+    def conditioned(loc, scale, k):
+        cond = hardeq.linalg.conditioning.Conditioner(hardeq.DiagonalCovariance(scale), _constraint(kind, k))
+        return exact_sample(cond, loc, eps)
+
+    def mean(loc, scale, k):
+        return hardeq.ConstrainedNormal(loc, scale, constraint=_constraint(kind, k)).mean
+
+    assert "_GroupedStepBackward" in repr(conditioned(loc, scale, k).grad_fn) or any(
+        "_GroupedStepBackward" in repr(f) for f, _ in conditioned(loc, scale, k).grad_fn.next_functions)
+    assert torch.autograd.gradcheck(conditioned, (loc, scale, k))
+    assert torch.autograd.gradcheck(mean, (loc, scale, k))
+
+
+@DTYPES
+@KINDS
+def test_values_and_gradients_match_the_general_path(kind, dtype):
+    loc, scale, k = _inputs(kind, dtype, batch=(2,), seed=3)
+    eps = torch.randn(5, 2, loc.shape[-1], generator=torch.Generator().manual_seed(4), dtype=dtype)
+    weight = torch.randn(5, 2, loc.shape[-1], generator=torch.Generator().manual_seed(5), dtype=dtype)
+    fused = hardeq.ConstrainedNormal(loc, scale, constraint=_constraint(kind, k)).rsample((5,), noise=eps)
+    general = _general(kind, loc, scale, k, eps)
+    assert FUSED not in type(general.grad_fn).__name__
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(fused, general, **tol)
+    grads_fused = torch.autograd.grad((fused * weight).sum(), (loc, scale, k))
+    grads_general = torch.autograd.grad((general * weight).sum(), (loc, scale, k))
+    for a, b in zip(grads_fused, grads_general):
+        torch.testing.assert_close(a, b, rtol=tol["rtol"] * 10, atol=tol["atol"] * 10)
+
+
+@DTYPES
+@pytest.mark.parametrize("index", [RAGGED, UNSORTED], ids=["ragged", "unsorted"])
+def test_groups_of_one_are_exact_in_value_and_gradient(index, dtype):
+    n, a = index.numel(), int(index.max()) + 1
+    loc = (torch.randn(4, n, dtype=dtype) * 1e3).requires_grad_()
+    scale = (torch.rand(4, n, dtype=dtype) + 0.5).requires_grad_()
+    k = (torch.randn(a, dtype=dtype) * 1e-3).requires_grad_()
+    z = hardeq.ConstrainedNormal(loc, scale, constraint=hardeq.SumConstraint(index, k)).rsample((3,))
+    single = torch.bincount(index, minlength=a)[index] == 1
+    assert single.sum() == 2
+    assert torch.equal(z[..., single], k[index[single]].expand(3, 4, 2))
+    upstream = torch.randn_like(z)
+    g_loc, g_scale, g_k = torch.autograd.grad((z * upstream).sum(), (loc, scale, k))
+    assert torch.equal(g_loc[..., single], torch.zeros_like(g_loc[..., single]))
+    assert torch.equal(g_scale[..., single], torch.zeros_like(g_scale[..., single]))
+    groups = index[single]
+    expected = upstream[..., single].sum((0, 1))
+    torch.testing.assert_close(g_k[groups], expected)
+
+
+def test_a_vector_far_from_the_plane_takes_the_general_path_and_is_exact():
+    """loc 1e7 scales off the plane in float32: one step misses rows by ulp(1e7); the fused node says so and
+    the conditioner refines (the result passes the per-row check)."""
+    n = RAGGED.numel()
+    loc = torch.full((n,), 1e7).requires_grad_()
+    scale = torch.ones(n, requires_grad=True)
+    k = torch.randn(6)
+    d = hardeq.ConstrainedNormal(loc, scale, constraint=hardeq.SumConstraint(RAGGED, k))
+    z = d.rsample((16,))
+    assert type(z.grad_fn).__name__ != FUSED
+    assert bool(d.constraint.check(z.detach(), rtol=2.5e-6).all())
+    z.sum().backward()
+    assert torch.isfinite(loc.grad).all() and torch.isfinite(scale.grad).all()
+
+
+def test_second_derivative_raises():
+    loc, scale, k = _inputs("ragged", torch.float64)
+    z = hardeq.ConstrainedNormal(loc, scale, constraint=_constraint("ragged", k)).rsample((2,))
+    (g,) = torch.autograd.grad(z.square().sum(), loc, create_graph=True)
+    with pytest.raises(RuntimeError):  # never a silently wrong second derivative
+        torch.autograd.grad(g.sum(), loc)
+
+
+def test_no_grad_and_other_estimators_are_unchanged():
+    loc, scale, k = _inputs("ragged", torch.float32)
+    d = hardeq.ConstrainedNormal(loc, scale, constraint=_constraint("ragged", k))
+    eps = torch.randn(3, loc.shape[-1])
+    with torch.no_grad():
+        z = d.rsample((3,), noise=eps)
+    assert z.grad_fn is None
+    torch.testing.assert_close(z, _general("ragged", loc, scale, k, eps).detach(), rtol=1e-5, atol=1e-5)
+    other = d.rsample((3,), "marginal_expectation", noise=eps)
+    assert type(other.grad_fn).__name__ != FUSED
+    torch.testing.assert_close(other, z, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------- GroupSum layouts
+@DTYPES
+def test_sorted_ragged_groups_use_segment_sums(dtype):
+    g = torch.Generator().manual_seed(0)
+    sizes = torch.randint(1, 156, (128,), generator=g)
+    index = torch.repeat_interleave(torch.arange(128), sizes)
+    gs = GroupSum(index, 128)
+    assert gs.block is None and gs.offsets is not None
+    x = torch.randn(3, 2, index.numel(), generator=g, dtype=dtype) * 100
+    expected = torch.zeros(3, 2, 128, dtype=torch.float64).index_add_(-1, index, x.double())
+    tol = dict(rtol=1e-6, atol=1e-3) if dtype == torch.float32 else dict(rtol=1e-13, atol=1e-10)
+    torch.testing.assert_close(gs(x).double(), expected, **tol)
+    torch.testing.assert_close(GroupSum(index.flip(0), 128)(x.flip(-1)).double(), expected, **tol)  # unsorted
+    assert GroupSum(index.flip(0), 128).offsets is None
+    xr = x.clone().requires_grad_()
+    (gs(xr) * torch.arange(128, dtype=dtype)).sum().backward()
+    torch.testing.assert_close(xr.grad, torch.arange(128, dtype=dtype)[index].expand_as(x))
+
+
+def test_groups_longer_than_a_chunk_keep_the_two_level_summation():
+    index = torch.cat([torch.zeros(SUM_CHUNK + 5, dtype=torch.long), torch.ones(3, dtype=torch.long)])
+    assert GroupSum(index, 2).offsets is None
+    assert GroupSum(index[SUM_CHUNK - 10:], 2).offsets is not None
+
+
+def test_sum_constraint_checks_and_lays_out_an_index_once_and_sees_edits():
+    index = RAGGED.clone()
+    c1 = hardeq.SumConstraint(index, torch.randn(6))
+    c2 = hardeq.SumConstraint(index, torch.randn(2, 6))
+    assert c1._layout is c2._layout and c1._group_sum is c2._group_sum
+    index.data[4] = 7  # an edit through .data (no version bump) is seen: the index is checked again
+    with pytest.raises(ValueError, match="index values must lie in"):
+        hardeq.SumConstraint(index, torch.randn(6))
+    index.data[4] = 2
+    c3 = hardeq.SumConstraint(index, torch.randn(6))
+    assert c3._layout is not c1._layout
+    assert hardeq.SumConstraint(index.clone(), torch.randn(6))._layout is not c3._layout  # another tensor
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_validation_still_names_the_argument(bad):
+    n = RAGGED.numel()
+    loc, scale = torch.zeros(n), torch.ones(n)
+    with pytest.raises(ValueError, match="loc"):
+        hardeq.ConstrainedNormal(loc.clone().index_fill_(0, torch.tensor([3]), bad), scale,
+                                 constraint=hardeq.SumConstraint(RAGGED, torch.zeros(6)))
+    with pytest.raises(ValueError, match="scale"):
+        hardeq.ConstrainedNormal(loc, scale.clone().index_fill_(0, torch.tensor([3]), bad),
+                                 constraint=hardeq.SumConstraint(RAGGED, torch.zeros(6)))
+    with pytest.raises(ValueError, match="total"):
+        hardeq.SumConstraint(RAGGED, torch.zeros(6).index_fill_(0, torch.tensor([1]), bad))
+    with pytest.raises(ValueError, match="positive"):
+        hardeq.ConstrainedNormal(loc, scale.clone().index_fill_(0, torch.tensor([3]), -1.0),
+                                 constraint=hardeq.SumConstraint(RAGGED, torch.zeros(6)))
+
+
+def test_a_grouped_registration_for_the_pair_is_honoured():
+    """A ``"grouped"`` registration returning None turns the O(n) path off for the pair: the one-node sample and
+    step are not taken either (the dense path, the same law)."""
+    from hardeq.constraints import register_pair
+
+    class NoGrouped(hardeq.SumConstraint):
+        pass
+
+    @register_pair("grouped", NoGrouped, hardeq.DiagonalCovariance)
+    def _off(constraint, covariance):
+        return None
+
+    loc, scale, k = _inputs("ragged", torch.float64)
+    eps = torch.randn(3, loc.shape[-1], generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    d = hardeq.ConstrainedNormal(loc, scale, constraint=NoGrouped(RAGGED, k))
+    z = d.rsample((3,), noise=eps)
+    assert d.conditioner.method != "grouped" and "Grouped" not in repr(z.grad_fn)
+    ref = hardeq.ConstrainedNormal(loc, scale, constraint=hardeq.SumConstraint(RAGGED, k)).rsample((3,), noise=eps)
+    torch.testing.assert_close(z, ref, rtol=1e-10, atol=1e-10)
