@@ -200,6 +200,7 @@ def dual_newton(mu: Tensor, v: Tensor, lo: Tensor, hi: Tensor, k: Tensor, matvec
 
     y, z = primal(lam)
     done = torch.zeros(B, dtype=torch.bool, device=mu.device)
+    stuck = torch.zeros(B, dtype=torch.bool, device=mu.device)
     for _ in range(max_iter):
         F = matvec(z) - k
         scale = abs_matvec(z.abs()) + k.abs()
@@ -211,7 +212,7 @@ def dual_newton(mu: Tensor, v: Tensor, lo: Tensor, hi: Tensor, k: Tensor, matvec
         slope = -(F * delta).sum(-1)  # directional derivative of theta along delta (>= 0)
         th0 = theta(lam, z)
         t = torch.ones(B, dtype=mu.dtype, device=mu.device)
-        accepted = done.clone()
+        accepted = done | stuck
         new_lam = lam.clone()
         for _ in range(60):
             cand = lam + t.unsqueeze(-1) * delta
@@ -224,6 +225,11 @@ def dual_newton(mu: Tensor, v: Tensor, lo: Tensor, hi: Tensor, k: Tensor, matvec
             t = torch.where(accepted, t, 0.5 * t)
         lam = torch.where(done.unsqueeze(-1), lam, new_lam)
         y, z = primal(lam)
+        stuck = stuck | ~accepted  # no ascent step: at the dual's supremum to round-off (or unbounded); stop there
+        if bool((done | stuck).all()):
+            break
+    F = matvec(z) - k
+    done = (F.abs() <= CONVERGED_RTOL * (abs_matvec(z.abs()) + k.abs())).all(-1)
     return z, lam, done
 
 
