@@ -85,6 +85,8 @@ class TruncatedConstrainedNormal(Distribution):
         normaliser_samples (int): untruncated draws of the Monte Carlo normaliser (``n - a > 1``).
         grad_samples (int): truncated draws of the normaliser's gradient estimate.
         pilot_samples (int): untruncated draws of ``method="auto"``'s acceptance pilot.
+        normaliser (str): ``"auto"`` (exact for ``n - a == 1``, else Monte Carlo), ``"exact"`` (``ValueError``
+            unless ``n - a == 1``) or ``"monte-carlo"`` (forced, e.g. to check the estimator against the exact one).
         validate_args (bool, optional): as ``torch.distributions``; passed to the plane check of :meth:`log_prob`
             through ``base``.
 
@@ -107,13 +109,20 @@ class TruncatedConstrainedNormal(Distribution):
 
     def __init__(self, base: ConstrainedNormal, lower: Tensor | float | None = None,
                  upper: Tensor | float | None = None, *, normaliser_samples: int = 4096, grad_samples: int = 256,
-                 pilot_samples: int = 256, validate_args: bool | None = None) -> None:
+                 pilot_samples: int = 256, normaliser: str = "auto", validate_args: bool | None = None) -> None:
         if not isinstance(base, ConstrainedNormal):
             raise TypeError(f"base must be a hardeq.ConstrainedNormal, got {type(base).__name__}.")
         for name, value in (("normaliser_samples", normaliser_samples), ("grad_samples", grad_samples),
                             ("pilot_samples", pilot_samples)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}.")
+        if normaliser not in ("auto", "exact", "monte-carlo"):
+            raise ValueError(f"normaliser must be 'auto', 'exact' or 'monte-carlo', got {normaliser!r}.")
+        free = base.event_shape[0] - base.constraint.num_constraints
+        if normaliser == "exact" and free != 1:
+            raise ValueError(f"normaliser='exact' needs one free dimension (n - a == 1), got n - a = {free}; use "
+                             "'auto' (a Monte Carlo estimate with its standard error).")
+        self._normaliser = normaliser
         self.base = base
         loc = base._unbroadcasted_loc
         shape = base.batch_shape + base.event_shape
@@ -128,7 +137,7 @@ class TruncatedConstrainedNormal(Distribution):
         self._cache: dict = {}
         super().__init__(base.batch_shape, base.event_shape, validate_args=False)
         self._validate_args = base._validate_args if validate_args is None else bool(validate_args)
-        if self.normaliser_exact:
+        if self.free_dim == 1:
             with torch.no_grad():
                 exact_log_normaliser(base, self._lo, self._hi)  # raises for an empty / single-point line section
 
@@ -155,7 +164,7 @@ class TruncatedConstrainedNormal(Distribution):
     @property
     def normaliser_exact(self) -> bool:
         """Whether :attr:`log_normaliser` (and :meth:`log_prob`) is exact: one free dimension (``n - a == 1``)."""
-        return self.free_dim == 1
+        return self.free_dim == 1 and self._normaliser != "monte-carlo"
 
     @constraints.dependent_property(is_discrete=False, event_dim=1)
     def support(self) -> constraints.Constraint:
@@ -350,7 +359,8 @@ class TruncatedConstrainedNormal(Distribution):
         return TruncatedConstrainedNormal(base, self._lo.expand(batch_shape + (n,)),
                                           self._hi.expand(batch_shape + (n,)),
                                           normaliser_samples=self.normaliser_samples, grad_samples=self.grad_samples,
-                                          pilot_samples=self.pilot_samples, validate_args=self._validate_args)
+                                          pilot_samples=self.pilot_samples, normaliser=self._normaliser,
+                                          validate_args=self._validate_args)
 
     def __repr__(self) -> str:
         lo, hi = self._lo, self._hi
