@@ -115,3 +115,28 @@ def test_truncated_mode_reports_infeasible_combination():
     # z0 + z1 = 1.5, z0 - z1 = 0.9 -> z0 = 1.2 > 1: empty, each row feasible alone
     with pytest.raises(ModeNotFound, match=r"row \d"):
         truncated_mode(dist, torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("cov", COVARIANCES)
+@pytest.mark.parametrize("con", ["dense", "sum"])
+def test_mode_kkt_certificate_at_n_40(cov, con):
+    """n = 40 (too large to enumerate): the KKT conditions, checked independently in numpy, certify the global
+    minimum of the convex QP: feasibility, and Sigma^-1 (z - mu) = A^T lam + nu with nu >= 0 at lower bounds,
+    <= 0 at upper bounds and 0 on free coordinates (lam by least squares on the free coordinates)."""
+    dist, lower, upper = make_case(cov, con, torch.float64, n=40, seed=7, mean_offset=0.8)
+    z = dist.truncate(lower, upper).mode
+    mu, Sigma, A, k = dense_picture(dist)
+    lo, hi = lower.numpy(), upper.numpy()
+    zf = z.reshape(mu.shape).numpy()
+    for b in range(mu.shape[0]):
+        g = np.linalg.solve(Sigma[b], zf[b] - mu[b])
+        at_lo, at_hi = zf[b] <= lo, zf[b] >= hi
+        free = ~(at_lo | at_hi)
+        lam = np.linalg.lstsq(A[b][:, free].T, g[free], rcond=None)[0]
+        nu = g - A[b].T @ lam
+        # round-off of z is amplified by Sigma^-1: tolerance relative to |g| times the condition number
+        scale = (np.abs(g).max() + 1e-300) * max(1e-8, 1e-13 * np.linalg.cond(Sigma[b]))
+        assert np.abs(nu[free]).max() <= scale
+        assert nu[at_lo].min(initial=0) >= -scale and nu[at_hi].max(initial=0) <= scale
+        assert at_lo.sum() + at_hi.sum() > 3  # many active bounds
+        np.testing.assert_allclose(A[b] @ zf[b], k[b], rtol=1e-12, atol=1e-12 * np.abs(A[b]).sum())

@@ -345,7 +345,6 @@ def active_set(mu: Tensor, cov, A: Tensor, k: Tensor, lo: Tensor, hi: Tensor, z0
         ``converged`` ``(*batch)``.
     """
     n = mu.shape[-1]
-    a = A.shape[-2]
     z = z0.clone()
     # working set: warm-started with the bounds active at z0, or empty where those are dependent with A
     W = (z0 <= lo) | (z0 >= hi)

@@ -9,7 +9,7 @@ from torch import Tensor
 from torch.distributions import Distribution, constraints
 
 from ..bounds.mode import truncated_mode
-from ..bounds.normaliser import exact_log_normaliser, surrogate
+from ..bounds.normaliser import exact_log_normaliser, null_direction, surrogate
 from ..bounds.polytope import as_bound, check_bounds, check_polytope
 from ..bounds.rejection import AUTO_THRESHOLD, ROUND_ELEMENTS, rejection_sample
 from ..bounds.result import TruncatedSamples
@@ -139,7 +139,8 @@ class TruncatedConstrainedNormal(Distribution):
         self._validate_args = base._validate_args if validate_args is None else bool(validate_args)
         if self.free_dim == 1:
             with torch.no_grad():
-                exact_log_normaliser(base, self._lo, self._hi)  # raises for an empty / single-point line section
+                # raises for an empty / single-point section of the line
+                exact_log_normaliser(base, self._lo, self._hi, self._direction())
 
     # ------------------------------------------------------------------ shape and support
     @property
@@ -182,6 +183,12 @@ class TruncatedConstrainedNormal(Distribution):
         return self.base._out(self._cache["mode"])
 
     # ------------------------------------------------------------------ normaliser
+    def _direction(self) -> Tensor:
+        """The unit null vector of ``A`` (``n - a == 1``), computed once."""
+        if "direction" not in self._cache:
+            self._cache["direction"] = null_direction(self.base.constraint).detach()
+        return self._cache["direction"]
+
     @torch.no_grad()
     def _count_in_box(self, num: int) -> tuple[Tensor, Tensor, Tensor]:
         """MC normaliser from ``num`` untruncated draws, in chunks that bound memory."""
@@ -213,7 +220,7 @@ class TruncatedConstrainedNormal(Distribution):
         draws (detached; ``-inf`` where no draw fell in the box), whose standard error is
         :attr:`log_normaliser_stderr`."""
         if self.normaliser_exact:
-            return self.base._out(exact_log_normaliser(self.base, self._lo, self._hi))
+            return self.base._out(exact_log_normaliser(self.base, self._lo, self._hi, self._direction()))
         return self.base._out(self._mc()[0].to(self._lo.dtype))
 
     @property
@@ -245,13 +252,14 @@ class TruncatedConstrainedNormal(Distribution):
         """:math:`\\log Z` for :meth:`log_prob`, compute dtype: exact with autograd, or the MC value plus the
         zero-valued surrogate that carries the gradient estimate."""
         if self.normaliser_exact:
-            return exact_log_normaliser(self.base, self._lo, self._hi)
+            return exact_log_normaliser(self.base, self._lo, self._hi, self._direction())
         log_z = self._mc()[0]
         if bool(torch.isinf(log_z).any()):
             idx = tuple(int(i) for i in torch.isinf(log_z).nonzero()[0]) if log_z.dim() else ()
+            bound = 3 / self.normaliser_samples
             raise ValueError(f"log_prob needs log P(box | plane), but none of the {self.normaliser_samples} "
-                             f"untruncated draws of batch element {idx} fell in the box (P < ~{3 / self.normaliser_samples:.1g}"
-                             "); pass a larger normaliser_samples to truncate().")
+                             f"untruncated draws of batch element {idx} fell in the box (P < ~{bound:.1g}); pass a "
+                             "larger normaliser_samples to truncate().")
         log_z = log_z.to(self._lo.dtype)
         if self._needs_grad():
             if "grad_draws" not in self._cache:
@@ -364,8 +372,10 @@ class TruncatedConstrainedNormal(Distribution):
 
     def __repr__(self) -> str:
         lo, hi = self._lo, self._hi
-        fmt = (lambda t: f"{float(t.flatten()[0]):g}" if bool((t == t.flatten()[0]).all()) else
-               f"tensor{tuple(t.shape)}")
+
+        def fmt(t: Tensor) -> str:
+            return f"{float(t.flatten()[0]):g}" if bool((t == t.flatten()[0]).all()) else f"tensor{tuple(t.shape)}"
+
         return (f"TruncatedConstrainedNormal(n={self.event_shape[0]}, batch_shape={tuple(self.batch_shape)}, "
                 f"lower={fmt(lo)}, upper={fmt(hi)}, normaliser={'exact' if self.normaliser_exact else 'monte-carlo'}, "
                 f"base={self.base!r})")
