@@ -103,6 +103,8 @@ def grouped_box_multipliers(mu: Tensor, v: Tensor, lo: Tensor, hi: Tensor, index
         return torch.zeros(B, a, dtype=x.dtype, device=dev).index_add_(1, index, x)
 
     fin_lo, fin_hi = torch.isfinite(lo), torch.isfinite(hi)
+    if bool(fin_lo.all()) and bool(fin_hi.all()):
+        return _breakpoint_search(mu, v, lo, hi, index, sizes, k)
     p_lo = torch.where(fin_lo, (lo - mu) / v, torch.zeros_like(mu))
     p_hi = torch.where(fin_hi, (hi - mu) / v, torch.zeros_like(mu))
     big = torch.tensor(float("inf"), dtype=mu.dtype, device=dev)
@@ -124,14 +126,37 @@ def grouped_box_multipliers(mu: Tensor, v: Tensor, lo: Tensor, hi: Tensor, index
     margin = 1.0 + lam_minus.abs() + lam_plus.abs()
     lo = torch.where(fin_lo, lo, mu + (lam_minus - margin).gather(1, gi) * v)
     hi = torch.where(fin_hi, hi, mu + (lam_plus + margin).gather(1, gi) * v)
+    return _breakpoint_search(mu, v, lo, hi, index, sizes, k)
+
+
+def _breakpoint_search(mu: Tensor, v: Tensor, lo: Tensor, hi: Tensor, index: Tensor, sizes: Tensor,
+                       k: Tensor) -> Tensor:
+    """The breakpoint search of :func:`grouped_box_multipliers` for finite bounds."""
+    B, n = mu.shape
+    a = sizes.shape[0]
+    dev = mu.device
+
+    def gsum(x: Tensor) -> Tensor:
+        return torch.zeros(B, a, dtype=x.dtype, device=dev).index_add_(1, index, x)
+
 
     # breakpoints (B, 2n) and their slope changes, in contiguous groups, each sorted
-    p = torch.cat([(lo - mu) / v, (hi - mu) / v], dim=1)
-    d = torch.cat([v, -v], dim=1)
-    p, o1 = torch.sort(p, dim=1, stable=True)
-    d = d.gather(1, o1)
-    gid, o2 = torch.sort(torch.cat([index, index])[o1], dim=1, stable=True)
-    p, d = p.gather(1, o2), d.gather(1, o2)
+    if bool((index[1:] >= index[:-1]).all()) and bool((sizes == sizes[0]).all()):
+        # channel layout (equal contiguous groups): one batched sort of (B, a, 2m)
+        m2 = 2 * int(sizes[0])
+        p = torch.stack([(lo - mu) / v, (hi - mu) / v], dim=-1).reshape(B, a, m2)
+        d = torch.stack([v, -v], dim=-1).reshape(B, a, m2)
+        p, o = torch.sort(p, dim=-1, stable=True)
+        p, d = p.reshape(B, 2 * n), d.gather(-1, o).reshape(B, 2 * n)
+        gid = index.repeat_interleave(2).expand(B, 2 * n)
+    else:
+        # any grouping: sort by breakpoint, then (stably) by group
+        p = torch.cat([(lo - mu) / v, (hi - mu) / v], dim=1)
+        d = torch.cat([v, -v], dim=1)
+        p, o1 = torch.sort(p, dim=1, stable=True)
+        d = d.gather(1, o1)
+        gid, o2 = torch.sort(torch.cat([index, index])[o1], dim=1, stable=True)
+        p, d = p.gather(1, o2), d.gather(1, o2)
     size2 = 2 * sizes
     start = torch.cumsum(size2, 0) - size2
     S_all, DP_all = torch.cumsum(d, 1), torch.cumsum(d * p, 1)
@@ -164,11 +189,16 @@ def grouped_box_mode(mu: Tensor, v: Tensor, lo: Tensor, hi: Tensor, index: Tenso
     def rmatvec(lam: Tensor) -> Tensor:
         return lam.index_select(-1, index)
 
-    def solve(w: Tensor, r: Tensor) -> Tensor:
-        J = matvec(w)
-        J = J + JACOBIAN_RIDGE * matvec(v) + torch.finfo(J.dtype).tiny
-        return r / J
+    ridge = JACOBIAN_RIDGE * matvec(v) + torch.finfo(v.dtype).tiny
 
+    def solve(w: Tensor, r: Tensor) -> Tensor:
+        return r / (matvec(w) + ridge)
+
+    # one Newton step on the active set of the breakpoint multipliers (the exact solve there, as F is linear on
+    # it) removes the cumulative sums' round-off; the safeguarded iteration then only checks (or finishes) it
+    y = mu + v * rmatvec(lam0)
+    free = ((y > lo) & (y < hi)).to(v.dtype)
+    lam0 = lam0 - solve(v * free, matvec(torch.minimum(torch.maximum(y, lo), hi)) - k)
     z, _, ok = dual_newton(mu, v, lo, hi, k, matvec, rmatvec, matvec, solve, lam0)
     return z, ok
 
@@ -206,7 +236,7 @@ def dual_newton(mu: Tensor, v: Tensor, lo: Tensor, hi: Tensor, k: Tensor, matvec
         scale = abs_matvec(z.abs()) + k.abs()
         done = (F.abs() <= CONVERGED_RTOL * scale).all(-1)
         if bool(done.all()):
-            break
+            return z, lam, done
         free = ((y > lo) & (y < hi)).to(v.dtype)
         delta = -solve(v * free, F)
         slope = -(F * delta).sum(-1)  # directional derivative of theta along delta (>= 0)
