@@ -25,23 +25,34 @@ iteration stops with every row within round-off.
 * dense or sparse ``A``: ``J`` is formed from the ``a x n`` rows (O(a^2 n) per iteration, plus an ``a^3``
   Cholesky).
 
-**General** :math:`\Sigma` (full, low-rank, block-diagonal): a primal active-set method (Nocedal & Wright,
-*Numerical Optimization*, Alg. 16.3). It starts from the feasible point of the diagonal problem with
-:math:`v = \mathrm{diag}\,\Sigma`; each iteration solves the equality-constrained problem with the working set's
-bounds added as rows :math:`R = [A;\ E_W]`,
+**General** :math:`\Sigma` (full, low-rank, block-diagonal): active-set methods on the equality-constrained
+subproblem with the working set's bounds added as rows :math:`R = [A;\ E_W]`,
 
 .. math::
     z_W = \mu + \Sigma R^\top y,\qquad (R\Sigma R^\top)\,y = r - R\mu
 
-(the conditional mean of :math:`\mathcal N(\mu, \Sigma)` given :math:`Rz = r`, the conditioner's formula with
-the active bounds as extra rows; two refinement steps remove the round-off of an ill-conditioned
-:math:`R\Sigma R^\top`), steps towards it as far as the box allows (adding the blocking bound), and, at the
-solution of the working set, drops the bound whose multiplier :math:`y_i` has the wrong sign (the gradient
-:math:`\Sigma^{-1}(z - \mu) = R^\top y` must push *into* an active lower bound and out of an upper one). The working
-set stays linearly independent with ``A`` (a blocking bound has :math:`p_i \ne 0` along a direction ``p`` in the
-null space of the current rows). Batch elements iterate together, with the working sets padded by zero rows.
+(the conditional mean of :math:`\mathcal N(\mu, \Sigma)` given :math:`Rz = r`: the conditioner's formula with the
+active bounds as extra rows; equilibrated Cholesky and two refinement steps remove the round-off of an
+ill-conditioned :math:`R\Sigma R^\top`; :math:`\Sigma^{-1}(z_W - \mu) = R^\top y`, so the last entries of ``y`` are
+the bounds' multipliers :math:`\nu`). Batch elements iterate together, with the working sets padded by zero rows.
+
+1. Start: the feasible point :math:`z_0` of the diagonal problem with :math:`v = \mathrm{diag}\,\Sigma`
+   (or the error that the polytope is empty).
+2. Primal-dual active set (Hintermüller, Ito & Kunisch 2003), warm-started with the bounds active at :math:`z_0`:
+   solve on the predicted sets, predict again from :math:`\nu_i + c_i(l_i - z_i) > 0` (lower) and
+   :math:`-\nu_i + c_i(z_i - u_i) > 0` (upper), :math:`c_i = 1/\Sigma_{ii}`; a repeated prediction is a KKT point,
+   i.e. the exact mode. Several bounds change per iteration; at most :data:`MAX_PDAS` iterations (it can cycle
+   when :math:`\Sigma^{-1}` is far from an M-matrix).
+3. The elements not settled: the primal active-set method (Nocedal & Wright, *Numerical Optimization*,
+   Alg. 16.3) from :math:`z_0`, warm-started with its active bounds: step towards the subproblem's solution as far
+   as the box allows (adding the blocking bound, whose :math:`p_i \ne 0` along a direction in the null space of the
+   current rows keeps the rows independent), and at the subproblem's solution drop the bound whose multiplier has
+   the wrong sign (:math:`\Sigma^{-1}(z - \mu)` must push into an active lower bound and out of an upper one).
+   Finite; one bound changes per iteration.
+
 Cost per iteration: :math:`\Sigma R^\top` (``m = a + |W|`` products with :math:`\Sigma`: O(n m) diagonal-plus-low-rank,
-O(n^2 m) full) and an ``m x m`` Cholesky; iterations: about the number of active bounds.
+O(n^2 m) full) and an ``m x m`` Cholesky, so O(n m) memory: with many active bounds ``m`` approaches ``n``. Measured
+(n = 200, a = 8, rank-3 low-rank, 8 batch elements, ~120 active bounds each): 45 subproblem solves.
 
 The result is cast to the distribution's dtype and clamped into the box (``lower <= z <= upper`` holds exactly);
 every row of :math:`Az = k` then meets the per-row tolerance of the untruncated distribution. The mode is not
