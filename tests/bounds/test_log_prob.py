@@ -202,3 +202,15 @@ def test_log_prob_gradient_flows_on_monte_carlo_path():
     assert bool(torch.isfinite(gl).all()) and bool(gs.abs().sum() > 0)
     with torch.no_grad():
         assert float(t.log_prob(torch.tensor([1.2, 0.3, 0.0, 0.0], dtype=torch.float64))) == -math.inf
+
+
+def test_monte_carlo_path_warns_that_k_gets_no_normaliser_gradient():
+    k = torch.tensor([1.5], dtype=torch.float64, requires_grad=True)
+    dist = hardeq.ConstrainedNormal(torch.tensor([0.3, 0.8, 0.1, 0.5], dtype=torch.float64, requires_grad=True), 0.4,
+                                    constraint=hardeq.SumConstraint(torch.zeros(4, dtype=torch.long), k))
+    torch.manual_seed(0)
+    t = dist.truncate(0.0, 1.0)
+    z = t.sample((3,), method="rejection")
+    with pytest.warns(UserWarning, match="carries no gradient to k"):
+        lp = t.log_prob(z)
+    assert bool(torch.isfinite(lp).all())

@@ -3,6 +3,7 @@ r"""The Gaussian conditioned on :math:`Az = k` and truncated to a box: :class:`T
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import Tensor
@@ -262,6 +263,13 @@ class TruncatedConstrainedNormal(Distribution):
                              "larger normaliser_samples to truncate().")
         log_z = log_z.to(self._lo.dtype)
         if self._needs_grad():
+            if self.base.constraint.k.requires_grad and not self._cache.get("warned_k"):
+                self._cache["warned_k"] = True
+                warnings.warn("k requires grad, but with n - a > 1 the Monte Carlo normaliser of "
+                              "TruncatedConstrainedNormal.log_prob carries no gradient to k (k moves the box's section "
+                              "of the plane; the identity grad log Z = E[grad log p] covers loc and the scales only). "
+                              "Treat k as data here, or use one free dimension (exact normaliser).", UserWarning,
+                              stacklevel=3)
             if "grad_draws" not in self._cache:
                 self._cache["grad_draws"] = self._sample_compute((self.grad_samples,), "auto").samples.detach()
             log_z = log_z + surrogate(self.base, self._cache["grad_draws"])
