@@ -327,6 +327,13 @@ class TruncatedConstrainedNormal(Distribution):
 
         Every returned draw satisfies ``lower <= z <= upper`` exactly and every row of ``A z = k`` within the
         untruncated per-row tolerance.
+
+        Cost: rejection, about ``prod(sample_shape) / acceptance`` untruncated draws per batch element (measured:
+        2.6-2.8x the untruncated sampler at acceptance 0.45, n = 16); HMC, ``burn_in + ceil(num / chains) * thin``
+        trajectories of ``chains`` chains per batch element, each trajectory O(n a) per wall bounce (far more than
+        an untruncated draw: with the default one chain per draw and ``burn_in=100``, about 2,700x the untruncated
+        sampler at n = 16 on a loaded CPU; fewer chains with ``thin`` trade independence for time). ``"auto"``
+        therefore prefers rejection whenever its acceptance allows.
         """
         out = self._sample_compute(sample_shape, method, chains=chains, burn_in=burn_in, thin=thin,
                                    travel_time=travel_time, threshold=threshold, max_draws=max_draws,
