@@ -202,7 +202,10 @@ def grouped_box_mode(mu: Tensor, v: Tensor, lo: Tensor, hi: Tensor, index: Tenso
 
     ridge = JACOBIAN_RIDGE * matvec(v) + torch.finfo(v.dtype).tiny
 
-    def solve(w: Tensor, r: Tensor) -> Tensor:
+    def solve(w: Tensor, r: Tensor, exact: bool = False) -> Tensor:
+        if exact:  # a group with no free member: no step
+            J = matvec(w)
+            return torch.where(J > 0, r / torch.where(J > 0, J, 1.0), torch.zeros_like(r))
         return r / (matvec(w) + ridge)
 
     # one Newton step on the active set of the breakpoint multipliers (the exact solve there, as F is linear on
@@ -223,7 +226,8 @@ def dual_newton(mu: Tensor, v: Tensor, lo: Tensor, hi: Tensor, k: Tensor, matvec
     Args:
         mu, v, lo, hi: ``(B, n)``; k: ``(B, a)``.
         matvec, rmatvec, abs_matvec: :math:`Az`, :math:`A^\top\lambda`, :math:`|A|x` on ``(B, .)``.
-        solve: ``solve(w, r)`` returns :math:`(A\,\mathrm{diag}(w)A^\top + \text{ridge})^{-1}r`, ``(B, a)``.
+        solve: ``solve(w, r, exact=False)`` returns :math:`(A\,\mathrm{diag}(w)A^\top + \text{ridge})^{-1}r`,
+            ``(B, a)`` (``exact=True``: the minimum-norm solution without the ridge).
         lam0: starting multipliers ``(B, a)`` (zeros: the conditional mean's neighbourhood).
 
     Returns:
@@ -269,6 +273,23 @@ def dual_newton(mu: Tensor, v: Tensor, lo: Tensor, hi: Tensor, k: Tensor, matvec
         stuck = stuck | ~accepted  # no ascent step: at the dual's supremum to round-off (or unbounded); stop there
         if bool((done | stuck).all()):
             break
+    # finish with exact (unregularised) Newton steps on the identified active set where the safeguarded iteration
+    # stalled at round-off (its Levenberg term and the line search's resolution of theta): kept where they help
+    for _ in range(3):
+        F = matvec(z) - k
+        scale = abs_matvec(z.abs()) + k.abs()
+        rel = (F.abs() / scale.clamp_min(torch.finfo(scale.dtype).tiny)).amax(-1)
+        done = rel <= CONVERGED_RTOL
+        if bool(done.all()):
+            break
+        free = ((y > lo) & (y < hi)).to(v.dtype)
+        cand = lam - solve(v * free, F, exact=True)
+        yc, zc = primal(cand)
+        Fc = matvec(zc) - k
+        rel_c = (Fc.abs() / (abs_matvec(zc.abs()) + k.abs()).clamp_min(torch.finfo(scale.dtype).tiny)).amax(-1)
+        better = (rel_c < rel) & ~done
+        lam = torch.where(better.unsqueeze(-1), cand, lam)
+        y, z = torch.where(better.unsqueeze(-1), yc, y), torch.where(better.unsqueeze(-1), zc, z)
     F = matvec(z) - k
     done = (F.abs() <= CONVERGED_RTOL * (abs_matvec(z.abs()) + k.abs())).all(-1)
     return z, lam, done
@@ -279,8 +300,10 @@ def _dense_solver(A: Tensor, v: Tensor):
     of :math:`A\\,\\mathrm{diag}(w)A^\\top` plus the relative ridge."""
     base = (A.square() * v.unsqueeze(-2)).sum(-1)  # diag(A diag(v) A^T), (B, a)
 
-    def solve(w: Tensor, r: Tensor) -> Tensor:
+    def solve(w: Tensor, r: Tensor, exact: bool = False) -> Tensor:
         J = (A * w.unsqueeze(-2)) @ A.mT
+        if exact:  # the minimum-norm Newton step on the active set (rows with no free coordinate get none)
+            return torch.linalg.lstsq(J, r.unsqueeze(-1), driver="gelsd").solution.squeeze(-1)
         J = J + torch.diag_embed(JACOBIAN_RIDGE * base + torch.finfo(J.dtype).tiny)
         s = J.diagonal(0, -2, -1).sqrt()
         L, info = torch.linalg.cholesky_ex(J / (s.unsqueeze(-1) * s.unsqueeze(-2)))
