@@ -191,3 +191,44 @@ def test_module_docstring_example_runs():
     pyro.set_rng_seed(0)
     result = doctest.testmod(bridge, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_truncated_site_observed_in_a_plate_fits_a_long_only_mean():
+    """Long-only weights (sum one, in [0, 1]) observed: the exact one-free-dimension normaliser makes the
+    likelihood exact, and SVI's MAP of the untruncated mean matches a direct maximisation of the same likelihood."""
+    from hardeq.contrib.pyro import TruncatedConstrainedNormal
+
+    pyro.set_rng_seed(2)
+    dtype = torch.float64
+    c = SumConstraint(torch.zeros(2, dtype=torch.long), torch.ones(1, dtype=dtype))
+    truth = hardeq.ConstrainedNormal(torch.tensor([0.9, 0.1], dtype=dtype), 0.3, constraint=c).truncate(0.0, 1.0)
+    data = truth.sample((300,))
+
+    def model(data):
+        loc = pyro.param("loc", torch.tensor([0.5, 0.5], dtype=dtype))
+        site = ConstrainedNormal(loc, 0.3, constraint=c).truncate(0.0, 1.0)
+        assert isinstance(site, TruncatedConstrainedNormal)
+        with pyro.plate("rows", len(data)):
+            pyro.sample("w", site, obs=data)
+
+    trace = poutine.trace(model).get_trace(data)
+    assert isinstance(trace.nodes["w"]["fn"], TruncatedConstrainedNormal)
+    assert trace.nodes["w"]["fn"].batch_shape == (300,)
+    svi = SVI(model, lambda data: None, Adam({"lr": 0.02}), Trace_ELBO())
+    for _ in range(400):
+        svi.step(data)
+    fitted = pyro.param("loc").detach()
+    # the same likelihood maximised directly (LBFGS on the hardeq class)
+    loc = torch.tensor([0.5, 0.5], dtype=dtype, requires_grad=True)
+    opt = torch.optim.LBFGS([loc], max_iter=200, tolerance_grad=1e-12, tolerance_change=1e-14)
+
+    def closure():
+        opt.zero_grad()
+        loss = -hardeq.ConstrainedNormal(loc, 0.3, constraint=c).truncate(0.0, 1.0).log_prob(data).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    direct = hardeq.ConstrainedNormal(loc.detach(), 0.3, constraint=c).mean
+    ours = hardeq.ConstrainedNormal(fitted, 0.3, constraint=c).mean
+    torch.testing.assert_close(ours, direct, atol=5e-3, rtol=0)

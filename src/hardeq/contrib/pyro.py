@@ -21,7 +21,9 @@ What each site means to an ELBO. :class:`ConstrainedNormal` has ``has_rsample = 
 differentiates through its draws (the pathwise gradient), and its ``log_prob`` is a density with respect to
 Lebesgue measure *on the plane* :math:`\{Az = k\}`. A model site and a guide site for the same latent must
 therefore carry the same constraint (the same plane), so that their densities are with respect to the same
-measure; the ELBO is then the usual one on the plane. A :class:`ConstrainedPoisson` site is discrete (its
+measure; the ELBO is then the usual one on the plane. A :class:`TruncatedConstrainedNormal` site (the same law
+restricted to a box, from :meth:`ConstrainedNormal.truncate`) is scored by its restricted density; it has no
+reparametrised sampler. A :class:`ConstrainedPoisson` site is discrete (its
 ``log_prob`` is the conditional pmf; as a latent, Trace_ELBO uses the score-function estimator).
 
 Cost: none beyond the hardeq distribution's own; Pyro's plate broadcasting calls :meth:`expand`, which shares
@@ -36,13 +38,25 @@ except ImportError as error:  # pragma: no cover - exercised only without Pyro
     raise ImportError("hardeq.contrib.pyro needs Pyro: pip install \"hardeq[pyro]\" (pyro-ppl >= 1.8).") from error
 
 from .. import distributions as _distributions
+from ..distributions import truncated as _truncated
 
-__all__ = ["ConstrainedNormal", "ConstrainedPoisson"]
+__all__ = ["ConstrainedNormal", "ConstrainedPoisson", "TruncatedConstrainedNormal"]
 
 
 class ConstrainedNormal(_distributions.ConstrainedNormal, TorchDistributionMixin):
     """:class:`hardeq.ConstrainedNormal` as a Pyro distribution: the same arguments and numbers, plus Pyro's
-    ``TorchDistributionMixin`` (``score_parts``, ``expand_by``, ``to_event``, ``mask``, calling it draws)."""
+    ``TorchDistributionMixin`` (``score_parts``, ``expand_by``, ``to_event``, ``mask``, calling it draws).
+    :meth:`truncate` returns this module's :class:`TruncatedConstrainedNormal`."""
+
+    def truncate(self, lower=None, upper=None, **kwargs) -> TruncatedConstrainedNormal:
+        return TruncatedConstrainedNormal(self, lower, upper, **kwargs)
+
+
+class TruncatedConstrainedNormal(_truncated.TruncatedConstrainedNormal, TorchDistributionMixin):
+    """:class:`hardeq.TruncatedConstrainedNormal` as a Pyro distribution. It has no reparametrised sampler
+    (``has_rsample = False``): as an observed site its ``log_prob`` (with the normaliser's gradient, exact for one
+    free dimension and estimated otherwise) is what SVI differentiates; as a latent, Trace_ELBO falls back to the
+    score-function estimator."""
 
 
 class ConstrainedPoisson(_distributions.ConstrainedPoisson, TorchDistributionMixin):
