@@ -375,11 +375,11 @@ class TruncatedConstrainedNormal(Distribution):
     # ------------------------------------------------------------------ plumbing
     def expand(self, batch_shape: torch.Size | tuple, _instance=None) -> "TruncatedConstrainedNormal":
         """The same law with ``batch_shape`` expanded (the base's :meth:`~ConstrainedNormal.expand` and the bounds
-        expanded; the feasibility checks are repeated, O(n a))."""
+        expanded; the feasibility checks are repeated, O(n a)); a subclass expands to its own class."""
         batch_shape = _sample_shape(batch_shape, "batch_shape")
         base = self.base.expand(batch_shape)
         n = self.event_shape[0]
-        return TruncatedConstrainedNormal(base, self._lo.expand(batch_shape + (n,)),
+        return type(self)(base, self._lo.expand(batch_shape + (n,)),
                                           self._hi.expand(batch_shape + (n,)),
                                           normaliser_samples=self.normaliser_samples, grad_samples=self.grad_samples,
                                           pilot_samples=self.pilot_samples, normaliser=self._normaliser,
