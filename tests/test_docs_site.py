@@ -169,6 +169,19 @@ Example:
     assert "Examples:\n    >>> 1 + 1\n    2" in out
 
 
+def test_backslash_escape_in_a_docstring_fails_the_build(rst, caplog):
+    """A non-raw docstring with ``\\top`` holds TAB + "op": the extension warns, so --strict fails."""
+    import griffe
+
+    source = 'def f():\n    """Transpose :math:`A^\\top u`."""\n\n\ndef g():\n    r"""Fine :math:`A^\\top u`."""\n'
+    with caplog.at_level("WARNING"):
+        module = griffe.visit("m", filepath=Path("m.py"), code=source,
+                              extensions=griffe.load_extensions(rst.RstToMarkdown()))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "m.f contains '\\t'" in warnings[0], warnings
+    assert module["g"].docstring.value == "Fine $A^\\top u$."
+
+
 # ----------------------------------------------------------------------------------------------- the build
 
 def test_mkdocs_build_strict(tmp_path):

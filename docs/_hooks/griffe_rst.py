@@ -18,9 +18,14 @@ Named in mkdocs.yml under the Python handler's ``extensions``; the source files 
 
 from __future__ import annotations
 
+import ast
 import re
 
-from griffe import Extension
+from griffe import Extension, logger
+
+#: characters a docstring has only by accident: a backslash escape (``\\top`` -> TAB + "op") in a docstring that
+#: is not a raw string
+CONTROL = re.compile(r"[\t\b\f\v\a]")
 
 ROLE = re.compile(r":(?:py:)?(class|func|meth|attr|mod|data|exc|obj|const):`(~?)([^`]+)`")
 MATH_ROLE = re.compile(r":math:`([^`]+)`")
@@ -140,5 +145,13 @@ class RstToMarkdown(Extension):
     """Rewrites every docstring of the loaded package (see the module docstring)."""
 
     def on_instance(self, *, node, obj, agent, **kwargs) -> None:  # noqa: ARG002 (griffe's hook signature)
-        if obj.docstring is not None:
-            obj.docstring.value = convert(obj.docstring.value)
+        if obj.docstring is None:
+            return
+        raw = None  # the docstring before griffe's cleaning (which turns a TAB into spaces)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            raw = ast.get_docstring(node, clean=False)
+        bad = CONTROL.search(raw or "")
+        if bad:  # a warning, so `mkdocs build --strict` fails on it
+            logger.warning(f"{obj.filepath}:{obj.docstring.lineno}: the docstring of {obj.path} contains "
+                           f"{bad[0]!r}: a backslash escape in a docstring that is not a raw string (r\"\"\"...)")
+        obj.docstring.value = convert(obj.docstring.value)
