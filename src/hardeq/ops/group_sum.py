@@ -78,7 +78,7 @@ class GroupSum:
         return out.view(X.shape[:-2] + (self.num_chunks, a, m)).sum(-3)
 
     def broadcast(self, u: Tensor) -> Tensor:
-        """Each group's value to its members, ``(*, a) -> (*, n)`` (:math:`A^\top u`)."""
+        r"""Each group's value to its members, ``(*, a) -> (*, n)`` (:math:`A^\top u`)."""
         if self.block is not None:
             return u.unsqueeze(-1).expand(u.shape + (self.block,)).reshape(u.shape[:-1] + (-1,))
         return u.index_select(-1, self.index)
