@@ -73,7 +73,7 @@ def ddim_sample(
             works as is.
         shape: ``(B, C, H, W)``.
         options: how to sample (:class:`~hardeq.diffusion.DDIMOptions`: the number of steps, ``eta``, the forward
-            process, the conditioned steps' ``scale``, ``deterministic``, ``final="box"`` / ``"sample_box"``, ``post``, dtype,
+            process, the conditioned steps' ``scale``, ``deterministic``, ``final``, ``post``, dtype,
             device, ...); default ``DDIMOptions()``: 50 steps of deterministic DDIM over diffusers' default
             linear schedule.
         constraint: :math:`Ax = k` on the flattened images (:func:`channel_sum_constraint`, or any

@@ -78,7 +78,7 @@ def ddpm_sample(
             ``diffusers.UNet2DModel`` works as is (its ``.sample`` is used).
         shape: ``(B, C, H, W)``.
         options: how to sample (:class:`~hardeq.diffusion.DDPMOptions`: the forward process, ``variance_type``,
-            the conditioned steps' ``scale``, ``deterministic``, ``final="box"`` / ``"sample_box"``, ``post``, dtype, device, ...);
+            the conditioned steps' ``scale``, ``deterministic``, ``final``, ``post``, dtype, device, ...);
             default ``DDPMOptions()``: diffusers' default 1000-step linear schedule, ``"fixed_small"``.
         constraint: :math:`Ax = k` on the flattened images (:func:`channel_sum_constraint`, or any
             ``LinearConstraint`` / ``SumConstraint`` with ``event_size = C*H*W`` and batch shape ``()`` or ``(B,)``).

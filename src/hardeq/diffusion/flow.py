@@ -78,11 +78,11 @@ def flow_sample(
         shape: ``(B, C, H, W)``.
         options: how to sample (:class:`~hardeq.diffusion.FlowOptions`: the time grid ``num_steps`` or
             ``sigmas``, ``time_scale``, the conditioned steps' ``scale`` (default: the step length),
-            ``deterministic``, ``final="box"`` / ``"sample_box"``, ``post``, dtype, device, ...); default ``FlowOptions()``: 50
+            ``deterministic``, ``final``, ``post``, dtype, device, ...); default ``FlowOptions()``: 50
             uniform Euler steps.
         constraint: :math:`Ax = k` on the flattened images (:func:`channel_sum_constraint`, ...).
         schedule: loop indices to condition (a :class:`Schedule` or indices); default: the last step when a
-            constraint is given. Only a schedule containing the last step (or ``final="box"`` / ``"sample_box"``) makes the output
+            constraint is given. Only a schedule containing the last step (or ``final``) makes the output
             exact.
         generator: the main stream (only :math:`x_1 = \varepsilon` is drawn from it: the Euler sampler is
             deterministic).
@@ -94,7 +94,7 @@ def flow_sample(
 
     Returns:
         Tensor: :math:`x_0`, ``(B, C, H, W)``; every image satisfies the constraint to round-off when the last
-        step is conditioned or ``final="box"`` / ``"sample_box"`` (before ``post``).
+        step is conditioned or ``final`` (before ``post``).
 
     Raises:
         TypeError: ``options`` is not a ``FlowOptions``, or a keyword names neither a call argument nor an option.

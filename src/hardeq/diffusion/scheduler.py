@@ -29,8 +29,8 @@ pipeline's images meet the totals (in ``[0, 1]`` units, :math:`(k + m)/2` for a 
 :func:`~hardeq.diffusion.to_uint8_exact` keeps them in 8 bits.
 
 **The config.** ``scheduler_config.json`` records ``base_scheduler`` (``{"class_name": "DDIMScheduler",
-"config": {...}}``), ``constraint``, ``schedule``, ``scale``, ``deterministic``, ``final`` and ``box`` as JSON (the specs of
-``hardeq.diffusion._scheduler_spec``). ``config`` refuses to be consumed by *another* scheduler's
+"config": {...}}``), ``constraint``, ``schedule``, ``scale``, ``deterministic``, ``final`` and ``box`` as JSON (the
+specs of ``hardeq.diffusion._scheduler_spec``). ``config`` refuses to be consumed by *another* scheduler's
 ``from_config`` (a ``TypeError`` naming the fix): that is what ``DDIMPipeline.__init__`` does
 (``DDIMScheduler.from_config(scheduler.config)``), and the result would silently drop the constraint.
 """
