@@ -257,5 +257,6 @@ def render_markdown(doc: Mapping[str, Any]) -> str:
             f"({', '.join(f'{k} {v:.0f} s' for k, v in units.items())}; CPU time "
             f"{', '.join(f'{k} {v:.0f} s' for k, v in cpu.items())}). Environment: torch {env['torch']}, "
             f"{env['device']}, {env['threads']} threads, {git}.\n\n"
-            f"{table}\n{sig}\n{claims(doc)}\n{_nonnegative(doc)}Learning curves: " + ", ".join(f"`chemical.{d}.png`" for d in datasets)
+            f"{table}\n{sig}\n{claims(doc)}\n{_nonnegative(doc)}Learning curves: "
+            + ", ".join(f"`chemical.{d}.png`" for d in datasets)
             + ". Protocol and discussion: docs/chemical.md.\n")
