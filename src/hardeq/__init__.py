@@ -12,9 +12,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from . import baselines, estimators
+from . import baselines, bounds, estimators
 from .constraints import EqualityConstraint, LinearConstraint, SparseConstraint, SumConstraint, register_pair
 from .distributions import ConstrainedNormal, ConstrainedPoisson
+from .distributions.truncated import TruncatedConstrainedNormal
 from .errors import NotPSDError, NumericalWarning
 from .linalg.block_diagonal import BlockDiagonalCovariance
 from .linalg.covariance import (Covariance, DiagonalCovariance, FullCovariance, LowRankCovariance,
@@ -41,6 +42,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "ConstrainedNormal",
     "ConstrainedPoisson",
+    "TruncatedConstrainedNormal",
     "Covariance",
     "DiagonalCovariance",
     "FullCovariance",
@@ -55,6 +57,7 @@ __all__ = [
     "NotPSDError",
     "NumericalWarning",
     "baselines",
+    "bounds",
     "diffusion",
     "estimators",
     "nn",

@@ -25,7 +25,9 @@ Euclidean projection (the value of :math:`v` does not matter then).
 (cumulative sums), so the segment where :math:`g` crosses :math:`k` is found by counting the breakpoints with
 :math:`g(p_j) < k`, and on it :math:`\lambda = p_j + (k - g(p_j)) / S_j` exactly. One Newton step on the active
 set (pixels strictly inside the box) then removes the round-off of the cumulative sums, all in float64; the
-result is cast to the input's dtype and clamped to ``[lo, hi]``.
+result is cast to the input's dtype and clamped to ``[lo, hi]``. This is the grouped-sum, diagonal-covariance case of
+the mode of :class:`hardeq.TruncatedConstrainedNormal` (:func:`hardeq.bounds.mode.grouped_box_mode`), which
+:func:`box_project` calls.
 
 **Feasibility.** A group of :math:`m` pixels can sum to :math:`k` inside the box iff
 :math:`m\,lo \le k \le m\,hi`; otherwise :func:`box_project` raises ``ValueError`` (totals beyond the limits by
@@ -54,6 +56,7 @@ import math
 import torch
 from torch import Tensor
 
+from ..bounds.mode import grouped_box_mode
 from ..constraints import EqualityConstraint, SumConstraint
 from .image_constraints import channel_sum_constraint, check_image_constraint
 
@@ -175,52 +178,11 @@ def box_project(x: Tensor, constraint: SumConstraint | Tensor, variance: float |
     a = con.num_constraints
     k = con.k.expand(B, a)
     counts = con.group_sizes.to(torch.float64)  # (a,)
-
-    # breakpoints (B, 2n) and their slope changes, arranged in contiguous groups (0, 1, ...), each sorted
-    if bool((index[1:] >= index[:-1]).all()) and bool((con.group_sizes == con.group_sizes[0]).all()):
-        # channel layout (equal contiguous groups): one batched sort of (B, a, 2m)
-        m2 = 2 * int(con.group_sizes[0])
-        p = torch.stack([(lo - mu) / v, (hi - mu) / v], dim=-1).reshape(B, a, m2)
-        d = torch.stack([v, -v], dim=-1).reshape(B, a, m2)
-        p, o = torch.sort(p, dim=-1, stable=True)
-        p, d = p.reshape(B, 2 * n), d.gather(-1, o).reshape(B, 2 * n)
-        gid = index.repeat_interleave(2).expand(B, 2 * n)
-    else:
-        # any grouping: sort by breakpoint, then (stably) by group
-        p = torch.cat([(lo - mu) / v, (hi - mu) / v], dim=1)
-        d = torch.cat([v, -v], dim=1)
-        p, o1 = torch.sort(p, dim=1, stable=True)
-        d = d.gather(1, o1)
-        gid, o2 = torch.sort(torch.cat([index, index])[o1], dim=1, stable=True)
-        p, d = p.gather(1, o2), d.gather(1, o2)
-    # per-group cumulative sums: global cumsums minus the value before the group's start
-    size2 = 2 * con.group_sizes  # (a,) entries per group
-    start = torch.cumsum(size2, 0) - size2  # (a,)
-    S_all, DP_all = torch.cumsum(d, 1), torch.cumsum(d * p, 1)
-    zero = torch.zeros(B, 1, dtype=torch.float64, device=x.device)
-    S_before = torch.cat([zero, S_all], 1)[:, start]  # (B, a)
-    DP_before = torch.cat([zero, DP_all], 1)[:, start]
-    S = S_all - S_before.gather(1, gid)
-    DP = DP_all - DP_before.gather(1, gid)
-    g = counts[gid] * lo + S * p - DP  # g at each breakpoint, (B, 2n)
-    # the last breakpoint of each group with g < k (the crossing segment starts there)
-    below = g < k.gather(1, gid)
-    cnt = torch.zeros(B, a, dtype=torch.long, device=x.device).scatter_add_(1, gid, below.long())
-    j = (start + cnt - 1).clamp_min(start)  # (B, a); cnt == 0 only when k == m lo (all pixels at lo)
-    pj, gj, Sj = p.gather(1, j), g.gather(1, j), S.gather(1, j)
-    step = torch.where(Sj > 0, (k - gj) / torch.where(Sj > 0, Sj, torch.ones_like(Sj)), torch.zeros_like(Sj))
-    lam = torch.where(cnt == 0, pj, pj + step)
-    lam = torch.where(cnt == 2 * con.group_sizes, p[:, start + size2 - 1], lam)  # k == m hi
-    lam_i = lam.gather(1, index.expand(B, n))
-    y = (mu + lam_i * v).clamp(lo, hi)
-    # one Newton step on the active set removes the cumulative sums' round-off
-    active = (y > lo) & (y < hi)
-    va = torch.where(active, v, torch.zeros_like(v))
-    sum_va = torch.zeros(B, a, dtype=torch.float64, device=x.device).index_add_(1, index, va)
-    r = k - torch.zeros(B, a, dtype=torch.float64, device=x.device).index_add_(1, index, y)
-    corr = torch.where(sum_va > 0, r / torch.where(sum_va > 0, sum_va, torch.ones_like(sum_va)),
-                       torch.zeros_like(r))
-    y = torch.where(active, (y + corr.gather(1, index.expand(B, n)) * va).clamp(lo, hi), y)
+    # the mode of the truncated conditional (hardeq.bounds.mode): breakpoint search, then the exact solve on the
+    # identified active set
+    lo_t = torch.full_like(mu, lo)
+    hi_t = torch.full_like(mu, hi)
+    y, _ = grouped_box_mode(mu, v.expand(B, n), lo_t, hi_t, index, con.group_sizes, k)
     # totals at a limit of the box (up to the tolerance): every pixel of the group at that limit, exactly
     k_i = k.gather(1, index.expand(B, n))
     m_i = counts[index]

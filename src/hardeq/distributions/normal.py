@@ -460,6 +460,25 @@ class ConstrainedNormal(Distribution):
         shape = torch.broadcast_shapes(target.shape, self.batch_shape + self.event_shape)
         return self._out(gaussian_expected_abs(self._mean - target, self._variance)).expand(shape)
 
+    # ------------------------------------------------------------------ bounds
+    def truncate(self, lower: Tensor | float | None = None, upper: Tensor | float | None = None,
+                 **kwargs) -> "TruncatedConstrainedNormal":  # noqa: F821
+        r"""This law restricted to the box ``lower <= z <= upper``: a :class:`~hardeq.TruncatedConstrainedNormal`
+        (exactly feasible samples, the mode in the box, the restricted density).
+
+        Args:
+            lower, upper: ``None`` (unbounded), a number, or a tensor broadcastable to ``batch_shape + (n,)``.
+            **kwargs: ``normaliser_samples``, ``grad_samples``, ``pilot_samples``, ``validate_args``
+                (:class:`~hardeq.TruncatedConstrainedNormal`).
+
+        Raises:
+            ValueError: bounds with ``lower >= upper`` somewhere, or a polytope :math:`\{Az = k\}\cap[l, u]` that is
+                empty or has no volume on the plane (the message names the batch element and the row or group).
+        """
+        from .truncated import TruncatedConstrainedNormal
+
+        return TruncatedConstrainedNormal(self, lower, upper, **kwargs)
+
     # ------------------------------------------------------------------ plumbing
     def expand(self, batch_shape: torch.Size | tuple, _instance=None) -> "ConstrainedNormal":
         batch_shape = _sample_shape(batch_shape, "batch_shape")

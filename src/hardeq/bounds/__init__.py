@@ -1,0 +1,50 @@
+r"""Bounds: the Gaussian conditioned on :math:`Az = k` and truncated to a box :math:`l \le z \le u`.
+
+The user-facing object is :class:`hardeq.TruncatedConstrainedNormal`, made by
+:meth:`hardeq.ConstrainedNormal.truncate`. This package holds its parts:
+
+* :mod:`~hardeq.bounds.polytope` -- the bounds as tensors and the feasibility checks (empty polytope, no volume);
+* :mod:`~hardeq.bounds.mode` -- the mode, an exact QP (breakpoint search, dual semismooth Newton, primal active set);
+* :mod:`~hardeq.bounds.rejection` -- exact iid draws by rejection from the untruncated conditional;
+* :mod:`~hardeq.bounds.normaliser` -- :math:`\log P(\text{box}\mid\text{plane})`, exact for one free dimension,
+  Monte Carlo otherwise, and the gradient identity :math:`\nabla\log Z = \mathbb E_{\text{trunc}}[\nabla\log p]`;
+* :mod:`~hardeq.bounds.hmc` and :mod:`~hardeq.bounds.diagnostics` -- exact Hamiltonian Monte Carlo on the plane and
+  its effective sample size and split R-hat (``exact_hmc``, ``HMCResult``, loaded on first use).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .mode import ModeNotFound, truncated_mode
+from .normaliser import exact_log_normaliser, log_diff_ndtr, mc_log_normaliser
+from .polytope import check_bounds, check_polytope, row_ranges
+from .rejection import AUTO_THRESHOLD, RejectionBudgetExceeded, rejection_sample
+from .result import TruncatedSamples
+
+#: names loaded from the sampler modules on first access (``hardeq.bounds.exact_hmc``)
+_LAZY = {"exact_hmc": "hmc", "HMCResult": "hmc", "effective_sample_size": "diagnostics", "split_rhat": "diagnostics"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    if name in ("hmc", "diagnostics"):
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "AUTO_THRESHOLD",
+    "ModeNotFound",
+    "RejectionBudgetExceeded",
+    "TruncatedSamples",
+    "check_bounds",
+    "check_polytope",
+    "exact_log_normaliser",
+    "log_diff_ndtr",
+    "mc_log_normaliser",
+    "rejection_sample",
+    "row_ranges",
+    "truncated_mode",
+]

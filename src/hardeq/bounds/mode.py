@@ -1,0 +1,433 @@
+r"""The mode of a Gaussian conditioned on :math:`Az = k` and truncated to a box: an exact quadratic program.
+
+.. math::
+    z^\star = \arg\min_z\ (z - \mu)^\top\Sigma^{-1}(z - \mu)
+    \quad\text{s.t.}\quad Az = k,\qquad l \le z \le u,
+
+the projection of :math:`\mu` in the covariance metric onto the polytope :math:`\{Az = k\}\cap[l, u]`. It is
+strictly convex, so the minimiser is unique, and it is the solution of the *equality-constrained* problem on its
+own active set (the coordinates at a bound); every algorithm here finds that active set and finishes with an exact
+solve on it, in float64.
+
+**Diagonal** :math:`\Sigma = \mathrm{diag}(v)` (any constraint). The KKT conditions give
+:math:`z(\lambda) = \mathrm{clip}(\mu + v \odot A^\top\lambda,\ l,\ u)` for the equality multipliers
+:math:`\lambda \in \mathbb R^a`, which solve the piecewise-linear system :math:`F(\lambda) = Az(\lambda) - k = 0`.
+:math:`F` is minus the gradient of the concave dual function
+:math:`\theta(\lambda) = \tfrac12\lVert z(\lambda) - \mu\rVert^2_{v^{-1}} - \lambda^\top(Az(\lambda) - k)`, so a
+semismooth Newton method with an Armijo line search on :math:`\theta` converges globally; its generalized Jacobian
+is the ``a x a`` matrix :math:`J = A\,\mathrm{diag}(v \odot f)\,A^\top` (``f`` marks the coordinates strictly inside
+the box). Once the active set is right, one Newton step is the exact solve on it (``F`` is linear there), and the
+iteration stops with every row within round-off.
+
+* grouped sums (:class:`~hardeq.SumConstraint`): ``J`` is diagonal (per-group sums of ``v f``); the multipliers
+  are first found exactly by the breakpoint search per group (:func:`grouped_box_multipliers`, below), so the
+  Newton iteration only removes the round-off of its cumulative sums: O(n log n) in all.
+* dense or sparse ``A``: ``J`` is formed from the ``a x n`` rows (O(a^2 n) per iteration, plus an ``a^3``
+  Cholesky).
+
+**General** :math:`\Sigma` (full, low-rank, block-diagonal): a primal active-set method (Nocedal & Wright,
+*Numerical Optimization*, Alg. 16.3). It starts from the feasible point of the diagonal problem with
+:math:`v = \mathrm{diag}\,\Sigma`; each iteration solves the equality-constrained problem with the working set's
+bounds added as rows :math:`R = [A;\ E_W]`,
+
+.. math::
+    z_W = \mu + \Sigma R^\top y,\qquad (R\Sigma R^\top)\,y = r - R\mu
+
+(the conditional mean of :math:`\mathcal N(\mu, \Sigma)` given :math:`Rz = r`, the conditioner's formula with
+the active bounds as extra rows; two refinement steps remove the round-off of an ill-conditioned
+:math:`R\Sigma R^\top`), steps towards it as far as the box allows (adding the blocking bound), and, at the
+solution of the working set, drops the bound whose multiplier :math:`y_i` has the wrong sign (the gradient
+:math:`\Sigma^{-1}(z - \mu) = R^\top y` must push *into* an active lower bound and out of an upper one). The working
+set stays linearly independent with ``A`` (a blocking bound has :math:`p_i \ne 0` along a direction ``p`` in the
+null space of the current rows). Batch elements iterate together, with the working sets padded by zero rows.
+Cost per iteration: :math:`\Sigma R^\top` (``m = a + |W|`` products with :math:`\Sigma`: O(n m) diagonal-plus-low-rank,
+O(n^2 m) full) and an ``m x m`` Cholesky; iterations: about the number of active bounds.
+
+The result is cast to the distribution's dtype and clamped into the box (``lower <= z <= upper`` holds exactly);
+every row of :math:`Az = k` then meets the per-row tolerance of the untruncated distribution. The mode is not
+differentiable (a piecewise-linear map of the parameters); it is computed without gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["grouped_box_multipliers", "grouped_box_mode", "truncated_mode", "ModeNotFound"]
+
+#: per-row relative residual at which the float64 iterations stop (the float64 tolerance of the library is 1e-12)
+CONVERGED_RTOL = 1e-13
+#: Newton iterations of the diagonal dual method, and iterations of the general active-set method per bound
+MAX_NEWTON = 100
+MAX_ACTIVE_SET_FACTOR = 4
+#: relative Levenberg term of the dual Newton system (a row whose coordinates are all at bounds has J_ii = 0)
+JACOBIAN_RIDGE = 1e-12
+
+
+class ModeNotFound(ValueError):
+    """The mode solver could not meet a row of ``A z = k`` inside the box: the polytope is empty (or so thin that
+    float64 cannot find a point in it). The message names the batch element and row and gives the residual."""
+
+
+# ====================================================================== grouped sums, diagonal covariance
+def grouped_box_multipliers(mu: Tensor, v: Tensor, lo: Tensor, hi: Tensor, index: Tensor, sizes: Tensor,
+                            k: Tensor) -> Tensor:
+    r"""The per-group multiplier :math:`\lambda_c` with :math:`\sum_{i\in c}\mathrm{clip}(\mu_i + \lambda_c v_i,
+    l_i, u_i) = k_c`, by an exact breakpoint search; all inputs float64.
+
+    :math:`g_c(\lambda) = \sum_{i \in c} \mathrm{clip}(\mu_i + \lambda v_i, l_i, u_i)` is continuous, piecewise linear
+    and non-decreasing, with breakpoints :math:`(l_i - \mu_i)/v_i` (slope :math:`+v_i`) and :math:`(u_i - \mu_i)/v_i`
+    (slope :math:`-v_i`). With a group's ``2m`` breakpoints :math:`p_j` sorted and :math:`d_j` their slope changes,
+    :math:`g(p_j) = \sum_i l_i + S_jp_j - \sum_{l\le j} d_lp_l` (:math:`S_j = \sum_{l \le j} d_l`), so the segment
+    where :math:`g` crosses :math:`k` is found by counting the breakpoints with :math:`g(p_j) < k`, and on it
+    :math:`\lambda = p_j + (k - g(p_j))/S_j`. An infinite bound is replaced by a finite one whose breakpoint lies
+    outside a bracket :math:`[\lambda_-, \lambda_+]` of the crossing (beyond every finite breakpoint, ``g`` is linear
+    and its crossing is explicit), which leaves :math:`g` unchanged on the bracket.
+
+    Args:
+        mu, v, lo, hi: ``(B, n)``; ``v > 0``; ``lo`` may hold ``-inf``, ``hi`` ``+inf``.
+        index: ``(n,)`` group ids; sizes: ``(a,)`` members per group; k: ``(B, a)``, inside
+            :math:`[\sum_c l_i, \sum_c u_i]`.
+
+    Returns:
+        ``(B, a)`` float64 multipliers (exact up to the round-off of the cumulative sums).
+
+    Cost: a sort of ``2n`` breakpoints per batch element and a few cumulative sums.
+    """
+    B, n = mu.shape
+    a = sizes.shape[0]
+    dev = mu.device
+    gi = index.expand(B, n)
+
+    def gsum(x: Tensor) -> Tensor:
+        return torch.zeros(B, a, dtype=x.dtype, device=dev).index_add_(1, index, x)
+
+    fin_lo, fin_hi = torch.isfinite(lo), torch.isfinite(hi)
+    p_lo = torch.where(fin_lo, (lo - mu) / v, torch.zeros_like(mu))
+    p_hi = torch.where(fin_hi, (hi - mu) / v, torch.zeros_like(mu))
+    big = torch.tensor(float("inf"), dtype=mu.dtype, device=dev)
+    pmin = torch.full((B, a), float("inf"), dtype=mu.dtype, device=dev)
+    pmax = torch.full((B, a), -float("inf"), dtype=mu.dtype, device=dev)
+    pmin = pmin.scatter_reduce(1, gi, torch.where(fin_lo, p_lo, big), "amin")
+    pmin = pmin.scatter_reduce(1, gi, torch.where(fin_hi, p_hi, big), "amin")
+    pmax = pmax.scatter_reduce(1, gi, torch.where(fin_lo, p_lo, -big), "amax")
+    pmax = pmax.scatter_reduce(1, gi, torch.where(fin_hi, p_hi, -big), "amax")
+    none = ~torch.isfinite(pmin)  # a group with no finite bound at all
+    pmin = torch.where(none, torch.zeros_like(pmin), pmin)
+    pmax = torch.where(none, torch.zeros_like(pmax), pmax)
+    # beyond every finite breakpoint g is linear: below, sum(finite lo) + sum_{lo=-inf}(mu + lam v)
+    v_lo, v_hi = gsum(torch.where(fin_lo, 0.0, v)), gsum(torch.where(fin_hi, 0.0, v))
+    c_lo = gsum(torch.where(fin_lo, lo, mu))
+    c_hi = gsum(torch.where(fin_hi, hi, mu))
+    lam_minus = torch.where(v_lo > 0, torch.minimum(pmin, (k - c_lo) / torch.where(v_lo > 0, v_lo, 1.0)), pmin)
+    lam_plus = torch.where(v_hi > 0, torch.maximum(pmax, (k - c_hi) / torch.where(v_hi > 0, v_hi, 1.0)), pmax)
+    margin = 1.0 + lam_minus.abs() + lam_plus.abs()
+    lo = torch.where(fin_lo, lo, mu + (lam_minus - margin).gather(1, gi) * v)
+    hi = torch.where(fin_hi, hi, mu + (lam_plus + margin).gather(1, gi) * v)
+
+    # breakpoints (B, 2n) and their slope changes, in contiguous groups, each sorted
+    p = torch.cat([(lo - mu) / v, (hi - mu) / v], dim=1)
+    d = torch.cat([v, -v], dim=1)
+    p, o1 = torch.sort(p, dim=1, stable=True)
+    d = d.gather(1, o1)
+    gid, o2 = torch.sort(torch.cat([index, index])[o1], dim=1, stable=True)
+    p, d = p.gather(1, o2), d.gather(1, o2)
+    size2 = 2 * sizes
+    start = torch.cumsum(size2, 0) - size2
+    S_all, DP_all = torch.cumsum(d, 1), torch.cumsum(d * p, 1)
+    zero = torch.zeros(B, 1, dtype=mu.dtype, device=dev)
+    S = S_all - torch.cat([zero, S_all], 1)[:, start].gather(1, gid)
+    DP = DP_all - torch.cat([zero, DP_all], 1)[:, start].gather(1, gid)
+    g = gsum(lo).gather(1, gid) + S * p - DP
+    below = g < k.gather(1, gid)
+    cnt = torch.zeros(B, a, dtype=torch.long, device=dev).scatter_add_(1, gid, below.long())
+    j = (start + cnt - 1).clamp_min(start)
+    pj, gj, Sj = p.gather(1, j), g.gather(1, j), S.gather(1, j)
+    step = torch.where(Sj > 0, (k - gj) / torch.where(Sj > 0, Sj, torch.ones_like(Sj)), torch.zeros_like(Sj))
+    lam = torch.where(cnt == 0, pj, pj + step)
+    return torch.where(cnt == size2, p[:, start + size2 - 1], lam)
+
+
+def grouped_box_mode(mu: Tensor, v: Tensor, lo: Tensor, hi: Tensor, index: Tensor, sizes: Tensor,
+                     k: Tensor) -> tuple[Tensor, Tensor]:
+    r"""Mode for grouped sums and a diagonal covariance: the breakpoint multipliers
+    (:func:`grouped_box_multipliers`) polished by the dual Newton iteration (one step on the identified active set
+    removes the cumulative sums' round-off). Inputs as there, float64. Returns ``(z, converged)``: ``z`` ``(B, n)``
+    float64 inside the box, ``converged`` ``(B,)`` bool (every row within :data:`CONVERGED_RTOL`)."""
+    lam0 = grouped_box_multipliers(mu, v, lo, hi, index, sizes, k)
+    B, n = mu.shape
+    a = sizes.shape[0]
+
+    def matvec(z: Tensor) -> Tensor:
+        return torch.zeros(z.shape[:-1] + (a,), dtype=z.dtype, device=z.device).index_add_(-1, index, z)
+
+    def rmatvec(lam: Tensor) -> Tensor:
+        return lam.index_select(-1, index)
+
+    def solve(w: Tensor, r: Tensor) -> Tensor:
+        J = matvec(w)
+        J = J + JACOBIAN_RIDGE * matvec(v) + torch.finfo(J.dtype).tiny
+        return r / J
+
+    z, _, ok = dual_newton(mu, v, lo, hi, k, matvec, rmatvec, matvec, solve, lam0)
+    return z, ok
+
+
+# ====================================================================== diagonal covariance, any constraint
+def dual_newton(mu: Tensor, v: Tensor, lo: Tensor, hi: Tensor, k: Tensor, matvec, rmatvec, abs_matvec, solve,
+                lam0: Tensor | None = None, max_iter: int = MAX_NEWTON) -> tuple[Tensor, Tensor, Tensor]:
+    r"""Semismooth Newton on :math:`F(\lambda) = A\,\mathrm{clip}(\mu + v\odot A^\top\lambda, l, u) - k = 0` with an
+    Armijo line search on the concave dual :math:`\theta` (module docstring); float64, batched over ``B``.
+
+    Args:
+        mu, v, lo, hi: ``(B, n)``; k: ``(B, a)``.
+        matvec, rmatvec, abs_matvec: :math:`Az`, :math:`A^\top\lambda`, :math:`|A|x` on ``(B, .)``.
+        solve: ``solve(w, r)`` returns :math:`(A\,\mathrm{diag}(w)A^\top + \text{ridge})^{-1}r`, ``(B, a)``.
+        lam0: starting multipliers ``(B, a)`` (zeros: the conditional mean's neighbourhood).
+
+    Returns:
+        ``(z, lam, converged)``: ``z`` ``(B, n)`` in the box, ``lam`` ``(B, a)``, ``converged`` ``(B,)``.
+    """
+    B = mu.shape[0]
+    lam = torch.zeros_like(k) if lam0 is None else lam0.clone()
+
+    def primal(lam_: Tensor) -> tuple[Tensor, Tensor]:
+        y = mu + v * rmatvec(lam_)
+        return y, torch.minimum(torch.maximum(y, lo), hi)
+
+    def theta(lam_: Tensor, z_: Tensor) -> Tensor:
+        return 0.5 * ((z_ - mu).square() / v).sum(-1) - (lam_ * (matvec(z_) - k)).sum(-1)
+
+    y, z = primal(lam)
+    done = torch.zeros(B, dtype=torch.bool, device=mu.device)
+    stuck = torch.zeros(B, dtype=torch.bool, device=mu.device)
+    for _ in range(max_iter):
+        F = matvec(z) - k
+        scale = abs_matvec(z.abs()) + k.abs()
+        done = (F.abs() <= CONVERGED_RTOL * scale).all(-1)
+        if bool(done.all()):
+            break
+        free = ((y > lo) & (y < hi)).to(v.dtype)
+        delta = -solve(v * free, F)
+        slope = -(F * delta).sum(-1)  # directional derivative of theta along delta (>= 0)
+        th0 = theta(lam, z)
+        t = torch.ones(B, dtype=mu.dtype, device=mu.device)
+        accepted = done | stuck
+        new_lam = lam.clone()
+        for _ in range(60):
+            cand = lam + t.unsqueeze(-1) * delta
+            _, zc = primal(cand)
+            ok = (theta(cand, zc) >= th0 + 1e-4 * t * slope - 1e-15 * th0.abs()) & ~accepted
+            new_lam = torch.where(ok.unsqueeze(-1), cand, new_lam)
+            accepted = accepted | ok
+            if bool(accepted.all()):
+                break
+            t = torch.where(accepted, t, 0.5 * t)
+        lam = torch.where(done.unsqueeze(-1), lam, new_lam)
+        y, z = primal(lam)
+        stuck = stuck | ~accepted  # no ascent step: at the dual's supremum to round-off (or unbounded); stop there
+        if bool((done | stuck).all()):
+            break
+    F = matvec(z) - k
+    done = (F.abs() <= CONVERGED_RTOL * (abs_matvec(z.abs()) + k.abs())).all(-1)
+    return z, lam, done
+
+
+def _dense_solver(A: Tensor, v: Tensor):
+    """``solve(w, r)`` for a dense ``A`` (``(*, a, n)`` float64, broadcasting over ``B``): the equilibrated Cholesky
+    of :math:`A\\,\\mathrm{diag}(w)A^\\top` plus the relative ridge."""
+    base = (A.square() * v.unsqueeze(-2)).sum(-1)  # diag(A diag(v) A^T), (B, a)
+
+    def solve(w: Tensor, r: Tensor) -> Tensor:
+        J = (A * w.unsqueeze(-2)) @ A.mT
+        J = J + torch.diag_embed(JACOBIAN_RIDGE * base + torch.finfo(J.dtype).tiny)
+        s = J.diagonal(0, -2, -1).sqrt()
+        L, info = torch.linalg.cholesky_ex(J / (s.unsqueeze(-1) * s.unsqueeze(-2)))
+        x = torch.cholesky_solve((r / s).unsqueeze(-1), L).squeeze(-1) / s
+        bad = info != 0
+        if bool(bad.any()):  # a numerically singular J: least squares
+            x2 = torch.linalg.lstsq(J, r.unsqueeze(-1)).solution.squeeze(-1)
+            x = torch.where(bad.unsqueeze(-1), x2, x)
+        return x
+
+    return solve
+
+
+# ====================================================================== general covariance
+def active_set(mu: Tensor, cov, A: Tensor, k: Tensor, lo: Tensor, hi: Tensor, z0: Tensor,
+               batch_shape: torch.Size) -> tuple[Tensor, Tensor]:
+    r"""Primal active-set method for a general covariance (module docstring), float64.
+
+    Args:
+        mu, lo, hi, z0: ``(*batch, n)``; ``z0`` feasible (in the box, on the plane).
+        cov: the covariance in float64 (batch shape broadcasting with ``batch``).
+        A: ``(*batch, a, n)`` dense rows; k: ``(*batch, a)``.
+
+    Returns:
+        ``(z, converged)``: ``z`` ``(*batch, n)``, the bounds of the final working set exactly at their values;
+        ``converged`` ``(*batch)``.
+    """
+    n = mu.shape[-1]
+    a = A.shape[-2]
+    eye = torch.eye(n, dtype=mu.dtype, device=mu.device)
+    z = z0.clone()
+    W = torch.zeros(batch_shape + (n,), dtype=torch.bool, device=mu.device)  # working set
+    done = torch.zeros(batch_shape, dtype=torch.bool, device=mu.device)
+    for _ in range(MAX_ACTIVE_SET_FACTOR * n + 10):
+        m = int(W.sum(-1).max()) if W.numel() else 0
+        # rows of the working set, padded with zero rows: (*batch, m, n)
+        order = torch.sort(W.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :m]
+        valid = W.gather(-1, order)
+        E = eye[order] * valid.unsqueeze(-1).to(mu.dtype)
+        R = torch.cat([A, E], -2)  # (*batch, a + m, n)
+        rhs = torch.cat([k, (z.gather(-1, order) * valid)], -1)
+        SR = cov.matmul(R.mT)  # (*batch, n, a + m)
+        S = R @ SR
+        pad = torch.cat([torch.zeros(batch_shape + (a,), dtype=torch.bool, device=mu.device), ~valid], -1)
+        S = S + torch.diag_embed(pad.to(S.dtype))
+        s = S.diagonal(0, -2, -1).sqrt()
+        L, info = torch.linalg.cholesky_ex(S / (s.unsqueeze(-1) * s.unsqueeze(-2)))
+        if bool((info != 0).any()):
+            raise ModeNotFound("the working set of the mode's active-set method became linearly dependent with A "
+                               "(a degenerate polytope); no exact mode could be found.")
+
+        def sol(r: Tensor) -> Tensor:
+            return torch.cholesky_solve((r / s).unsqueeze(-1), L).squeeze(-1) / s
+
+        y = sol(rhs - (R @ mu.unsqueeze(-1)).squeeze(-1))
+        zs = mu + (SR @ y.unsqueeze(-1)).squeeze(-1)
+        for _ in range(2):  # refinement: R zs = rhs to round-off whatever the conditioning of S
+            dy = sol(rhs - (R @ zs.unsqueeze(-1)).squeeze(-1))
+            y = y + dy
+            zs = zs + (SR @ dy.unsqueeze(-1)).squeeze(-1)
+        zs = torch.where(W, z, zs)
+        p = zs - z
+        # ratio test over the bounds not in the working set
+        toward_lo = (p < 0) & ~W & torch.isfinite(lo)
+        toward_hi = (p > 0) & ~W & torch.isfinite(hi)
+        ratio = torch.full_like(p, float("inf"))
+        ratio = torch.where(toward_lo, (lo - z) / torch.where(toward_lo, p, -1.0), ratio)
+        ratio = torch.where(toward_hi, (hi - z) / torch.where(toward_hi, p, 1.0), ratio)
+        ratio = ratio.clamp_min(0)
+        alpha, block = ratio.min(-1)
+        full = alpha >= 1
+        # elements at their working set's solution: check the multipliers of the active bounds
+        mult = torch.zeros_like(z).scatter(-1, order, y[..., a:] * valid)
+        at_upper = W & (z >= hi)
+        signed = torch.where(at_upper, -mult, mult)  # must be >= 0 for every active bound
+        tol = 1e-12 * (mult.abs().amax(-1, keepdim=True) + (y[..., :a].abs().amax(-1, keepdim=True)
+                                                             if a else 0.0))
+        wrong = W & (signed < -tol)
+        optimal = full & ~wrong.any(-1)
+        done = done | optimal
+        if bool(done.all()):
+            z = torch.where(done.unsqueeze(-1), torch.where(full.unsqueeze(-1), zs, z), z)
+            break
+        live = ~done
+        # full step: move to zs; drop the most negative multiplier
+        z_full = zs
+        drop = torch.where(wrong, signed, torch.full_like(signed, float("inf"))).argmin(-1)
+        W_full = W.clone()
+        W_full.scatter_(-1, drop.unsqueeze(-1), torch.zeros_like(drop.unsqueeze(-1), dtype=torch.bool))
+        W_full = torch.where(optimal.unsqueeze(-1), W, W_full)
+        # partial step: move alpha along p, add the blocking bound at its exact value
+        z_part = z + alpha.clamp(0, 1).unsqueeze(-1) * p
+        bound = torch.where(p.gather(-1, block.unsqueeze(-1)) < 0, lo.gather(-1, block.unsqueeze(-1)),
+                            hi.gather(-1, block.unsqueeze(-1)))
+        z_part = z_part.scatter(-1, block.unsqueeze(-1), bound)
+        W_part = W.scatter(-1, block.unsqueeze(-1), torch.ones_like(block.unsqueeze(-1), dtype=torch.bool))
+        step_full = (full & live).unsqueeze(-1)
+        step_part = (~full & live).unsqueeze(-1)
+        z = torch.where(step_full, z_full, torch.where(step_part, z_part, z))
+        W = torch.where(step_full, W_full, torch.where(step_part, W_part, W))
+        z = torch.minimum(torch.maximum(z, lo), hi)
+    return z, done
+
+
+# ====================================================================== the dispatcher
+def _operators(con, batch: torch.Size):
+    """``(matvec, abs_matvec)`` on ``(B, n)`` float64 vectors for the constraint (float64), flattened over
+    ``batch``."""
+    B = batch.numel()
+    if con.group_index is not None:
+        index, a = con.group_index, con.num_constraints
+
+        def gsum(x: Tensor) -> Tensor:
+            return torch.zeros(x.shape[:-1] + (a,), dtype=x.dtype, device=x.device).index_add_(-1, index, x)
+
+        return gsum, gsum
+    A = con.dense_matrix().detach()
+    A = A.expand(batch + A.shape[-2:]).reshape(B, *A.shape[-2:]) if A.dim() > 2 else A
+    Aabs = A.abs()
+    return (lambda x: (A @ x.unsqueeze(-1)).squeeze(-1)), (lambda x: (Aabs @ x.unsqueeze(-1)).squeeze(-1))
+
+
+def truncated_mode(dist, lower: Tensor, upper: Tensor) -> Tensor:
+    r"""The mode of ``dist`` (a :class:`~hardeq.ConstrainedNormal`) truncated to ``[lower, upper]``
+    (``(*batch, n)`` tensors in the distribution's compute dtype, ``±inf`` where unbounded): module docstring for
+    the algorithms. Returns ``(*batch, n)`` in the compute dtype, ``lower <= z <= upper`` exactly, every row within
+    the untruncated per-row tolerance.
+
+    Raises:
+        ModeNotFound (a ``ValueError``): no point of the plane in the box was found (the polytope is empty); the
+            message names the batch element, the row and its residual.
+    """
+    f64 = torch.float64
+    batch = dist.batch_shape
+    n = dist.event_shape[0]
+    B = batch.numel()
+    con = dist.constraint.to(dtype=f64)
+    cov = dist.covariance.to(dtype=f64)
+    with torch.no_grad():
+        mu = dist._unbroadcasted_loc.detach().to(f64).expand(batch + (n,))
+        lo = lower.detach().to(f64).expand(batch + (n,))
+        hi = upper.detach().to(f64).expand(batch + (n,))
+        k = con.k.detach().expand(batch + (con.num_constraints,))
+        v = cov.variance.detach().expand(batch + (n,))
+        flat = (mu.reshape(B, n), v.reshape(B, n), lo.reshape(B, n), hi.reshape(B, n))
+        kf = k.reshape(B, -1)
+        matvec, abs_matvec = _operators(con, batch)
+        if con.group_index is not None:
+            z, ok = grouped_box_mode(*flat, con.group_index, con.group_sizes, kf)
+        else:
+            A = con.dense_matrix().detach()
+            Af = A.expand(batch + A.shape[-2:]).reshape(B, *A.shape[-2:]) if A.dim() > 2 else A
+
+            def rmatvec(lam: Tensor) -> Tensor:
+                return (Af.mT @ lam.unsqueeze(-1)).squeeze(-1)
+
+            z, _, ok = dual_newton(*flat, kf, matvec, rmatvec, abs_matvec, _dense_solver(Af, flat[1]))
+        _raise_unless(ok, z, matvec, abs_matvec, kf, batch, "the mode's dual Newton iteration")
+        z = z.reshape(batch + (n,))
+        if not cov.is_diagonal:
+            A = con.dense_matrix().detach()
+            A = A.expand(batch + A.shape[-2:])
+            z, ok = active_set(mu, cov, A, k, lo, hi, z, batch)
+            zf = z.reshape(B, n)
+            res_ok = _rows_ok(zf, matvec, abs_matvec, kf, 100 * CONVERGED_RTOL)
+            _raise_unless(ok.reshape(B) & res_ok, zf, matvec, abs_matvec, kf, batch, "the mode's active-set method")
+        z = torch.minimum(torch.maximum(z, lo), hi)
+        out = z.to(dist._unbroadcasted_loc.dtype)
+        return torch.minimum(torch.maximum(out, lower.expand_as(out)), upper.expand_as(out))
+
+
+def _rows_ok(z: Tensor, matvec, abs_matvec, k: Tensor, rtol: float) -> Tensor:
+    r = matvec(z) - k
+    return (r.abs() <= rtol * (abs_matvec(z.abs()) + k.abs())).all(-1)
+
+
+def _raise_unless(ok: Tensor, z: Tensor, matvec, abs_matvec, k: Tensor, batch: torch.Size, where: str) -> None:
+    if bool(ok.all()):
+        return
+    flat = int((~ok).nonzero()[0])
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), batch)) if len(batch) else ()
+    zb = z.reshape(-1, z.shape[-1])
+    r = (matvec(zb) - k)[flat]
+    scale = (abs_matvec(zb.abs()) + k.abs())[flat]
+    rel = r.abs() / scale.clamp_min(torch.finfo(scale.dtype).tiny)
+    row = int(rel.argmax())
+    raise ModeNotFound(
+        f"{where} found no point of the plane A z = k inside the box for batch element {index}: row {row} misses "
+        f"its right-hand side k = {float(k[flat, row]):.6g} by {float(r[row]):.3g} (relative {float(rel[row]):.3g}) at "
+        "the closest point reached. The polytope {A z = k} ∩ [lower, upper] is empty (or too thin for float64); "
+        "check the bounds against the constraint.")

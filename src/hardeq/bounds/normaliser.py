@@ -1,0 +1,146 @@
+r"""The normaliser :math:`Z = P(l \le z \le u \mid Az = k)` of the truncated density, and its gradient.
+
+The truncated density on the plane is :math:`p(z \mid Az = k)\,\mathbf 1[l \le z \le u] / Z`, so
+:math:`\log p_{\text{trunc}}(z) = \log p(z \mid Az = k) - \log Z`.
+
+**Exact, one free dimension** (``n - a == 1``). The plane is a line and the conditional covariance has rank one,
+:math:`\bar\Sigma = ww^\top` with :math:`w = d / \sqrt{d^\top\Sigma^{-1}d}` (``d`` the unit null vector of ``A``):
+:math:`z = \bar\mu + \varepsilon w`, :math:`\varepsilon \sim \mathcal N(0, 1)`. The box is the interval
+:math:`\alpha \le \varepsilon \le \beta` with :math:`\alpha = \max_i \min(t^l_i, t^u_i)`,
+:math:`\beta = \min_i \max(t^l_i, t^u_i)`, :math:`t_i = (\text{bound}_i - \bar\mu_i)/w_i` over the coordinates
+with :math:`w_i \ne 0` (the others must hold :math:`l_i \le \bar\mu_i \le u_i`), and
+
+.. math::
+    \log Z = \log(\Phi(\beta) - \Phi(\alpha)),
+
+computed from ``torch.special.log_ndtr`` without cancellation (:func:`log_diff_ndtr`), differentiable in
+:math:`\bar\mu` and :math:`w`, hence in ``loc``, the scales and ``k`` (autograd; exact gradient).
+
+**Monte Carlo, more free dimensions.** :math:`\hat Z = N_{\text{in}}/N` over ``N`` exact draws of the untruncated
+conditional; ``log_normaliser`` is :math:`\log\hat Z` and ``log_normaliser_stderr`` its delta-method standard
+error :math:`\sqrt{(1 - \hat Z)/(N\hat Z)}` (relative error of :math:`\hat Z`); :math:`\log\hat Z` is biased low by
+about half its variance. Its gradient comes from the identity
+
+.. math::
+    \nabla\log Z = \mathbb E_{\text{trunc}}[\nabla\log p(z\mid Az = k)]
+
+(differentiate :math:`Z = \int_{\text{box}} p`; valid for ``loc`` and the scales, which do not move the plane),
+estimated with draws :math:`z_s` of the truncated law by the surrogate
+:math:`\frac1S\sum_s \log p(z_s) - \mathrm{stopgrad}(\cdot)` (:func:`surrogate`), whose value is zero and whose
+gradient is the sample mean. Its variance is :math:`\mathrm{Var}_{\text{trunc}}[\nabla\log p(z)]/S_{\text{eff}}`
+per component: ``S`` for rejection draws (iid), the effective sample size for HMC draws. ``k`` moves the plane and
+with it the box's section; its part of :math:`\nabla\log Z` is a flux through the section's boundary that the
+identity does not contain, so on this path the normaliser carries no gradient to ``k`` (the numerator's gradient
+to ``k`` is zero on the plane as for :class:`~hardeq.ConstrainedNormal`): use the exact path (one free dimension)
+or treat ``k`` as data.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = ["log_diff_ndtr", "null_direction", "line_interval", "exact_log_normaliser", "mc_log_normaliser",
+           "surrogate"]
+
+
+def _log1mexp(x: Tensor) -> Tensor:
+    r""":math:`\log(1 - e^x)` for :math:`x \le 0`, accurate on both sides of :math:`-\log 2`."""
+    return torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def log_diff_ndtr(a: Tensor, b: Tensor) -> Tensor:
+    r""":math:`\log(\Phi(b) - \Phi(a))` for :math:`a < b` (``-inf`` where :math:`a \ge b`), without cancellation:
+    :math:`\log\Phi(b) + \log(1 - e^{\log\Phi(a) - \log\Phi(b)})` when :math:`a + b \le 0`, else the same on
+    :math:`(-b, -a)` (symmetry), so both tails keep their relative accuracy. Differentiable."""
+    flip = (a + b) > 0
+    lo = torch.where(flip, -b, a)
+    hi = torch.where(flip, -a, b)
+    empty = lo >= hi
+    hi_safe = torch.where(empty, lo + 1, hi)
+    la, lb = torch.special.log_ndtr(lo), torch.special.log_ndtr(hi_safe)
+    out = lb + _log1mexp((la - lb).clamp_max(0))
+    return torch.where(empty, torch.full_like(out, -float("inf")), out)
+
+
+def null_direction(constraint) -> Tensor:
+    """The unit vector spanning :math:`\\mathrm{null}(A)` when ``n - a == 1``, ``(*batch_A, n)`` float64 (from the
+    constraint's float64 complete QR; its sign is arbitrary)."""
+    return constraint.orthonormal_decomposition()[2][..., 0]
+
+
+def line_interval(dist, lower: Tensor, upper: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    r"""For ``n - a == 1``: ``(alpha, beta, mean, w)`` with the box = :math:`\{\bar\mu + \varepsilon w : \alpha \le
+    \varepsilon \le \beta\}` (module docstring); ``alpha``, ``beta`` ``(*batch)``, ``mean``, ``w`` ``(*batch, n)``, in
+    the compute dtype, differentiable in the parameters. A coordinate with :math:`w_i = 0` (the constraint determines
+    it) outside its bounds gives an empty interval (``alpha = +inf``)."""
+    mean = dist._mean
+    dtype = mean.dtype
+    d = null_direction(dist.constraint).to(dtype)
+    batch = dist.batch_shape
+    n = dist.event_shape[0]
+    d = d.expand(batch + (n,))
+    w = d / dist.covariance.inv_quad(d).clamp_min(torch.finfo(dtype).tiny).sqrt().unsqueeze(-1)
+    w = w.expand(batch + (n,))
+    zero = d.abs() <= 64 * torch.finfo(torch.float64).eps
+    w_safe = torch.where(zero, torch.ones_like(w), w)
+    t_lo = (lower - mean) / w_safe
+    t_hi = (upper - mean) / w_safe
+    inf = torch.full_like(t_lo, float("inf"))
+    lows = torch.where(zero, -inf, torch.minimum(t_lo, t_hi))
+    highs = torch.where(zero, inf, torch.maximum(t_lo, t_hi))
+    alpha, beta = lows.amax(-1), highs.amin(-1)
+    pinned_out = (zero & ((mean < lower) | (mean > upper))).any(-1)
+    alpha = torch.where(pinned_out, torch.full_like(alpha, float("inf")), alpha)
+    return alpha, beta, mean, w
+
+
+def exact_log_normaliser(dist, lower: Tensor, upper: Tensor) -> Tensor:
+    r""":math:`\log P(\text{box}\mid\text{plane}) = \log(\Phi(\beta) - \Phi(\alpha))` for ``n - a == 1``, ``(*batch)``,
+    differentiable (module docstring). ``ValueError`` when the interval is empty or a point (no volume)."""
+    alpha, beta, _, _ = line_interval(dist, lower, upper)
+    bad = ~(alpha < beta)
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in bad.nonzero()[0]) if bad.dim() else ()
+        a_, b_ = float(alpha[idx]), float(beta[idx])
+        what = "empty" if not a_ <= b_ else "a single point"
+        raise ValueError(f"the polytope {{A z = k}} ∩ [lower, upper] of batch element {idx} is {what}: the plane is a "
+                         f"line (n - a = 1) and the box cuts it to the standardized interval [{a_:.6g}, {b_:.6g}]. "
+                         "Widen the bounds or change k.")
+    return log_diff_ndtr(alpha, beta)
+
+
+@torch.no_grad()
+def mc_log_normaliser(draws: Tensor, lower: Tensor, upper: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    r"""From ``N`` untruncated draws ``(N, *batch, n)``: ``(log_Z, stderr, acceptance)``, each ``(*batch)``;
+    :math:`\hat Z` = fraction in the box, stderr :math:`\sqrt{(1-\hat Z)/(N\hat Z)}` (``inf`` where no draw is
+    in)."""
+    N = draws.shape[0]
+    inside = ((draws >= lower) & (draws <= upper)).all(-1)
+    acc = inside.to(torch.float64).mean(0)
+    log_z = acc.log()
+    stderr = torch.where(acc > 0, ((1 - acc) / (N * acc.clamp_min(1e-300))).sqrt(),
+                         torch.full_like(acc, float("inf")))
+    return log_z, stderr, acc
+
+
+def surrogate(dist, draws: Tensor) -> Tensor:
+    r""":math:`\frac1S\sum_s \log p(z_s \mid Az = k) - \mathrm{stopgrad}(\cdot)`, ``(*batch)``: zero in value, with
+    gradient the Monte Carlo estimate of :math:`\nabla\log Z` w.r.t. ``loc`` and the scales (``draws``
+    ``(S, *batch, n)`` of the truncated law, detached; module docstring for its variance). ``k`` is detached here."""
+    base = dist
+    k = base.constraint.k
+    if k.requires_grad:
+        base = _with_detached_k(dist)
+    lp = base.log_prob(draws.detach()).mean(0)
+    return lp - lp.detach()
+
+
+def _with_detached_k(dist):
+    from ..distributions.normal import ConstrainedNormal
+
+    con = dist.constraint.with_k(dist.constraint.k.detach())
+    return ConstrainedNormal(dist._unbroadcasted_loc, covariance=dist.covariance, constraint=con,
+                             validate_args=False)

@@ -1,0 +1,32 @@
+"""The result of a truncated sampler: the draws and what produced them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+__all__ = ["TruncatedSamples"]
+
+
+@dataclass
+class TruncatedSamples:
+    """Draws of :class:`~hardeq.TruncatedConstrainedNormal` and how they were made.
+
+    Attributes:
+        samples (Tensor): ``sample_shape + batch_shape + (n,)``; every entry within its bounds exactly, every row of
+            ``A z = k`` within the untruncated per-row tolerance.
+        method (str): ``"rejection"`` (exact iid draws of the truncated law) or ``"hmc"`` (exact Hamiltonian Monte
+            Carlo on the plane: exact in its stationary law; correlated within a chain).
+        acceptance (Tensor | None): ``(*batch)`` measured acceptance of the rejection sampler (accepted / drawn), or
+            ``None`` for HMC.
+        ess (Tensor | None): ``(*batch, n)`` effective sample size per coordinate (for rejection: the number of
+            draws, which are independent), or ``None`` when not measured.
+        rhat (Tensor | None): ``(*batch, n)`` split R-hat across HMC chains; ``None`` for rejection.
+    """
+
+    samples: Tensor
+    method: str
+    acceptance: Tensor | None = None
+    ess: Tensor | None = None
+    rhat: Tensor | None = None

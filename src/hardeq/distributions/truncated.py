@@ -1,0 +1,362 @@
+r"""The Gaussian conditioned on :math:`Az = k` and truncated to a box: :class:`TruncatedConstrainedNormal`."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+from torch.distributions import Distribution, constraints
+
+from ..bounds.mode import truncated_mode
+from ..bounds.normaliser import exact_log_normaliser, surrogate
+from ..bounds.polytope import as_bound, check_bounds, check_polytope
+from ..bounds.rejection import AUTO_THRESHOLD, ROUND_ELEMENTS, rejection_sample
+from ..bounds.result import TruncatedSamples
+from .normal import ConstrainedNormal, _full_precision, _sample_shape
+
+__all__ = ["TruncatedConstrainedNormal"]
+
+#: methods of :meth:`TruncatedConstrainedNormal.sample_with_info`
+METHODS = ("auto", "rejection", "hmc")
+#: per-row tolerance of the untruncated law, by compute dtype (the library's exactness promise)
+ROW_RTOL = {torch.float32: 1e-5, torch.float64: 1e-12}
+
+
+class _BoxOnPlane(constraints.Constraint):
+    """The support :math:`\\{z : Az = k,\\ l \\le z \\le u\\}`: the box exactly, the plane as
+    :class:`~hardeq.ConstrainedNormal`'s support checks it (per row, to round-off)."""
+
+    is_discrete = False
+    event_dim = 1
+
+    def __init__(self, plane: constraints.Constraint, lower: Tensor, upper: Tensor) -> None:
+        self.plane, self.lower, self.upper = plane, lower, upper
+        super().__init__()
+
+    def check(self, value: Tensor) -> Tensor:
+        v = value.to(self.lower.dtype)
+        return ((v >= self.lower) & (v <= self.upper)).all(-1) & self.plane.check(value)
+
+    def __repr__(self) -> str:
+        return f"BoxOnPlane({self.plane!r})"
+
+
+class TruncatedConstrainedNormal(Distribution):
+    r""":math:`z \sim \mathcal N(\mu, \Sigma)` given :math:`Az = k` and :math:`l \le z \le u`: a
+    :class:`~hardeq.ConstrainedNormal` restricted to a box. Made by :meth:`ConstrainedNormal.truncate`.
+
+    The law has density
+
+    .. math::
+        p_{\text{trunc}}(z) = \frac{p(z \mid Az = k)\,\mathbf 1[l \le z \le u]}{Z},\qquad
+        Z = P(l \le z \le u \mid Az = k),
+
+    on the plane :math:`\{Az = k\}` (w.r.t. its ``(n - a)``-dimensional Lebesgue measure, as
+    :meth:`ConstrainedNormal.log_prob`). Every covariance structure and constraint type of the base distribution
+    works, batched as it is.
+
+    **What a user gets.**
+
+    * :meth:`sample` / :meth:`sample_with_info`: every draw satisfies ``lower <= z <= upper`` exactly (``>=``,
+      ``<=`` in the distribution's dtype) and every row of :math:`Az = k` within the untruncated per-row tolerance.
+      ``method="rejection"`` is exact in law (iid draws of the untruncated conditional kept when in the box);
+      ``method="hmc"`` is exact Hamiltonian Monte Carlo on the plane (Pakman & Paninski 2014), exact in its
+      stationary law (asymptotically in the number of steps; draws of one chain are correlated: see ``ess`` and
+      ``rhat`` of :meth:`sample_with_info`). ``method="auto"`` (default) measures the acceptance on a pilot of
+      ``pilot_samples`` draws and uses rejection when it is at least ``threshold`` (0.1: at most ten untruncated
+      draws per kept one), HMC from :attr:`mode` otherwise. The method used is named in the result.
+    * :attr:`mode`: the maximiser of the density on the polytope, exact up to round-off
+      (:mod:`hardeq.bounds.mode`).
+    * :meth:`log_prob`: ``log p(z | Az = k) - log Z`` in the box, ``-inf`` outside it. :attr:`normaliser_exact`
+      says which normaliser it uses: **exact** for one free dimension (``n - a == 1``: a normal CDF difference,
+      differentiable, exact gradient), otherwise a **Monte Carlo estimate** from ``normaliser_samples`` untruncated
+      draws with its standard error in :attr:`log_normaliser_stderr`. Its gradient w.r.t. ``loc`` and the scales
+      then comes from :math:`\nabla\log Z = \mathbb E_{\text{trunc}}[\nabla\log p(z\mid Az=k)]` on
+      ``grad_samples`` draws of the truncated law (unbiased; variance
+      :math:`\mathrm{Var}_{\text{trunc}}[\nabla\log p]/S_{\text{eff}}`); ``k`` gets no gradient through a Monte Carlo
+      normaliser (:mod:`hardeq.bounds.normaliser` says why).
+    * ``mean``, ``variance`` and ``entropy`` have no closed form and are not provided; estimate them from samples.
+
+    Args:
+        base (ConstrainedNormal): the untruncated conditional.
+        lower, upper (None | float | Tensor): the box; ``None`` is unbounded (``-inf`` / ``+inf``), a number applies
+            to every coordinate, a tensor broadcasts to ``batch_shape + (n,)`` (entries may be infinite).
+        normaliser_samples (int): untruncated draws of the Monte Carlo normaliser (``n - a > 1``).
+        grad_samples (int): truncated draws of the normaliser's gradient estimate.
+        pilot_samples (int): untruncated draws of ``method="auto"``'s acceptance pilot.
+        validate_args (bool, optional): as ``torch.distributions``; passed to the plane check of :meth:`log_prob`
+            through ``base``.
+
+    Raises:
+        TypeError / ValueError: a bound of the wrong type, shape, device or dtype, ``NaN``, ``lower >= upper`` in a
+            coordinate; a polytope :math:`\{Az = k\}\cap[l, u]` that is empty or has no volume on the plane (a face
+            or a single point), naming the batch element and the row or group (:mod:`hardeq.bounds.polytope`).
+
+    Example:
+        >>> import hardeq
+        >>> d = hardeq.ConstrainedNormal(torch.full((4,), 0.25), 0.3, constraint=hardeq.SumConstraint(
+        ...     torch.zeros(4, dtype=torch.long), torch.ones(1))).truncate(0.0, 1.0)   # long-only weights
+        >>> z = d.sample((1000,))
+        >>> bool((z >= 0).all() and (z <= 1).all()), bool(torch.allclose(z.sum(-1), torch.ones(1000)))
+        (True, True)
+    """
+
+    arg_constraints: dict = {}  # noqa: RUF012
+    has_rsample = False
+
+    def __init__(self, base: ConstrainedNormal, lower: Tensor | float | None = None,
+                 upper: Tensor | float | None = None, *, normaliser_samples: int = 4096, grad_samples: int = 256,
+                 pilot_samples: int = 256, validate_args: bool | None = None) -> None:
+        if not isinstance(base, ConstrainedNormal):
+            raise TypeError(f"base must be a hardeq.ConstrainedNormal, got {type(base).__name__}.")
+        for name, value in (("normaliser_samples", normaliser_samples), ("grad_samples", grad_samples),
+                            ("pilot_samples", pilot_samples)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}.")
+        self.base = base
+        loc = base._unbroadcasted_loc
+        shape = base.batch_shape + base.event_shape
+        self._lo = as_bound("lower", lower, shape, loc.dtype, loc.device, -math.inf)
+        self._hi = as_bound("upper", upper, shape, loc.dtype, loc.device, math.inf)
+        check_bounds(self._lo, self._hi)
+        self.row_rtol = ROW_RTOL[loc.dtype]
+        check_polytope(base.constraint, self._lo, self._hi, self.row_rtol)
+        self.normaliser_samples = normaliser_samples
+        self.grad_samples = grad_samples
+        self.pilot_samples = pilot_samples
+        self._cache: dict = {}
+        super().__init__(base.batch_shape, base.event_shape, validate_args=False)
+        self._validate_args = base._validate_args if validate_args is None else bool(validate_args)
+        if self.normaliser_exact:
+            with torch.no_grad():
+                exact_log_normaliser(base, self._lo, self._hi)  # raises for an empty / single-point line section
+
+    # ------------------------------------------------------------------ shape and support
+    @property
+    def _unbroadcasted_loc(self) -> Tensor:  # read by the full-precision guard of the methods
+        return self.base._unbroadcasted_loc
+
+    @property
+    def lower(self) -> Tensor:
+        """The lower bounds, ``batch_shape + (n,)`` (``-inf`` where unbounded)."""
+        return self.base._out(self._lo)
+
+    @property
+    def upper(self) -> Tensor:
+        """The upper bounds, ``batch_shape + (n,)`` (``+inf`` where unbounded)."""
+        return self.base._out(self._hi)
+
+    @property
+    def free_dim(self) -> int:
+        """Dimension of the plane, ``n - a``."""
+        return self.event_shape[0] - self.base.constraint.num_constraints
+
+    @property
+    def normaliser_exact(self) -> bool:
+        """Whether :attr:`log_normaliser` (and :meth:`log_prob`) is exact: one free dimension (``n - a == 1``)."""
+        return self.free_dim == 1
+
+    @constraints.dependent_property(is_discrete=False, event_dim=1)
+    def support(self) -> constraints.Constraint:
+        return _BoxOnPlane(self.base.support, self._lo, self._hi)
+
+    # ------------------------------------------------------------------ mode
+    @property
+    @_full_precision
+    def mode(self) -> Tensor:
+        r"""The maximiser of the density on the polytope, ``batch_shape + (n,)``: the projection of :math:`\mu` in the
+        covariance metric onto :math:`\{Az = k\}\cap[l, u]`, solved exactly (:mod:`hardeq.bounds.mode`; cached).
+        ``lower <= mode <= upper`` exactly; every row within the untruncated tolerance. Not differentiable."""
+        if "mode" not in self._cache:
+            self._cache["mode"] = truncated_mode(self.base, self._lo, self._hi)
+        return self.base._out(self._cache["mode"])
+
+    # ------------------------------------------------------------------ normaliser
+    @torch.no_grad()
+    def _count_in_box(self, num: int) -> tuple[Tensor, Tensor, Tensor]:
+        """MC normaliser from ``num`` untruncated draws, in chunks that bound memory."""
+        B, n = self.batch_shape.numel(), self.event_shape[0]
+        chunk = max(1, ROUND_ELEMENTS // max(1, B * n))
+        inside = torch.zeros(self.batch_shape, dtype=torch.float64, device=self._lo.device)
+        cond, loc = self.base.conditioner, self.base._unbroadcasted_loc
+        done = 0
+        while done < num:
+            m = min(chunk, num - done)
+            z = cond.sample(loc, (m,))
+            inside += ((z >= self._lo) & (z <= self._hi)).all(-1).to(torch.float64).sum(0)
+            done += m
+        acc = inside / num
+        stderr = torch.where(acc > 0, ((1 - acc) / (num * acc.clamp_min(1e-300))).sqrt(),
+                             torch.full_like(acc, float("inf")))
+        return acc.log(), stderr, acc
+
+    def _mc(self) -> tuple[Tensor, Tensor, Tensor]:
+        if "mc" not in self._cache:
+            self._cache["mc"] = self._count_in_box(self.normaliser_samples)
+        return self._cache["mc"]
+
+    @property
+    @_full_precision
+    def log_normaliser(self) -> Tensor:
+        r""":math:`\log Z = \log P(l \le z \le u \mid Az = k)`, ``batch_shape``: exact when :attr:`normaliser_exact`
+        (differentiable), else the Monte Carlo estimate :math:`\log(N_{\text{in}}/N)` over ``normaliser_samples``
+        draws (detached; ``-inf`` where no draw fell in the box), whose standard error is
+        :attr:`log_normaliser_stderr`."""
+        if self.normaliser_exact:
+            return self.base._out(exact_log_normaliser(self.base, self._lo, self._hi))
+        return self.base._out(self._mc()[0].to(self._lo.dtype))
+
+    @property
+    def log_normaliser_stderr(self) -> Tensor:
+        r"""Standard error of :attr:`log_normaliser`, ``batch_shape``: 0 when exact, else the delta-method
+        :math:`\sqrt{(1 - \hat Z)/(N\hat Z)}` (``inf`` where :math:`\hat Z = 0`)."""
+        if self.normaliser_exact:
+            return torch.zeros(self.batch_shape, dtype=self.base.result_dtype, device=self._lo.device)
+        return self.base._out(self._mc()[1].to(self._lo.dtype))
+
+    @property
+    def acceptance(self) -> Tensor:
+        """Acceptance of rejection sampling, ``batch_shape``: :math:`Z` itself when exact, else the pilot's measured
+        fraction over ``pilot_samples`` draws (what ``method="auto"`` compares with its threshold)."""
+        if self.normaliser_exact:
+            with torch.no_grad():
+                return self.log_normaliser.detach().to(torch.float64).exp()
+        if "pilot" not in self._cache:
+            self._cache["pilot"] = self._count_in_box(self.pilot_samples)[2]
+        return self._cache["pilot"]
+
+    def _needs_grad(self) -> bool:
+        base = self.base
+        return torch.is_grad_enabled() and (base._unbroadcasted_loc.requires_grad
+                                            or any(t.requires_grad for t in base.covariance.tensors())
+                                            or base.constraint.k.requires_grad)
+
+    def _log_z(self) -> Tensor:
+        """:math:`\\log Z` for :meth:`log_prob`, compute dtype: exact with autograd, or the MC value plus the
+        zero-valued surrogate that carries the gradient estimate."""
+        if self.normaliser_exact:
+            return exact_log_normaliser(self.base, self._lo, self._hi)
+        log_z = self._mc()[0]
+        if bool(torch.isinf(log_z).any()):
+            idx = tuple(int(i) for i in torch.isinf(log_z).nonzero()[0]) if log_z.dim() else ()
+            raise ValueError(f"log_prob needs log P(box | plane), but none of the {self.normaliser_samples} "
+                             f"untruncated draws of batch element {idx} fell in the box (P < ~{3 / self.normaliser_samples:.1g}"
+                             "); pass a larger normaliser_samples to truncate().")
+        log_z = log_z.to(self._lo.dtype)
+        if self._needs_grad():
+            if "grad_draws" not in self._cache:
+                self._cache["grad_draws"] = self._sample_compute((self.grad_samples,), "auto").samples.detach()
+            log_z = log_z + surrogate(self.base, self._cache["grad_draws"])
+        return log_z
+
+    @_full_precision
+    def log_prob(self, value: Tensor) -> Tensor:
+        r"""Log-density of the truncated law on the plane, ``sample_shape + batch_shape``: :math:`\log p(z\mid Az=k)
+        - \log Z` where ``lower <= value <= upper`` (exact comparison), ``-inf`` elsewhere; points off the plane are
+        handled as :meth:`ConstrainedNormal.log_prob` does (``ValueError`` with ``validate_args``). The normaliser is
+        exact or a Monte Carlo estimate (class docstring; :attr:`normaliser_exact`); gradients flow to ``loc``, the
+        scales and (exact case) ``k``, including the normaliser's.
+
+        Cost: one :meth:`ConstrainedNormal.log_prob`; the first call of a Monte Carlo normaliser also draws
+        ``normaliser_samples`` untruncated vectors and, when a gradient is needed, ``grad_samples`` truncated ones
+        (cached on this object)."""
+        lp = self.base.log_prob(value)
+        v = self.base._as_event("value", value)
+        inside = ((v >= self._lo) & (v <= self._hi)).all(-1)
+        out = lp - self.base._out(self._log_z())
+        return torch.where(inside, out, torch.full_like(out, -float("inf")))
+
+    # ------------------------------------------------------------------ sampling
+    def sample(self, sample_shape: torch.Size | tuple = (), method: str = "auto", **kwargs) -> Tensor:
+        """Draws of shape ``sample_shape + batch_shape + (n,)``, every one feasible exactly (class docstring);
+        :meth:`sample_with_info` for the arguments and for the method used and its diagnostics."""
+        return self.sample_with_info(sample_shape, method, **kwargs).samples
+
+    @_full_precision
+    def sample_with_info(self, sample_shape: torch.Size | tuple = (), method: str = "auto", *,
+                         chains: int | None = None, burn_in: int = 100, thin: int = 1,
+                         travel_time: tuple[float, float] | None = None, threshold: float = AUTO_THRESHOLD,
+                         max_draws: int | None = None, generator: torch.Generator | None = None) -> TruncatedSamples:
+        r"""Draws of the truncated law and how they were made.
+
+        Args:
+            sample_shape: leading sample dimensions.
+            method: ``"rejection"`` (exact iid), ``"hmc"`` (exact HMC on the plane, exact in its stationary law) or
+                ``"auto"``: rejection when the pilot acceptance (:attr:`acceptance`, the smallest over the batch) is at
+                least ``threshold``, else HMC.
+            chains: HMC chains per batch element (default ``prod(sample_shape)``: one draw per chain after
+                ``burn_in``, so draws are as independent as the burn-in makes them); each chain then gives
+                ``ceil(prod(sample_shape) / chains)`` draws ``thin`` steps apart. Chains start at :attr:`mode`.
+            burn_in, thin, travel_time: HMC controls (``travel_time``: the interval of the uniform random travel
+                time, default that of :func:`hardeq.bounds.exact_hmc`).
+            threshold: the acceptance at which ``"auto"`` switches to rejection.
+            max_draws: rejection's cap on untruncated draws per batch element
+                (:func:`hardeq.bounds.rejection_sample`).
+            generator: for reproducible draws.
+
+        Returns:
+            :class:`~hardeq.bounds.TruncatedSamples`: ``samples`` (``sample_shape + batch_shape + (n,)``, in the
+            distribution's dtype), ``method``, ``acceptance`` (rejection), ``ess`` and ``rhat`` (HMC; for rejection
+            ``ess`` is the number of draws).
+
+        Every returned draw satisfies ``lower <= z <= upper`` exactly and every row of ``A z = k`` within the
+        untruncated per-row tolerance.
+        """
+        out = self._sample_compute(sample_shape, method, chains=chains, burn_in=burn_in, thin=thin,
+                                   travel_time=travel_time, threshold=threshold, max_draws=max_draws,
+                                   generator=generator)
+        out.samples = self.base._out(out.samples)
+        return out
+
+    @torch.no_grad()
+    def _sample_compute(self, sample_shape, method: str, *, chains: int | None = None, burn_in: int = 100,
+                        thin: int = 1, travel_time=None, threshold: float = AUTO_THRESHOLD,
+                        max_draws: int | None = None, generator: torch.Generator | None = None) -> TruncatedSamples:
+        sample_shape = _sample_shape(sample_shape)
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
+        num = sample_shape.numel()
+        batch, n = self.batch_shape, self.event_shape[0]
+        if method == "auto":
+            acc = self.acceptance
+            method = "rejection" if float(acc.min()) >= threshold else "hmc"
+        if method == "rejection":
+            z, acc = rejection_sample(self.base, self._lo, self._hi, num, max_draws=max_draws, generator=generator)
+            ess = torch.full(batch + (n,), float(num), dtype=torch.float64, device=z.device)
+            return TruncatedSamples(z.reshape(sample_shape + batch + (n,)), "rejection", acc, ess, None)
+        from ..bounds.hmc import exact_hmc
+
+        if chains is None:
+            chains = max(num, 1)
+        if isinstance(chains, bool) or not isinstance(chains, int) or chains < 1:
+            raise ValueError(f"chains must be a positive int, got {chains!r}.")
+        per_chain = max(1, math.ceil(num / chains))
+        start = self.mode.to(self._lo.dtype).expand((chains,) + batch + (n,))
+        kwargs = {} if travel_time is None else {"travel_time": travel_time}
+        res = exact_hmc(self.base, self._lo, self._hi, start, num_samples=per_chain, burn_in=burn_in, thin=thin,
+                        generator=generator, **kwargs)
+        z = res.samples.reshape((per_chain * chains,) + batch + (n,))[:num]
+        z = torch.minimum(torch.maximum(z.to(self._lo.dtype), self._lo), self._hi)
+        return TruncatedSamples(z.reshape(sample_shape + batch + (n,)), "hmc", None, res.ess, res.rhat)
+
+    # ------------------------------------------------------------------ plumbing
+    def expand(self, batch_shape: torch.Size | tuple, _instance=None) -> "TruncatedConstrainedNormal":
+        """The same law with ``batch_shape`` expanded (the base's :meth:`~ConstrainedNormal.expand` and the bounds
+        expanded; the feasibility checks are repeated, O(n a))."""
+        batch_shape = _sample_shape(batch_shape, "batch_shape")
+        base = self.base.expand(batch_shape)
+        n = self.event_shape[0]
+        return TruncatedConstrainedNormal(base, self._lo.expand(batch_shape + (n,)),
+                                          self._hi.expand(batch_shape + (n,)),
+                                          normaliser_samples=self.normaliser_samples, grad_samples=self.grad_samples,
+                                          pilot_samples=self.pilot_samples, validate_args=self._validate_args)
+
+    def __repr__(self) -> str:
+        lo, hi = self._lo, self._hi
+        fmt = (lambda t: f"{float(t.flatten()[0]):g}" if bool((t == t.flatten()[0]).all()) else
+               f"tensor{tuple(t.shape)}")
+        return (f"TruncatedConstrainedNormal(n={self.event_shape[0]}, batch_shape={tuple(self.batch_shape)}, "
+                f"lower={fmt(lo)}, upper={fmt(hi)}, normaliser={'exact' if self.normaliser_exact else 'monte-carlo'}, "
+                f"base={self.base!r})")
+
