@@ -135,7 +135,8 @@ def _nonnegative_flows(config: Mapping[str, Any], name: str, task: ChemicalTask,
             for j, seed in enumerate(seeds):
                 o = outputs[rows][j].to(torch.float64)
                 dist = task.distribution(o, k.to(torch.float64))
-                preds = nonnegative_rules(dist, lower, task.B, k, draws=int(spec["draws"]), seed=seed)
+                preds = nonnegative_rules(dist, lower, task.B, k, draws=int(spec["draws"]),
+                                          burn_in=int(spec["burn_in"]), seed=seed)
                 for rule, metrics in evaluate_rules(preds, test["y"], task.B, k, lower).items():
                     for metric, v in metrics.items():
                         per[rule][metric].append(v)

@@ -37,6 +37,9 @@ class ChemicalStudy(Study):
 
     def _config(self, args: argparse.Namespace) -> dict[str, Any]:
         config = load_config(getattr(args, "config", None))
+        preset = config.get("presets", {}).get(getattr(args, "preset", None), {})
+        if "nonnegative_flows" in preset and "nonnegative_flows" in config:  # the preset's draws / burn-in
+            config["nonnegative_flows"] = {**config["nonnegative_flows"], **preset["nonnegative_flows"]}
         if getattr(args, "checkpoint_every", None):
             config["train"]["checkpoint_every"] = int(args.checkpoint_every)
         return config
