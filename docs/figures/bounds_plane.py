@@ -19,8 +19,8 @@ import hardeq
 from hardeq.bounds import exact_hmc
 
 OUT = Path(__file__).resolve().parent / "bounds_plane.png"
-MU = np.array([0.9, 0.1, 0.2])
-VAR = np.array([0.25, 0.09, 0.49])
+MU = np.array([1.15, -0.1, 0.15])
+VAR = np.array([0.16, 0.09, 0.25])
 K = 1.2
 
 
@@ -76,7 +76,7 @@ def main() -> None:
     c0 = np.full(3, K / 3)
     mean, cov = conditional(MU, VAR, K)
     # the truncated density on a grid of the plane
-    g = np.linspace(-1.0, 1.0, 400)
+    g = np.linspace(-1.0, 1.2, 400)
     U1, U2 = np.meshgrid(g, g)
     Z = c0 + U1[..., None] * P[0] + U2[..., None] * P[1]  # (400, 400, 3)
     C2 = P @ cov @ P.T  # the conditional covariance in plane coordinates (full rank, 2 x 2)
@@ -104,7 +104,7 @@ def main() -> None:
     # the library: the truncated law, its mode and exact HMC draws of 4 chains
     dist = hardeq.ConstrainedNormal(torch.tensor(MU), torch.tensor(VAR).sqrt(),
                                     constraint=hardeq.SumConstraint(torch.zeros(3, dtype=torch.long),
-                                                                    torch.tensor([K])))
+                                                                    torch.tensor([K], dtype=torch.float64)))
     trunc = dist.truncate(0.0, 1.0)
     mode = trunc.mode.numpy()
     start = trunc.mode.expand(4, 3)
@@ -112,11 +112,11 @@ def main() -> None:
                     num_samples=150, burn_in=20, generator=torch.Generator().manual_seed(0))
     draws = res.samples.reshape(-1, 3).numpy()
     assert ((draws >= 0) & (draws <= 1)).all() and np.abs(draws.sum(1) - K).max() < 1e-12
-    # one trajectory, traced here, from the mode
+    # one trajectory, traced here
     rng = np.random.default_rng(3)
     v0 = np.sqrt(VAR) * rng.standard_normal(3)
     v0 = v0 - VAR * v0.sum() / VAR.sum()  # (I - K A) Sigma^(1/2) eps: a centred draw of the conditional
-    path = trajectory(mode - mean, v0, cov, -mean, 1 - mean, 2.5) + mean
+    path = trajectory(draws[-1] - mean, v0, cov, -mean, 1 - mean, 2.5) + mean  # from an interior draw
     fig, ax = plt.subplots(figsize=(6.2, 5.4))
     im = ax.pcolormesh(U1, U2, dens, cmap="Blues", shading="auto")
     fig.colorbar(im, ax=ax, label="truncated density (unnormalised)")
@@ -127,14 +127,14 @@ def main() -> None:
     pp = (path - c0) @ P.T
     ax.plot(pp[:, 0], pp[:, 1], color="#ff7f0e", lw=1.4, label="one HMC trajectory (reflections)")
     pm, pc = P @ (mode - c0), P @ (mean - c0)
-    ax.plot(*pc, marker="x", color="white", ms=10, mew=2.5, ls="", label="untruncated conditional mean")
+    ax.plot(*pc, marker="x", color="#d62728", ms=10, mew=2.5, ls="", label="untruncated conditional mean")
     ax.plot(*pm, marker="*", color="k", ms=13, ls="", label="mode (truncate(0, 1).mode)")
     ax.set_xlabel("plane coordinate 1")
     ax.set_ylabel("plane coordinate 2")
     ax.set_title("N(mu, diag v) on z1 + z2 + z3 = 1.2, truncated to [0, 1]^3", fontsize=10)
     ax.set_aspect("equal")
-    ax.set_xlim(-0.95, 0.95)
-    ax.set_ylim(-0.95, 0.95)
+    ax.set_xlim(-0.8, max(0.85, pc[0] + 0.1))
+    ax.set_ylim(-0.9, 0.9)
     ax.legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     fig.savefig(OUT, dpi=110)

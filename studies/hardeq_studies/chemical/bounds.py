@@ -9,7 +9,7 @@ to predict non-negative flows that meet the balances exactly, from the *same tra
 
 =========================  =============================================================================
 untruncated                the conditional mean (the study's prediction; flows may be negative)
-clip-project               the baseline: clip the flows at 0, project orthogonally onto :math:`By = k`,
+clip-project               the baseline: project orthogonally onto :math:`By = k`, clip the flows at 0,
                            repeat until both hold to round-off (:func:`clip_then_project`)
 truncated mean             :math:`E[y \mid By = k,\ y_{\text{flows}} \ge 0]`, the mean of ``draws`` draws of
                            ``ConstrainedNormal.truncate(lower)`` (rejection, or exact-HMC chains from the mode
@@ -49,37 +49,32 @@ def lower_bounds(spec: Sequence[float | None], n: int) -> Tensor:
     return torch.tensor([-math.inf if b is None else float(b) for b in spec], dtype=torch.float64)
 
 
-def clip_then_project(y: Tensor, B: Tensor, k: Tensor, lower: Tensor, *, max_iter: int = 2000,
+def clip_then_project(y: Tensor, B: Tensor, k: Tensor, lower: Tensor, *, max_iter: int = 20000,
                       rtol: float = 1e-12) -> Tensor:
-    r"""Alternate clipping at ``lower`` and the orthogonal projection onto :math:`By = k` (float64).
+    r"""Alternate the orthogonal projection onto :math:`By = k` and clipping at ``lower`` (float64), ending with
+    the clip.
 
-    Each sweep clips, then projects within the face the clip reached: the entries at their bound are held and
-    the others move by the minimum-norm correction :math:`\Delta = B_F^+ (k - By)` over the free columns
-    :math:`F`; a final clip makes the bounds exact. Alternating projections between two convex sets converge to a
-    point of their intersection (not in general the nearest one).
+    Each sweep is :math:`y \leftarrow \max(y + B^+(k - By),\ l)`. Alternating projections between two closed convex
+    sets with a common point converge to a point of their intersection (von Neumann / Bregman; not in general the
+    nearest one, which is why this is a baseline, not the mode). The sweeps stop when every row of :math:`By = k`
+    holds to ``rtol (1 + |B||y| + |k|)`` after the clip; the bounds hold exactly.
 
     Args:
         y: ``(..., n)``; B: ``(a, n)``; k: ``(..., a)``; lower: ``(n,)`` (``-inf`` where unbounded).
 
     Returns:
-        ``(..., n)`` float64 with ``y >= lower`` and :math:`|By - k|` below ``rtol (1 + |B||y| + |k|)`` per row,
-        or the last iterate (its residual is what the report shows) after ``max_iter`` sweeps.
+        ``(..., n)`` float64 with ``y >= lower``; after ``max_iter`` sweeps the last iterate (its balance residual is
+        what the report shows).
     """
     B = B.to(torch.float64)
     k = k.to(torch.float64)
+    pinv = torch.linalg.pinv(B)  # (n, a)
     x = torch.maximum(y.detach().to(torch.float64), lower)
     for _ in range(max_iter):
         r = k - x @ B.T
-        tol = rtol * (1 + x.abs() @ B.abs().T + k.abs())
-        if bool((r.abs() <= tol).all()):
+        if bool((r.abs() <= rtol * (1 + x.abs() @ B.abs().T + k.abs())).all()):
             break
-        at = x <= lower
-        BF = B * (~at).to(B.dtype).unsqueeze(-2)  # (..., a, n): the free columns
-        step = (torch.linalg.pinv(BF) @ r.unsqueeze(-1)).squeeze(-1)
-        x = torch.maximum(x + step, lower)
-        if bool(torch.equal(step, torch.zeros_like(step))):
-            # every column that could fix the residual is clipped: release those the residual pulls up
-            x = torch.maximum(x + (torch.linalg.pinv(B) @ r.unsqueeze(-1)).squeeze(-1), lower)
+        x = torch.maximum(x + r @ pinv.T, lower)
     return x
 
 
@@ -132,7 +127,7 @@ def summarise(part: Mapping[str, Mapping[str, Any]], dataset: str) -> dict[str, 
                 v = torch.tensor(rules[rule][metric], dtype=torch.float64)
                 records.append({"dataset": dataset, "method": f"nonneg: {m} {rule}", "metric": metric,
                                 "mean": float(v.mean()), "std": float(v.std()) if v.numel() > 1 else math.nan,
-                                "n_seeds": int(v.numel()), "variant": "nonnegative flows"})
+                                "n_seeds": int(v.numel()), "paper": None, "variant": "nonnegative flows"})
         for claim, a, b in CLAIMS:
             x, y = rules[a]["test_mse"], rules[b]["test_mse"]
             tests.append({"dataset": dataset, "method": m, "claim": claim, "a": a, "b": b, "metric": "test_mse",

@@ -121,23 +121,28 @@ def _nonnegative_flows(config: Mapping[str, Any], name: str, task: ChemicalTask,
         return {}
     from .bounds import evaluate_rules, lower_bounds, nonnegative_rules
 
+    from hardeq import ConstrainedNormal, LinearConstraint
+
     lower = lower_bounds(spec["lower"][name], task.n)
     model.load_state_dict(state)
     model.eval()
     with torch.no_grad():
         outputs = task.ours_outputs(task.forward(model, test))  # (M_ours, N, 2n)
         k = task.constraint_value(test["x"])
+        B64, k64 = task.B.to(torch.float64), k.to(torch.float64)
         out: dict[str, Any] = {}
         for m in chosen:
             rows = task._rel(m)
             per = {rule: {metric: [] for metric in ("test_mse", "negative_share", "max_balance_residual")}
                    for rule in ("untruncated", "clip-project", "truncated mean", "truncated mode")}
             for j, seed in enumerate(seeds):
-                o = outputs[rows][j].to(torch.float64)
-                dist = task.distribution(o, k.to(torch.float64))
-                preds = nonnegative_rules(dist, lower, task.B, k, draws=int(spec["draws"]),
+                o = outputs[rows][j].to(torch.float64)  # the law of task.distribution, in float64
+                scale = torch.sqrt(torch.exp(o[:, task.n: 2 * task.n]) + task.variance_floor)
+                dist = ConstrainedNormal(o[:, : task.n], scale, validate_args=False,
+                                         constraint=LinearConstraint(B64, k64, validate_args=False))
+                preds = nonnegative_rules(dist, lower, B64, k64, draws=int(spec["draws"]),
                                           burn_in=int(spec["burn_in"]), seed=seed)
-                for rule, metrics in evaluate_rules(preds, test["y"], task.B, k, lower).items():
+                for rule, metrics in evaluate_rules(preds, test["y"], B64, k64, lower).items():
                     for metric, v in metrics.items():
                         per[rule][metric].append(v)
             out[m] = per
