@@ -9,42 +9,34 @@ The user-facing object is :class:`hardeq.TruncatedConstrainedNormal`, made by
 * :mod:`~hardeq.bounds.normaliser` -- :math:`\log P(\text{box}\mid\text{plane})`, exact for one free dimension,
   Monte Carlo otherwise, and the gradient identity :math:`\nabla\log Z = \mathbb E_{\text{trunc}}[\nabla\log p]`;
 * :mod:`~hardeq.bounds.hmc` and :mod:`~hardeq.bounds.diagnostics` -- exact Hamiltonian Monte Carlo on the plane and
-  its effective sample size and split R-hat (``exact_hmc``, ``HMCResult``, loaded on first use).
+  its effective sample size and split R-hat (``exact_hmc``, ``HMCResult``).
 """
 
 from __future__ import annotations
 
-import importlib
-
+from .diagnostics import effective_sample_size, split_rhat
+from .hmc import HMCResult, exact_hmc
 from .mode import ModeNotFound, truncated_mode
 from .normaliser import exact_log_normaliser, log_diff_ndtr, mc_log_normaliser
 from .polytope import check_bounds, check_polytope, row_ranges
 from .rejection import AUTO_THRESHOLD, RejectionBudgetExceeded, rejection_sample
 from .result import TruncatedSamples
 
-#: names loaded from the sampler modules on first access (``hardeq.bounds.exact_hmc``)
-_LAZY = {"exact_hmc": "hmc", "HMCResult": "hmc", "effective_sample_size": "diagnostics", "split_rhat": "diagnostics"}
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    if name in ("hmc", "diagnostics"):
-        return importlib.import_module(f".{name}", __name__)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = [
     "AUTO_THRESHOLD",
+    "HMCResult",
     "ModeNotFound",
     "RejectionBudgetExceeded",
     "TruncatedSamples",
     "check_bounds",
     "check_polytope",
+    "effective_sample_size",
+    "exact_hmc",
     "exact_log_normaliser",
     "log_diff_ndtr",
     "mc_log_normaliser",
     "rejection_sample",
     "row_ranges",
+    "split_rhat",
     "truncated_mode",
 ]

@@ -68,7 +68,8 @@ def rejection_sample(dist, lower: Tensor, upper: Tensor, num: int, *, max_draws:
         need = int((num - filled).max())
         if need <= 0:
             break
-        size = min(max(16, math.ceil(1.2 * need / max(rate, 1e-6))), max(16, ROUND_ELEMENTS // max(B * n, 1)))
+        size = max(16, math.ceil(1.2 * need / rate))
+        size = min(size, max(16, 4 * int(drawn.max())), max(16, ROUND_ELEMENTS // max(B * n, 1)))
         z = dist.conditioner.sample(loc, (size,), generator=generator).reshape(size, B, n)
         ok = ((z >= lo) & (z <= hi)).all(-1)  # (size, B)
         active = filled < num
@@ -79,8 +80,11 @@ def rejection_sample(dist, lower: Tensor, upper: Tensor, num: int, *, max_draws:
         r, b = take.nonzero(as_tuple=True)
         out[slot[r, b], b] = z[r, b]
         filled = torch.minimum(filled + ok.sum(0) * active, torch.full_like(filled, num))
-        rate = float((kept.sum() / drawn.sum()).clamp_min(1.0 / (drawn.sum() + 1)))
-        rate = max(min(rate, float((kept / drawn.clamp_min(1)).min().clamp_min(1e-6))), 1e-6)
+        # the smallest acceptance among the unfinished elements, (kept + 1) / (drawn + 2); a round is at most four
+        # times all the draws so far, so a pessimistic estimate costs at most a constant factor
+        unfinished = filled < num
+        if bool(unfinished.any()):
+            rate = float(((kept + 1) / (drawn + 2))[unfinished].min())
         if bool(((filled < num) & (drawn >= cap)).any()):
             bad = int(((filled < num) & (drawn >= cap)).nonzero()[0])
             idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(bad), batch)) if len(batch) else ()

@@ -1,0 +1,367 @@
+r"""Exact Hamiltonian Monte Carlo for a Gaussian on the plane :math:`Az = k` truncated to a box.
+
+The target is the law of :math:`z \sim \mathcal N(\mu, \Sigma)` given :math:`Az = k` and
+:math:`l \le z \le u`: on the plane, the conditional Gaussian :math:`\mathcal N(\bar\mu, \bar\Sigma)`
+(:math:`\bar\mu = \mu + K(k - A\mu)`, :math:`\bar\Sigma = (I - KA)\Sigma`, :math:`K = \Sigma A^\top S^{-1}`,
+:math:`S = A\Sigma A^\top`; rank :math:`n - a`) restricted to the box. The sampler is Pakman and Paninski's (2014)
+exact HMC, run on the plane without ever forming :math:`\bar\Sigma`:
+
+* **Trajectory.** In whitened null-space coordinates :math:`z = \bar\mu + Fw` (:math:`FF^\top = \bar\Sigma`) the
+  Hamiltonian :math:`\tfrac12|w|^2 + \tfrac12|p|^2` has the solution :math:`w(t) = w_0\cos t + p_0\sin t`. Mapped
+  back with :math:`F`, the deviation :math:`x = z - \bar\mu` moves as :math:`x(t) = x_0\cos t + v_0\sin t`,
+  :math:`v(t) = v_0\cos t - x_0\sin t`, where the velocity :math:`v_0 = Fp_0`, :math:`p_0 \sim \mathcal N(0, I)`,
+  is a centred draw of the untruncated conditional: :math:`v_0 = (I - KA)\Sigma^{1/2}\varepsilon`
+  (:math:`\mathrm{cov} = \bar\Sigma`; it lies in the plane, :math:`Av_0 = 0`).
+* **Wall times.** Coordinate :math:`i` moves as :math:`x_i(t) = R_i\cos(t - \varphi_i)` with
+  :math:`R_i = |(x_{0i}, v_{0i})|`, :math:`\varphi_i = \mathrm{atan2}(v_{0i}, x_{0i})`. It crosses a wall
+  :math:`x_i = c` (:math:`c = l_i - \bar\mu_i` or :math:`u_i - \bar\mu_i`) iff :math:`R_i \ge |c|`; going down at
+  :math:`t = \varphi_i + \alpha` (the lower wall) and up at :math:`t = \varphi_i - \alpha` (the upper wall), modulo
+  :math:`2\pi`, with :math:`\alpha = \arccos(c/R_i) = \mathrm{atan2}(\sqrt{R_i^2 - c^2}, c)` and
+  :math:`R_i^2 - c^2 = (x_{0i} - c)(x_{0i} + c) + v_{0i}^2` (accurate next to the wall, where :math:`\arccos`
+  is not).
+* **Reflection.** At the earliest wall :math:`i` over all coordinates the velocity is reflected on the wall's
+  normal in the metric of the plane: with :math:`w_i = \bar\Sigma e_i = (I - KA)\Sigma e_i` (the normal
+  :math:`e_i` mapped to the plane by the conditioner's gain),
+  :math:`v \leftarrow v - 2\,(v_i / w_{ii})\,w_i`, so :math:`v_i \leftarrow -v_i`, :math:`Av` stays 0 and the
+  energy :math:`v^\top\bar\Sigma^+v` is kept. :math:`w_i` is one column of :math:`\Sigma` (one covariance
+  product with :math:`e_i`: O(n) diagonal, O(n r) low rank, O(n^2) full, per block for block-diagonal) and one
+  application of :math:`I - KA` (O(n) grouped sums, O(n a) dense, O(nnz) sparse); :math:`n \times n` is never
+  formed.
+* **Round-off.** After each bounce the position and the velocity are projected back onto the plane
+  (:math:`x \leftarrow (I - KA)x`, likewise :math:`v`; twice in float32, as iterative refinement), the hit
+  coordinate is set exactly to its bound and the reflected velocity component exactly to :math:`-v_i` (a move along
+  :math:`w_i`, which stays in the plane). A wall just hit is excluded for :math:`t < 64\varepsilon`
+  (grazing hits); a coordinate found at or beyond a wall and moving out of the box is reflected at once.
+* **Corners.** A start on several walls at once (a vertex or an edge of the polytope: the mode usually is one)
+  can need many zero-time reflections before the velocity points into the box: a billiard in the tangent cone,
+  finite in exact arithmetic but long when the cone is narrow (about :math:`\pi/\theta` reflections for a wedge
+  of angle :math:`\theta`, and scale ratios make :math:`\theta` small). After ``2 n + 8`` consecutive
+  zero-time reflections the velocity of that trajectory is redrawn (:attr:`HMCResult.corner_refreshes` counts
+  them). A trajectory meets a corner only from such a start (an event of probability zero under the target), so
+  the stationary law is unchanged.
+  Each recorded draw is :meth:`~hardeq.linalg.conditioning.Conditioner.condition`-ed (every row of
+  :math:`Az = k` within the untruncated distribution's per-row tolerance) and clamped into the box, a round-off
+  move: **every draw is exactly feasible**.
+* **Iterations.** Each iteration draws a fresh velocity and a travel time uniform in ``travel_time`` (random, so
+  that no trajectory is periodic), and moves every chain and batch element at once: each step of the event loop
+  advances every trajectory to the earlier of its next wall and its end, and reflects those that hit.
+
+**What is exact.** The chain's stationary law is exactly the truncated conditional (the moves are reversible and
+volume-preserving Hamiltonian flows with a Gibbs refresh of the velocity); a draw after finitely many iterations is
+distributed exactly as the target only when the start is (Pakman and Paninski 2014). Use ``burn_in``, several
+chains and the diagnostics (:attr:`HMCResult.ess`, :attr:`HMCResult.rhat`). Feasibility, by contrast, is exact
+for every draw.
+
+**Cost per bounce**, per chain and batch element: O(n) for the wall times (a few transcendental functions per
+coordinate), plus the normal :math:`w_i` and the projections of :math:`x` and :math:`v`: O(n) for a grouped-sum
+constraint with a diagonal covariance, O(n a) for a dense ``A``, O(nnz) sparse, plus the covariance column
+(O(n^2) for a full covariance). The event loop runs until the chain with the most bounces has finished, so chains
+and batch elements with few bounces idle in lock-step with the busiest one.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .diagnostics import effective_sample_size, split_rhat
+
+__all__ = ["HMCResult", "exact_hmc", "MIN_DRAWS_FOR_DIAGNOSTICS"]
+
+#: fewer draws per chain than this and :attr:`HMCResult.ess` / :attr:`HMCResult.rhat` are ``nan`` (not estimable)
+MIN_DRAWS_FOR_DIAGNOSTICS = 4
+_TWO_PI = 2.0 * math.pi
+
+
+@dataclass
+class HMCResult:
+    """What :func:`exact_hmc` returns.
+
+    Attributes:
+        samples (Tensor): ``(num_samples, chains, *batch, n)``: every entry in ``[lower, upper]`` exactly and
+            every row of ``A z = k`` within the untruncated distribution's per-row tolerance.
+        bounces (int): the total number of wall hits over all chains, batch elements and iterations (burn-in
+            included).
+        ess (Tensor): effective sample size of each coordinate over all chains, ``(*batch, n)`` float64
+            (:func:`~hardeq.bounds.diagnostics.effective_sample_size`); ``nan`` with fewer than
+            :data:`MIN_DRAWS_FOR_DIAGNOSTICS` draws per chain.
+        rhat (Tensor): split :math:`\\hat R` of each coordinate, ``(*batch, n)`` float64
+            (:func:`~hardeq.bounds.diagnostics.split_rhat`); ``nan`` likewise.
+        trajectories (int): the number of trajectories run (chains x batch elements x iterations);
+            ``bounces / trajectories`` is the mean number of bounces per trajectory.
+        corner_refreshes (int): velocities redrawn in a corner (see the module docstring; 0 unless a chain
+            started on several walls at once).
+        method (str): ``"hmc"``.
+    """
+
+    samples: Tensor
+    bounces: int
+    ess: Tensor
+    rhat: Tensor
+    trajectories: int = 0
+    corner_refreshes: int = 0
+    method: str = "hmc"
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r}).")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}.")
+    return int(value)
+
+
+def _bound(name: str, value: object, shape: torch.Size, dtype: torch.dtype, device: torch.device,
+           default: float, inward: float) -> Tensor:
+    """``value`` (None, a number or a tensor) broadcast to ``shape`` in ``dtype``; a value not representable in
+    ``dtype`` is rounded towards the inside of the box (towards ``inward``), so the box never grows."""
+    if value is None:
+        return torch.full(shape, default, dtype=dtype, device=device)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        value = torch.tensor(float(value), dtype=torch.float64, device=device)
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, a real number or None, got {type(value).__name__}.")
+    if not value.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {value.dtype}.")
+    if value.device != device:
+        raise ValueError(f"{name} is on device {value.device} but the distribution is on {device}.")
+    try:
+        wide = torch.broadcast_to(value, shape)
+    except RuntimeError:
+        raise ValueError(f"{name} must broadcast to batch_shape + (n,) = {tuple(shape)}, got shape "
+                         f"{tuple(value.shape)}.") from None
+    if bool(torch.isnan(wide).any()):
+        raise ValueError(f"{name} contains nan; use -inf / +inf for an unbounded coordinate.")
+    out = wide.to(dtype)
+    moved = out.to(wide.dtype) != wide if wide.dtype != dtype else torch.zeros((), dtype=torch.bool, device=device)
+    if bool(moved.any()):  # rounded outward? step one ulp inward
+        outward = (out.to(wide.dtype) < wide) if inward > 0 else (out.to(wide.dtype) > wide)
+        out = torch.where(outward, torch.nextafter(out, torch.full_like(out, inward)), out)
+    return out.contiguous()
+
+
+class _Plane:
+    """The operators of one conditional law on the plane, as the sampler uses them (no ``n x n`` matrix)."""
+
+    def __init__(self, dist) -> None:
+        cond = dist.conditioner
+        self.cond = cond
+        self.cov = cond.cov
+        self.constraint = cond.constraint
+        self.dtype = cond.dtype
+        self.steps = 1 if self.dtype == torch.float64 else 2
+        self.mean = dist._mean.detach().expand(dist.batch_shape + dist.event_shape)
+        eps = torch.finfo(self.dtype).eps
+        variance = cond.variance().detach().expand(self.mean.shape)
+        floor = 16 * eps * self.cov.variance.detach().expand(self.mean.shape)
+        #: coordinates the constraint determines (no motion on the plane): never hit, velocity 0
+        self.frozen = variance <= floor
+        self.any_frozen = bool(self.frozen.any())
+
+    def project(self, u: Tensor) -> Tensor:
+        r""":math:`(I - KA)u`, ``(*sample, *batch, n)``: the part of ``u`` in the plane's direction space."""
+        for _ in range(self.steps):
+            u = u - self.cond.gain_matvec(self.constraint.matvec(u))
+        return u.masked_fill(self.frozen, 0.0) if self.any_frozen else u
+
+    def velocity(self, shape: torch.Size, generator: torch.Generator | None) -> Tensor:
+        r"""``shape + (n,)`` draws of :math:`\mathcal N(0, \bar\Sigma)`: :math:`(I - KA)\Sigma^{1/2}\varepsilon`."""
+        noise = torch.randn(shape + (self.cov.noise_size,), dtype=self.dtype, device=self.mean.device,
+                            generator=generator)
+        return self.project(self.cov.sqrt_matvec(noise))
+
+    def column(self, index: Tensor) -> Tensor:
+        r""":math:`\Sigma e_i` for the coordinate ``index`` ``(*shape)`` of each trajectory, ``(*shape, n)``: one
+        covariance product with a one-hot vector (O(n) diagonal, O(n r) low rank, O(n^2) full). The wall normal
+        on the plane is its projection, :math:`\bar\Sigma e_i = (I - KA)\Sigma e_i`."""
+        e = torch.nn.functional.one_hot(index, self.mean.shape[-1]).to(self.dtype)
+        return self.cov.matvec(e)
+
+
+def _hit_times(x: Tensor, v: Tensor, lo: Tensor, hi: Tensor, movable_lo: Tensor,
+               movable_hi: Tensor) -> tuple[Tensor, Tensor]:
+    """First times ``t >= 0`` at which ``x_i cos t + v_i sin t`` leaves ``[lo_i, hi_i]`` through the lower and the
+    upper wall (``inf`` where it does not), each ``(*shape, n)``; ``0`` for a coordinate at or beyond a wall and
+    moving out."""
+    phi = torch.atan2(v, x)
+    v2 = v * v
+    d_lo = (x - lo) * (x + lo) + v2                     # R^2 - lo^2
+    t_lo = torch.remainder(phi + torch.atan2(d_lo.clamp_min(0.0).sqrt_(), lo), _TWO_PI)
+    t_lo.masked_fill_(~(movable_lo & (d_lo >= 0)), math.inf)
+    t_lo.masked_fill_(movable_lo & (x <= lo) & (v < 0), 0.0)
+    d_hi = (x - hi) * (x + hi) + v2
+    t_hi = torch.remainder(phi - torch.atan2(d_hi.clamp_min(0.0).sqrt_(), hi), _TWO_PI)
+    t_hi.masked_fill_(~(movable_hi & (d_hi >= 0)), math.inf)
+    t_hi.masked_fill_(movable_hi & (x >= hi) & (v > 0), 0.0)
+    return t_lo, t_hi
+
+
+@torch.no_grad()
+def exact_hmc(dist, lower: Tensor, upper: Tensor, start: Tensor, *, num_samples: int, burn_in: int = 100,
+              thin: int = 1, travel_time: tuple[float, float] = (math.pi / 8, math.pi / 2),
+              generator: torch.Generator | None = None, max_bounces: int | None = None) -> HMCResult:
+    r"""Exact HMC draws of ``dist`` (:math:`z \mid Az = k`) truncated to ``lower <= z <= upper``.
+
+    See the module docstring for the method, what is exact (the stationary law; every draw is feasible) and the
+    cost per bounce. Runs ``burn_in + num_samples * thin`` iterations of all chains and batch elements at once and
+    keeps every ``thin``-th after the burn-in. No gradient flows through the draws.
+
+    Args:
+        dist (ConstrainedNormal): the untruncated conditional law, batch shape ``B``, event size ``n``.
+        lower, upper: bounds broadcastable to ``B + (n,)`` (tensors, numbers or ``None``), ``-inf`` / ``+inf``
+            where unbounded; a value that the working dtype cannot represent is rounded inward.
+        start (Tensor): ``(chains, *B, n)``, feasible: inside the box and on the plane (each row of
+            :math:`Az = k` to within :math:`\sqrt\varepsilon` relative; it is projected onto the plane, a
+            round-off move). E.g. the mode, or rejection draws.
+        num_samples (int): draws kept per chain (>= 1).
+        burn_in (int): iterations discarded first (>= 0).
+        thin (int): keep every ``thin``-th iteration after the burn-in (>= 1).
+        travel_time: ``(t_min, t_max)``, ``0 < t_min <= t_max``: each trajectory runs for a time uniform in it
+            (:math:`\pi/2` is a quarter period: an unbounded Gaussian trajectory then draws independently).
+        generator: for the velocities and travel times.
+        max_bounces (int, optional): bounces allowed in one trajectory before a ``RuntimeError`` (an infinite
+            loop guard; a trajectory of time :math:`\pi/2` rarely needs more than a few per coordinate near a
+            wall). Default ``100 n + 10000``.
+
+    Returns:
+        HMCResult: ``samples`` ``(num_samples, chains, *B, n)`` in the working dtype of ``dist`` (float32 for
+        half-precision inputs), ``bounces``, ``trajectories``, ``ess`` and ``rhat`` ``(*B, n)``, ``method="hmc"``.
+
+    Raises:
+        TypeError: ``dist`` is not a ConstrainedNormal, or an argument has the wrong type.
+        ValueError: shapes that do not match, ``lower > upper`` somewhere, a start outside the box (the message
+            gives the number of entries and the worst one) or off the plane, a bad ``travel_time``.
+        RuntimeError: a trajectory exceeded ``max_bounces``, or the state became non-finite (e.g. inf bounds
+            on both sides of a coordinate with a non-finite mean).
+    """
+    from ..distributions.normal import ConstrainedNormal
+
+    if not isinstance(dist, ConstrainedNormal):
+        raise TypeError(f"dist must be a hardeq.ConstrainedNormal, got {type(dist).__name__}.")
+    num_samples = _check_int("num_samples", num_samples, 1)
+    burn_in = _check_int("burn_in", burn_in, 0)
+    thin = _check_int("thin", thin, 1)
+    try:
+        t_min, t_max = (float(t) for t in travel_time)
+    except (TypeError, ValueError):
+        raise TypeError(f"travel_time must be a pair of numbers (t_min, t_max), got {travel_time!r}.") from None
+    if not (0.0 < t_min <= t_max < math.inf):
+        raise ValueError(f"travel_time must satisfy 0 < t_min <= t_max < inf, got ({t_min}, {t_max}).")
+
+    plane = _Plane(dist)
+    dtype, mean = plane.dtype, plane.mean
+    shape, device = mean.shape, mean.device
+    n = shape[-1]
+    lo = _bound("lower", lower, shape, dtype, device, -math.inf, math.inf)
+    hi = _bound("upper", upper, shape, dtype, device, math.inf, -math.inf)
+    if bool((lo > hi).any()):
+        bad = (lo > hi).nonzero()[0].tolist()
+        raise ValueError(f"lower must be <= upper everywhere; at index {tuple(bad)} lower = "
+                         f"{lo[tuple(bad)].item():.6g} > upper = {hi[tuple(bad)].item():.6g}.")
+    if max_bounces is None:
+        max_bounces = 100 * n + 10000
+    max_bounces = _check_int("max_bounces", max_bounces, 1)
+
+    if not isinstance(start, Tensor):
+        raise TypeError(f"start must be a torch.Tensor of shape (chains, *batch, n), got {type(start).__name__}.")
+    if start.dim() != len(shape) + 1 or start.shape[1:] != shape or start.shape[0] < 1:
+        raise ValueError(f"start must have shape (chains, *batch_shape, n) = (chains, {', '.join(map(str, shape))}) "
+                         f"with chains >= 1, got {tuple(start.shape)}.")
+    if not start.is_floating_point() or start.device != device:
+        raise TypeError(f"start must be a floating-point tensor on {device}, got {start.dtype} on {start.device}.")
+    z0 = start.detach().to(dtype)
+    outside = ~((z0 >= lo) & (z0 <= hi))
+    if bool(outside.any()):
+        gap = torch.maximum(lo - z0, z0 - hi).masked_fill(~outside, -math.inf).nan_to_num(math.inf)
+        worst = tuple(int(i) for i in torch.unravel_index(gap.argmax(), gap.shape))
+        raise ValueError(
+            f"start must lie in the box [lower, upper]: {int(outside.sum())} entries are outside (or nan); the "
+            f"worst, at index {worst}, is {z0[worst].item():.6g} with bounds [{lo[worst[1:]].item():.6g}, "
+            f"{hi[worst[1:]].item():.6g}]. Start from the mode or from rejection draws."
+        )
+    on_plane = plane.constraint.check(z0, rtol=math.sqrt(torch.finfo(dtype).eps))
+    if not bool(on_plane.all()):
+        chain = tuple(int(i) for i in (~on_plane).nonzero()[0])
+        raise ValueError(f"start must lie on the plane A z = k: chain/batch index {chain} misses a row by more than "
+                         f"sqrt(eps) of the row's size. Start from the mode or from rejection draws.")
+
+    S = start.shape[:-1]                                   # (chains, *batch): one trajectory each
+    x = plane.project(z0 - mean)
+    lo_x, hi_x = (lo - mean).expand(x.shape), (hi - mean).expand(x.shape)
+    movable = ~plane.frozen.expand(x.shape)
+    movable_lo, movable_hi = movable & torch.isfinite(lo_x), movable & torch.isfinite(hi_x)
+    window = 64 * torch.finfo(dtype).eps
+    corner_limit = 2 * n + 8
+    total_bounces, total_refreshes, draws = 0, 0, []
+    iterations = burn_in + num_samples * thin
+    for iteration in range(iterations):
+        v = plane.velocity(S, generator)
+        remaining = t_min + (t_max - t_min) * torch.rand(S, dtype=dtype, device=device, generator=generator)
+        last = torch.full(S, -1, dtype=torch.long, device=device)      # wall just hit: i (lower) or n + i (upper)
+        active = torch.ones(S, dtype=torch.bool, device=device)
+        count = torch.zeros(S, dtype=torch.long, device=device)
+        stuck = torch.zeros(S, dtype=torch.long, device=device)   # consecutive zero-time bounces (in a corner)
+        while True:
+            t_lo, t_hi = _hit_times(x, v, lo_x, hi_x, movable_lo, movable_hi)
+            times = torch.cat([t_lo, t_hi], dim=-1)                    # (*S, 2n)
+            recent = last.clamp_min(0).unsqueeze(-1)
+            grazing = (last >= 0).unsqueeze(-1) & (times.gather(-1, recent) < window)
+            times = times.scatter(-1, recent, torch.where(grazing, math.inf, times.gather(-1, recent)))
+            wall = times.argmin(-1)
+            t_hit = times.gather(-1, wall.unsqueeze(-1)).squeeze(-1)
+            hit = active & (t_hit < remaining)
+            dt = torch.where(hit, t_hit, torch.where(active, remaining, 0.0)).unsqueeze(-1)
+            c, s = torch.cos(dt), torch.sin(dt)
+            x, v = x * c + v * s, v * c - x * s
+            remaining = remaining - dt.squeeze(-1)
+            if not bool(hit.any()):
+                break
+            count += hit
+            if bool((count > max_bounces).any()):
+                where = tuple(int(i) for i in (count > max_bounces).nonzero()[0])
+                raise RuntimeError(
+                    f"exact_hmc: the trajectory of chain/batch index {where} (iteration {iteration}) hit the walls "
+                    f"more than max_bounces = {max_bounces} times; raise max_bounces, shorten travel_time, or "
+                    "check that the box is not (nearly) a single point on the plane."
+                )
+            j = wall % n
+            is_upper = wall >= n
+            jj = j.unsqueeze(-1)
+            # one projection of the stacked position, velocity and Sigma e_j: (I - KA) [x, v, Sigma e_j]
+            x_new, v_proj, w = plane.project(torch.stack([x, v, plane.column(j)]))
+            w_j = w.gather(-1, jj)
+            v_j = v_proj.gather(-1, jj)
+            v_new = v_proj - (2.0 * v_j / w_j) * w
+            v_new = v_new + ((-v_j - v_new.gather(-1, jj)) / w_j) * w       # v_j -> -v_j exactly, in the plane
+            bound = torch.where(is_upper.unsqueeze(-1), hi_x.gather(-1, jj), lo_x.gather(-1, jj))
+            x_new = x_new.scatter(-1, jj, bound)
+            keep = hit.unsqueeze(-1)
+            x, v = torch.where(keep, x_new, x), torch.where(keep, v_new, v)
+            last = torch.where(hit, wall, -1)
+            active = hit
+            stuck = torch.where(hit & (t_hit < window), stuck + 1, 0)
+            corner = stuck > corner_limit
+            if bool(corner.any()):  # a start on several walls: refresh the velocity (see the module docstring)
+                v = torch.where(corner.unsqueeze(-1), plane.velocity(S, generator), v)
+                stuck = stuck.masked_fill(corner, 0)
+                last = last.masked_fill(corner, -1)
+                total_refreshes += int(corner.sum())
+        total_bounces += int(count.sum())
+        if not bool(torch.isfinite(x).all()):
+            raise RuntimeError(f"exact_hmc: the state became non-finite at iteration {iteration}; check that loc, "
+                               "the covariance and the bounds are finite where they matter.")
+        if iteration >= burn_in and (iteration - burn_in) % thin == thin - 1:
+            z = plane.cond.condition(mean + x)
+            draws.append(torch.maximum(torch.minimum(z, hi), lo))
+    samples = torch.stack(draws)
+    if num_samples >= MIN_DRAWS_FOR_DIAGNOSTICS:
+        ess, rhat = effective_sample_size(samples), split_rhat(samples)
+    else:
+        ess = torch.full(shape, math.nan, dtype=torch.float64, device=device)
+        rhat = ess.clone()
+    return HMCResult(samples=samples, bounces=total_bounces, ess=ess, rhat=rhat,
+                     trajectories=iterations * S.numel(), corner_refreshes=total_refreshes, method="hmc")

@@ -1,0 +1,168 @@
+"""The mode of the truncated conditional against an exact brute-force KKT oracle (every active set enumerated,
+numpy, no shared code), for every covariance structure x constraint type, float32 and float64."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import hardeq
+from hardeq.bounds import ModeNotFound, truncated_mode
+
+from .cases import CONSTRAINTS, COVARIANCES, DTYPES, brute_force_mode, dense_picture, make_case, rows_ok
+
+
+def _objective(mu, Sigma, z):
+    d = z - mu
+    return d @ np.linalg.solve(Sigma, d)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("con", CONSTRAINTS)
+@pytest.mark.parametrize("cov", COVARIANCES)
+def test_mode_matches_brute_force_kkt(cov, con, dtype):
+    dist, lower, upper = make_case(cov, con, dtype, seed=3)
+    trunc = dist.truncate(lower, upper)
+    z = trunc.mode
+    assert z.dtype == dtype and z.shape == dist.batch_shape + dist.event_shape
+    assert bool((z >= lower).all()) and bool((z <= upper).all())  # exactly, in the dtype
+    assert bool(rows_ok(dist, z).all())
+    mu, Sigma, A, k = dense_picture(dist)
+    lo, hi = lower.double().numpy(), upper.double().numpy()
+    zf = z.double().reshape(mu.shape).numpy()
+    active = 0
+    for b in range(mu.shape[0]):
+        ref, obj = brute_force_mode(mu[b], Sigma[b], A[b], k[b], lo, hi)
+        active += int(np.sum(np.isclose(ref, lo) | np.isclose(ref, hi)))
+        scale = np.sqrt(np.diag(Sigma[b]))
+        tol = 1e-9 if dtype == torch.float64 else 2e-4
+        np.testing.assert_allclose(zf[b], ref, atol=tol * (1 + np.abs(ref).max()), rtol=0)
+        # the objective is the oracle's minimum to the precision of z (it is no lower: the oracle is exact)
+        assert _objective(mu[b], Sigma[b], zf[b]) >= obj * (1 - 1e-6) - 1e-9
+        assert scale.min() > 0
+    assert active > 0  # the cases do hit the box
+
+
+@pytest.mark.parametrize("cov", COVARIANCES)
+def test_mode_is_conditional_mean_when_box_inactive(cov):
+    """A box far from the mass leaves the mode at the conditional mean."""
+    dist, _, _ = make_case(cov, "dense", torch.float64, seed=1)
+    z = dist.truncate(-1e3, 1e3).mode
+    torch.testing.assert_close(z, dist.mean, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("con", CONSTRAINTS)
+def test_mode_at_scale_ratio_1e6_bounds_touching_mean(con, dtype):
+    """Scales spanning six decades, the mean on the faces of the box: exact feasibility and the oracle."""
+    n = 6
+    dist, lower, upper = make_case("diag", con, dtype, seed=5, n=n)
+    scale = torch.logspace(-3, 3, n, dtype=dtype)
+    d2 = hardeq.ConstrainedNormal(lower.expand(2, n).clone(), scale.expand(2, n), constraint=dist.constraint)
+    z = d2.truncate(lower, upper).mode
+    assert bool((z >= lower).all()) and bool((z <= upper).all())
+    assert bool(rows_ok(d2, z).all())
+    mu, Sigma, A, k = dense_picture(d2)
+    for b in range(2):
+        ref, _ = brute_force_mode(mu[b], Sigma[b], A[b], k[b], lower.double().numpy(), upper.double().numpy())
+        tol = 1e-7 if dtype == torch.float64 else 1e-3
+        np.testing.assert_allclose(z[b].double().numpy(), ref, atol=tol, rtol=0)
+
+
+def test_mode_batched_dense_A_and_broadcast_bounds():
+    """A batch of different A's and a per-element box."""
+    g = torch.Generator().manual_seed(0)
+    B, n, a = 3, 5, 2
+    A = torch.randn(B, a, n, generator=g, dtype=torch.float64)
+    inner = 0.5 + 0.1 * torch.randn(B, n, generator=g, dtype=torch.float64)
+    lower = torch.stack([torch.zeros(n), -torch.ones(n), torch.full((n,), 0.4)]).double()
+    upper = torch.stack([torch.ones(n), torch.ones(n), torch.full((n,), 0.6)]).double()
+    inner = inner.clamp(0.45, 0.55)
+    k = (A @ inner.unsqueeze(-1)).squeeze(-1)
+    dist = hardeq.ConstrainedNormal(torch.randn(B, n, generator=g, dtype=torch.float64), 0.7,
+                                    constraint=hardeq.LinearConstraint(A, k))
+    z = dist.truncate(lower, upper).mode
+    mu, Sigma, Ad, kd = dense_picture(dist)
+    for b in range(B):
+        ref, _ = brute_force_mode(mu[b], Sigma[b], Ad[b], kd[b], lower[b].numpy(), upper[b].numpy())
+        np.testing.assert_allclose(z[b].numpy(), ref, atol=1e-9)
+
+
+def test_grouped_mode_with_one_sided_bounds():
+    """Grouped sums with lower bounds only (non-negative flows): the breakpoint search with infinite bounds."""
+    index = torch.tensor([0, 0, 0, 1, 1, 1, 1])
+    k = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    loc = torch.tensor([3.0, -2.0, -1.0, 0.5, -0.3, 2.0, -4.0], dtype=torch.float64)
+    scale = torch.tensor([1.0, 2.0, 0.5, 1.0, 3.0, 0.2, 1.0], dtype=torch.float64)
+    dist = hardeq.ConstrainedNormal(loc, scale, constraint=hardeq.SumConstraint(index, k))
+    z = dist.truncate(lower=0.0).mode
+    mu, Sigma, A, kd = dense_picture(dist)
+    ref, _ = brute_force_mode(mu[0], Sigma[0], A[0], kd[0], np.zeros(7), np.full(7, np.inf))
+    np.testing.assert_allclose(z.numpy(), ref, atol=1e-12)
+    z = dist.truncate(upper=1.0).mode
+    ref, _ = brute_force_mode(mu[0], Sigma[0], A[0], kd[0], np.full(7, -np.inf), np.ones(7))
+    np.testing.assert_allclose(z.numpy(), ref, atol=1e-12)
+
+
+def test_truncated_mode_reports_infeasible_combination():
+    """An empty polytope that no single row certifies: the mode solver names the row it cannot meet."""
+    # rows: z0 + z1 = 1.5 and z0 - z1 = 1.5 -> z0 = 1.5 outside [0, 1]; each row alone is feasible in the box
+    A = torch.tensor([[1.0, 1.0, 0.0], [1.0, -1.0, 0.0]], dtype=torch.float64)
+    dist = hardeq.ConstrainedNormal(torch.zeros(3, dtype=torch.float64), 1.0,
+                                    constraint=hardeq.LinearConstraint(A, torch.tensor([1.5, 0.9],
+                                                                                      dtype=torch.float64)))
+    # z0 + z1 = 1.5, z0 - z1 = 0.9 -> z0 = 1.2 > 1: empty, each row feasible alone
+    with pytest.raises(ModeNotFound, match=r"row \d"):
+        truncated_mode(dist, torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("cov", COVARIANCES)
+@pytest.mark.parametrize("con", ["dense", "sum"])
+def test_mode_kkt_certificate_at_n_40(cov, con):
+    """n = 40 (too large to enumerate): the KKT conditions, checked independently in numpy, certify the global
+    minimum of the convex QP: feasibility, and Sigma^-1 (z - mu) = A^T lam + nu with nu >= 0 at lower bounds,
+    <= 0 at upper bounds and 0 on free coordinates (lam by least squares on the free coordinates)."""
+    dist, lower, upper = make_case(cov, con, torch.float64, n=40, seed=7, mean_offset=0.8)
+    z = dist.truncate(lower, upper).mode
+    mu, Sigma, A, k = dense_picture(dist)
+    lo, hi = lower.numpy(), upper.numpy()
+    zf = z.reshape(mu.shape).numpy()
+    for b in range(mu.shape[0]):
+        g = np.linalg.solve(Sigma[b], zf[b] - mu[b])
+        at_lo, at_hi = zf[b] <= lo, zf[b] >= hi
+        free = ~(at_lo | at_hi)
+        lam = np.linalg.lstsq(A[b][:, free].T, g[free], rcond=None)[0]
+        nu = g - A[b].T @ lam
+        # round-off of z is amplified by Sigma^-1: tolerance relative to |g| times the condition number
+        scale = (np.abs(g).max() + 1e-300) * max(1e-8, 1e-13 * np.linalg.cond(Sigma[b]))
+        assert np.abs(nu[free]).max() <= scale
+        assert nu[at_lo].min(initial=0) >= -scale and nu[at_hi].max(initial=0) <= scale
+        assert at_lo.sum() + at_hi.sum() > 3  # many active bounds
+        np.testing.assert_allclose(A[b] @ zf[b], k[b], rtol=1e-12, atol=1e-12 * np.abs(A[b]).sum())
+
+
+@pytest.mark.parametrize("cov", ["diag", "lowrank"])
+def test_broadcast_batches_and_round_off_stall(cov):
+    """A batched A of shape (3, 1, a, n) broadcast against loc (4, n): the mode, samples and log_prob take the
+    batch (3, 4); an element whose dual Newton iteration stalls at ~2e-13 relative residual (the Levenberg term and
+    the line search's resolution) is finished by the exact solve on its active set."""
+    f64 = torch.float64
+    g = torch.Generator().manual_seed(0)
+    n, a = 5, 2
+    A = torch.rand(3, 1, a, n, generator=g, dtype=f64) + 0.1
+    k = A @ torch.full((n,), 0.5, dtype=f64)
+    loc = 0.5 + 0.2 * torch.randn(4, n, generator=g, dtype=f64)
+    kw = {"scale": torch.tensor(0.5, dtype=f64)} if cov == "diag" else {
+        "cov_factor": 0.3 * torch.randn(4, n, 2, generator=g, dtype=f64), "scale": torch.full((4, n), 0.5, dtype=f64)}
+    d = hardeq.ConstrainedNormal(loc, constraint=hardeq.LinearConstraint(A, k), **kw)
+    t = d.truncate(0.0, 1.0)
+    m = t.mode
+    assert m.shape == (3, 4, n) and bool(rows_ok(d, m).all())
+    assert bool((m >= 0).all()) and bool((m <= 1).all())
+    mu, Sigma, Ad, kd = dense_picture(d)
+    for b in range(12):
+        ref, _ = brute_force_mode(mu[b], Sigma[b], Ad[b], kd[b], np.zeros(n), np.ones(n))
+        np.testing.assert_allclose(m.reshape(12, n)[b].numpy(), ref, atol=1e-9)
+    z = t.sample((3,), method="rejection")
+    assert z.shape == (3, 3, 4, n) and t.log_prob(z).shape == (3, 3, 4)
