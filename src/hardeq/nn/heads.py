@@ -62,7 +62,10 @@ def truncate(dist: ConstrainedNormal, lower: Tensor | None, upper: Tensor | None
     if lower is None and upper is None:
         return dist
     loc = dist.loc
-    conv = (lambda b: None if b is None else b.to(dtype=loc.dtype, device=loc.device))
+
+    def conv(b: Tensor | None) -> Tensor | None:
+        return None if b is None else b.to(dtype=loc.dtype, device=loc.device)
+
     return dist.truncate(conv(lower), conv(upper))
 
 
