@@ -169,6 +169,16 @@ def test_quick_structure(quick_run):
     curves = json.loads((quick_run / "chemical.curves.json").read_text())
     assert len(curves["cstr"]["ours"]["train"]) == 3 and len(curves["cstr"]["ours"]["val"]) == 3
     assert not (quick_run / "checkpoints").exists()
+    # the non-negative-flows variant (chemical/bounds.py): flows >= 0 and exact balances for every bounded rule
+    part = doc["nonnegative_flows"]
+    assert part["config"]["draws"] == 4 and part["config"]["burn_in"] == 5  # the quick preset's
+    for d in DATASETS:
+        rules = part["per_seed"][d]["ours-NLL"]
+        for rule in ("clip-project", "truncated mean", "truncated mode"):
+            assert max(rules[rule]["negative_share"]) == 0.0
+            assert max(rules[rule]["max_balance_residual"]) < 1e-9
+            assert len(rules[rule]["test_mse"]) == 2
+    assert "## Non-negative flows: do the bounds help?" in md
 
 
 @pytest.mark.slow

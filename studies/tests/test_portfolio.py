@@ -297,8 +297,18 @@ def test_quick_preset_end_to_end_through_the_cli(tmp_path):
     doc = json.loads((tmp_path / "portfolio.json").read_text())
     universes = ["sp500_20-10", "sp500_20-20"]
     assert doc["universes"] == universes and {r["dataset"] for r in doc["records"]} == set(universes)
-    methods = {r["method"] for r in doc["records"]}
+    methods = {r["method"] for r in doc["records"] if r.get("variant") != "long-only"}
     assert set(METHODS) | {"equal-weight", "Markowitz", "min-variance"} == methods
+    # the long-only variant (portfolio/bounds.py): every rule long-only and summing to one, its own claims section
+    from hardeq_studies.portfolio.bounds import RULES
+
+    for u in universes:
+        part = doc["long_only"][u]
+        for rule in RULES[1:]:
+            assert max(part["per_run"][rule]["max_violation"]) == 0.0
+            assert max(part["per_run"][rule]["max_sum_residual"]) < 1e-12
+            assert len(part["per_run"][rule]["test_sharpe"]) == 2
+        assert len(part["significance"]) == 3
     paper = {r["method"]: r["paper"] for r in doc["records"] if r["metric"] == "test_sharpe"}
     assert paper["ours"] == 1.9041 and paper["StemGNN-CL"] == 1.5018
     for u in universes:
@@ -321,6 +331,8 @@ def test_quick_preset_end_to_end_through_the_cli(tmp_path):
     claims = md.split("## Claims of the paper")[1].split("\n## ")[0]
     # 2 runs decide nothing
     assert claims.count(": ours beats") == 3 * 2 and claims.count("undecided (Wilcoxon, n = 2") == 3 * 2
+    bounds_section = md.split("## Long-only variant: do the bounds help?")[1].split("\n## ")[0]
+    assert bounds_section.count("undecided (Wilcoxon, n = 2") == 3 * 2  # 2 runs decide nothing here either
     (tmp_path / "portfolio.md").unlink()
     assert main(["report", "portfolio", "--out", str(tmp_path), "--quiet"]) == 0
     assert (tmp_path / "portfolio.md").read_text() == md

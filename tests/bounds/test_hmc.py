@@ -228,7 +228,7 @@ def test_one_free_dimension_against_scipy_truncnorm_many_seeds(seed):
     rng = np.random.default_rng(seed)
     v = rng.uniform(0.5, 2.0, 2) ** 2
     loc = torch.tensor(rng.standard_normal(2))
-    con = hardeq.LinearConstraint(torch.tensor([[1.0, 1.0]]), torch.tensor([0.5]))
+    con = hardeq.LinearConstraint(torch.tensor([[1.0, 1.0]], dtype=dtype), torch.tensor([0.5], dtype=dtype))
     dist = hardeq.ConstrainedNormal(loc, torch.tensor(np.sqrt(v)), constraint=con)
     m = loc[0].item() + v[0] / v.sum() * (0.5 - loc.sum().item())
     s = math.sqrt(v[0] - v[0] ** 2 / v.sum())

@@ -160,12 +160,13 @@ class _Plane:
         floor = 16 * eps * self.cov.variance.detach().expand(self.mean.shape)
         #: coordinates the constraint determines (no motion on the plane): never hit, velocity 0
         self.frozen = variance <= floor
+        self.any_frozen = bool(self.frozen.any())
 
     def project(self, u: Tensor) -> Tensor:
         r""":math:`(I - KA)u`, ``(*sample, *batch, n)``: the part of ``u`` in the plane's direction space."""
         for _ in range(self.steps):
             u = u - self.cond.gain_matvec(self.constraint.matvec(u))
-        return u.masked_fill(self.frozen, 0.0)
+        return u.masked_fill(self.frozen, 0.0) if self.any_frozen else u
 
     def velocity(self, shape: torch.Size, generator: torch.Generator | None) -> Tensor:
         r"""``shape + (n,)`` draws of :math:`\mathcal N(0, \bar\Sigma)`: :math:`(I - KA)\Sigma^{1/2}\varepsilon`."""
@@ -186,17 +187,16 @@ def _hit_times(x: Tensor, v: Tensor, lo: Tensor, hi: Tensor, movable_lo: Tensor,
     """First times ``t >= 0`` at which ``x_i cos t + v_i sin t`` leaves ``[lo_i, hi_i]`` through the lower and the
     upper wall (``inf`` where it does not), each ``(*shape, n)``; ``0`` for a coordinate at or beyond a wall and
     moving out."""
-    inf = torch.tensor(math.inf, dtype=x.dtype, device=x.device)
     phi = torch.atan2(v, x)
     v2 = v * v
     d_lo = (x - lo) * (x + lo) + v2                     # R^2 - lo^2
-    t_lo = torch.remainder(phi + torch.atan2(d_lo.clamp_min(0.0).sqrt(), lo), _TWO_PI)
-    t_lo = torch.where(movable_lo & (d_lo >= 0), t_lo, inf)
-    t_lo = torch.where(movable_lo & (x <= lo) & (v < 0), 0.0, t_lo)
+    t_lo = torch.remainder(phi + torch.atan2(d_lo.clamp_min(0.0).sqrt_(), lo), _TWO_PI)
+    t_lo.masked_fill_(~(movable_lo & (d_lo >= 0)), math.inf)
+    t_lo.masked_fill_(movable_lo & (x <= lo) & (v < 0), 0.0)
     d_hi = (x - hi) * (x + hi) + v2
-    t_hi = torch.remainder(phi - torch.atan2(d_hi.clamp_min(0.0).sqrt(), hi), _TWO_PI)
-    t_hi = torch.where(movable_hi & (d_hi >= 0), t_hi, inf)
-    t_hi = torch.where(movable_hi & (x >= hi) & (v > 0), 0.0, t_hi)
+    t_hi = torch.remainder(phi - torch.atan2(d_hi.clamp_min(0.0).sqrt_(), hi), _TWO_PI)
+    t_hi.masked_fill_(~(movable_hi & (d_hi >= 0)), math.inf)
+    t_hi.masked_fill_(movable_hi & (x >= hi) & (v > 0), 0.0)
     return t_lo, t_hi
 
 

@@ -26,7 +26,8 @@ class LoopSetup:
     steps: frozenset[int]
     condition_generator: torch.Generator | None
     post: Callable[[Tensor], Tensor] | None
-    box: tuple[float, float] | None  # (lo, hi) of final="box", else None
+    box: tuple[float, float] | None  # (lo, hi) of final="box" / "sample_box", else None
+    final: str | None = None  # None, "box" or "sample_box"
 
 
 def _model_dtype_device(model: object) -> tuple[torch.dtype | None, torch.device | None]:
@@ -84,7 +85,7 @@ def setup_loop(model: object, shape: object, constraint: EqualityConstraint | No
     if steps and con is None:
         raise ValueError(f"schedule {schedule!r} conditions steps {sorted(steps)}, but constraint is None.")
     cond_gen = condition_generator
-    if cond_gen is None and steps and not deterministic:
+    if cond_gen is None and ((steps and not deterministic) or options.final == "sample_box"):
         cond_gen = derive_generator(generator, device)
     if noise is None:
         x = randn(shape, generator=generator, device=device, dtype=dtype)
@@ -92,7 +93,7 @@ def setup_loop(model: object, shape: object, constraint: EqualityConstraint | No
         x = noise.to(device=device, dtype=dtype)
     return LoopSetup(x=x, constraint=con, steps=steps, condition_generator=cond_gen,
                      post=resolve_post(options.post, con, options.clip_range),
-                     box=check_final(options.final, options.box, con))
+                     box=check_final(options.final, options.box, con), final=options.final)
 
 
 def iterate(timesteps: tuple[int, ...], progress: bool, desc: str) -> Iterable[tuple[int, int]]:

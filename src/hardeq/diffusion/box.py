@@ -36,9 +36,17 @@ is then at the limit).
 
 **What it does to the distribution.** It replaces the last step's *sample* by the *mode* of the last step's
 Gaussian given the constraint and the box: deterministic, like ``deterministic=True`` of the unboxed conditioned
-step (to which it reduces when no pixel hits the box). A *sample* of the truncated conditional
-:math:`\mathcal N(\mu, \mathrm{diag}(v)) \mid Ax = k,\ x \in [lo, hi]^n` is what
-:meth:`hardeq.ConstrainedNormal.truncate` gives (:class:`hardeq.TruncatedConstrainedNormal`).
+step (to which it reduces when no pixel hits the box). It is the special case "diagonal covariance, grouped
+sums" of :attr:`TruncatedConstrainedNormal.mode <hardeq.TruncatedConstrainedNormal.mode>`:
+``box_project(x, c, v, lo, hi)`` equals
+``ConstrainedNormal(x.flatten(1), v.sqrt(), constraint=c).truncate(lo, hi).mode`` (docs/bounds.md).
+
+**A sample instead of the mode.** ``final="sample_box"`` of the samplers and of
+:class:`~hardeq.diffusion.ConstrainedScheduler` draws a *sample* of the truncated conditional
+:math:`\mathcal N(\mu, \mathrm{diag}(v)) \mid Ax = k,\ x \in [lo, hi]^n` (:func:`sampled_last_step`: rejection
+where it accepts often enough, else exact Hamiltonian Monte Carlo on the plane; every draw is exactly feasible).
+Either output quantises to 8 bits with the channel totals kept exactly by
+:func:`~hardeq.diffusion.to_uint8_exact`.
 """
 
 from __future__ import annotations
@@ -52,7 +60,7 @@ from ..bounds.mode import grouped_box_mode
 from ..constraints import EqualityConstraint, SumConstraint
 from .image_constraints import channel_sum_constraint, check_image_constraint
 
-__all__ = ["box_project", "box_feasible"]
+__all__ = ["box_project", "box_feasible", "sampled_last_step"]
 
 
 def _grouped(constraint: object) -> bool:
@@ -182,7 +190,7 @@ def box_project(x: Tensor, constraint: SumConstraint | Tensor, variance: float |
     return y.to(x.dtype).clamp(lo, hi).reshape(x.shape)
 
 
-FINAL_OPTIONS = (None, "box")
+FINAL_OPTIONS = (None, "box", "sample_box")
 
 
 def boxed_last_step(x0: Tensor, constraint, std, box: tuple[float, float]) -> Tensor:
@@ -191,17 +199,78 @@ def boxed_last_step(x0: Tensor, constraint, std, box: tuple[float, float]) -> Te
     return box_project(x0, constraint, std * std, *box)
 
 
+def sampled_last_step(x0: Tensor, constraint: SumConstraint, std: float | Tensor, box: tuple[float, float],
+                      generator: torch.Generator | None = None) -> Tensor:
+    r"""The samplers' ``final="sample_box"`` step: one *sample* per image of the last step's Gaussian
+    :math:`\mathcal N(\hat x_0, \mathrm{diag}(\mathrm{std}^2))` given the group sums and the box ``[lo, hi]``.
+
+    The law is ``ConstrainedNormal(x0.flatten(1), std, constraint=c).truncate(lo, hi)``
+    (:class:`~hardeq.TruncatedConstrainedNormal`); its sampler (rejection from the untruncated conditional when
+    that accepts often enough, else exact HMC on the plane started from the mode) is named in docs/bounds.md.
+    Every returned pixel is in ``[lo, hi]`` (``>=`` / ``<=`` in ``x0``'s dtype) and every group sum meets the
+    per-row tolerance of the untruncated conditional. The draws come from ``generator`` (the conditioning stream):
+    a seed is taken from it and the sampler runs under :func:`torch.random.fork_rng`, so torch's global stream is
+    left as it was and a seeded generator gives the same images.
+
+    Args:
+        x0: ``(B, *image_shape)``, the last step's unconditioned prediction :math:`\hat x_0`.
+        constraint: grouped sums on the flattened images (``SumConstraint``, batch shape ``()`` or ``(B,)``).
+        std: the standard deviation, a float or a tensor broadcastable to ``x0``.
+        box: ``(lo, hi)``.
+        generator: the conditioning stream (default: torch's global one).
+
+    Raises:
+        ValueError: a group total outside :math:`[m\,lo, m\,hi]` (the polytope is empty; the truncated law's
+            message names the group), or a non-positive ``std``.
+
+    Cost: O(pixels) per HMC bounce for grouped sums (docs/bounds.md), plus the mode's sort to start the chains.
+    """
+    lo, hi = _check_box(*box)
+    con = check_image_constraint(constraint, x0, owner="final='sample_box'")
+    B = x0.shape[0]
+    flat = x0.detach().reshape(B, -1)
+    v = _flat_variance(std * std if isinstance(std, Tensor) else float(std) ** 2, x0)  # checks std > 0
+    ok = box_feasible(con.to(dtype=torch.float64), lo, hi, rtol=1e-12 if x0.dtype == torch.float64 else 1e-5)
+    ok = ok.expand(B, con.num_constraints)
+    if not bool(ok.all()):
+        b, c = (int(i) for i in (~ok).nonzero()[0])
+        m = int(con.group_sizes[c])
+        raise ValueError(f"final='sample_box': group {c} of image {b} has {m} pixels in [{lo}, {hi}], so its total "
+                         f"must lie in [{m * lo}, {m * hi}], got {float(con.k.expand(B, -1)[b, c])}.")
+    from ..distributions.normal import ConstrainedNormal
+
+    dist = ConstrainedNormal(flat, v.sqrt().to(flat.dtype), constraint=con, validate_args=False).truncate(lo, hi)
+    devices = [x0.device] if x0.device.type == "cuda" else []
+    seed = int(torch.randint(0, 2**62, (), generator=generator, device=generator.device if generator is not None
+                             else "cpu"))
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        y = dist.sample()
+    return y.to(x0.dtype).clamp(lo, hi).reshape(x0.shape)
+
+
+def final_step(final: str, x0: Tensor, constraint, std, box: tuple[float, float],
+               generator: torch.Generator | None = None) -> Tensor:
+    """The last step of ``final="box"`` (:func:`boxed_last_step`, the mode) or ``"sample_box"``
+    (:func:`sampled_last_step`, a sample)."""
+    if final == "sample_box":
+        return sampled_last_step(x0, constraint, std, box, generator)
+    return boxed_last_step(x0, constraint, std, box)
+
+
 def check_final(final: object, box: object, constraint: object) -> tuple[float, float] | None:
-    """Validate a sampler's ``final=`` / ``box=`` options; return ``(lo, hi)`` for ``final="box"``, else ``None``."""
+    """Validate a sampler's ``final=`` / ``box=`` options; return ``(lo, hi)`` for ``final="box"`` or
+    ``"sample_box"``, else ``None``."""
     if final not in FINAL_OPTIONS:
-        raise ValueError(f"final must be None (the last step as the schedule says) or 'box' (the conditional mode in "
-                         f"the box, box_project), got {final!r}.")
+        raise ValueError(f"final must be None (the last step as the schedule says), 'box' (the conditional mode in "
+                         f"the box, box_project) or 'sample_box' (a sample of the conditional truncated to the box), "
+                         f"got {final!r}.")
     if final is None:
         return None
     if constraint is None:
-        raise ValueError("final='box' projects onto the constraint and the box, but constraint is None.")
+        raise ValueError(f"final={final!r} conditions on the constraint and the box, but constraint is None.")
     if not _grouped(constraint):
-        raise TypeError(f"final='box' needs a grouped-sum constraint such as hardeq.SumConstraint (e.g. "
+        raise TypeError(f"final={final!r} needs a grouped-sum constraint such as hardeq.SumConstraint (e.g. "
                         f"channel_sum_constraint), got "
                         f"{type(constraint).__name__}.")
     if not isinstance(box, (tuple, list)) or len(box) != 2:

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from ..constraints import EqualityConstraint
 from ._loop import iterate, setup_loop
-from .box import boxed_last_step
+from .box import final_step
 from .conditioning import constrained_x0, resolve_scale
 from .model import EpsModel, predict_noise
 from .noise import randn
@@ -73,7 +73,7 @@ def ddim_sample(
             works as is.
         shape: ``(B, C, H, W)``.
         options: how to sample (:class:`~hardeq.diffusion.DDIMOptions`: the number of steps, ``eta``, the forward
-            process, the conditioned steps' ``scale``, ``deterministic``, ``final="box"``, ``post``, dtype,
+            process, the conditioned steps' ``scale``, ``deterministic``, ``final``, ``post``, dtype,
             device, ...); default ``DDIMOptions()``: 50 steps of deterministic DDIM over diffusers' default
             linear schedule.
         constraint: :math:`Ax = k` on the flattened images (:func:`channel_sum_constraint`, or any
@@ -121,7 +121,7 @@ def ddim_sample(
         eps = predict_noise(model, x, t)
         x0 = (x - math.sqrt(1 - ab_t) * eps) / math.sqrt(ab_t)
         if s.box is not None and i == last:
-            x = boxed_last_step(x0, s.constraint, resolve_scale(scale, t, b), s.box)
+            x = final_step(s.final, x0, s.constraint, resolve_scale(scale, t, b), s.box, s.condition_generator)
             if callback is not None:
                 callback(i, t, x, x)
             break

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from ..constraints import EqualityConstraint
 from ._loop import iterate, setup_loop
-from .box import boxed_last_step
+from .box import final_step
 from .conditioning import constrained_x0, resolve_scale
 from .model import EpsModel, predict_noise
 from .noise import randn
@@ -78,7 +78,7 @@ def ddpm_sample(
             ``diffusers.UNet2DModel`` works as is (its ``.sample`` is used).
         shape: ``(B, C, H, W)``.
         options: how to sample (:class:`~hardeq.diffusion.DDPMOptions`: the forward process, ``variance_type``,
-            the conditioned steps' ``scale``, ``deterministic``, ``final="box"``, ``post``, dtype, device, ...);
+            the conditioned steps' ``scale``, ``deterministic``, ``final``, ``post``, dtype, device, ...);
             default ``DDPMOptions()``: diffusers' default 1000-step linear schedule, ``"fixed_small"``.
         constraint: :math:`Ax = k` on the flattened images (:func:`channel_sum_constraint`, or any
             ``LinearConstraint`` / ``SumConstraint`` with ``event_size = C*H*W`` and batch shape ``()`` or ``(B,)``).
@@ -127,7 +127,7 @@ def ddpm_sample(
         beta_t = 1 - ab_t / ab_prev
         x0 = (x - math.sqrt(1 - ab_t) * eps) / math.sqrt(ab_t)
         if s.box is not None and i == last:
-            x = boxed_last_step(x0, s.constraint, resolve_scale(scale, t, b), s.box)
+            x = final_step(s.final, x0, s.constraint, resolve_scale(scale, t, b), s.box, s.condition_generator)
             if callback is not None:
                 callback(i, t, x, x)
             break

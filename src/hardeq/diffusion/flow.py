@@ -15,7 +15,8 @@ noise) and learns the velocity :math:`v_\theta(x_t, t) \approx E[\varepsilon - x
 At the last step (:math:`\sigma_N = 0`) the Euler update is :math:`x_t - t\,v = \hat x_0`, so the conditioned
 last step returns the conditioned :math:`\hat x_0` itself: exact to round-off. ``final="box"`` returns instead the
 conditional mode in the box, :func:`box_project` of the unconditioned :math:`\hat x_0` (isotropic metric by
-default: the Euclidean projection onto the sums and ``[lo, hi]``).
+default: the Euclidean projection onto the sums and ``[lo, hi]``); ``final="sample_box"`` a sample of
+:math:`\mathcal N(\hat x_0, s^2 I)` given the sums and the box (:func:`~hardeq.diffusion.box.sampled_last_step`).
 
 **Default variance.** The flow has no per-step noise variance like DDPM's :math:`\beta_t`; the default standard
 deviation of a conditioned step is the step length :math:`s = \sigma_i - \sigma_{i+1}` (``1/N`` for the uniform
@@ -38,7 +39,7 @@ from torch import Tensor
 
 from ..constraints import EqualityConstraint
 from ._loop import iterate, setup_loop
-from .box import boxed_last_step
+from .box import final_step
 from .conditioning import constrained_x0
 from .model import call_model
 from .noise_schedule import flow_sigmas
@@ -77,11 +78,11 @@ def flow_sample(
         shape: ``(B, C, H, W)``.
         options: how to sample (:class:`~hardeq.diffusion.FlowOptions`: the time grid ``num_steps`` or
             ``sigmas``, ``time_scale``, the conditioned steps' ``scale`` (default: the step length),
-            ``deterministic``, ``final="box"``, ``post``, dtype, device, ...); default ``FlowOptions()``: 50
+            ``deterministic``, ``final``, ``post``, dtype, device, ...); default ``FlowOptions()``: 50
             uniform Euler steps.
         constraint: :math:`Ax = k` on the flattened images (:func:`channel_sum_constraint`, ...).
         schedule: loop indices to condition (a :class:`Schedule` or indices); default: the last step when a
-            constraint is given. Only a schedule containing the last step (or ``final="box"``) makes the output
+            constraint is given. Only a schedule containing the last step (or ``final``) makes the output
             exact.
         generator: the main stream (only :math:`x_1 = \varepsilon` is drawn from it: the Euler sampler is
             deterministic).
@@ -93,7 +94,7 @@ def flow_sample(
 
     Returns:
         Tensor: :math:`x_0`, ``(B, C, H, W)``; every image satisfies the constraint to round-off when the last
-        step is conditioned or ``final="box"`` (before ``post``).
+        step is conditioned or ``final`` (before ``post``).
 
     Raises:
         TypeError: ``options`` is not a ``FlowOptions``, or a keyword names neither a call argument nor an option.
@@ -123,7 +124,7 @@ def flow_sample(
         std = (t - t_next) if scale is None else (scale(t) if callable(scale) and not isinstance(scale, Tensor)
                                                   else scale)
         if s.box is not None and i == last:
-            x = boxed_last_step(x0, s.constraint, std, s.box)
+            x = final_step(s.final, x0, s.constraint, std, s.box, s.condition_generator)
             if callback is not None:
                 callback(i, t, x, x)
             break

@@ -50,7 +50,7 @@ __all__ = ["SamplerOptions", "NoiseScheduleOptions", "DDPMOptions", "DDIMOptions
 ScaleOption = float | Tensor | Callable[[Any], "float | Tensor"] | None
 
 POST_NAMES = ("project", "project_clip", "clip")
-FINAL_NAMES = (None, "box")
+FINAL_NAMES = (None, "box", "sample_box")
 VARIANCE_TYPES = ("fixed_small", "fixed_large")
 DEFAULT_NUM_STEPS = 50
 
@@ -113,8 +113,12 @@ class SamplerOptions:
         final: ``None`` (the last step as the schedule says) or ``"box"``: the last step returns the conditional
             *mode* in the box, :func:`~hardeq.diffusion.box_project` of the last step's unconditioned prediction
             onto the constraint (a ``SumConstraint``) and ``box``, in the metric of ``scale`` (isotropic: the
-            Euclidean projection). Exact in the sums *and* in ``[lo, hi]``; not a sample.
-        box: ``(lo, hi)`` of ``final="box"``; default ``(-1.0, 1.0)``, the model's pixel range.
+            Euclidean projection). Exact in the sums *and* in ``[lo, hi]``; not a sample. ``"sample_box"``: the
+            last step returns a *sample* of the same Gaussian given the constraint and the box (the law
+            ``ConstrainedNormal(x0, scale).truncate(lo, hi)``, :class:`~hardeq.TruncatedConstrainedNormal`,
+            drawn from the conditioning stream), exact in the sums and in ``[lo, hi]``; ``to_uint8_exact`` then
+            keeps the channel totals in 8 bits.
+        box: ``(lo, hi)`` of ``final="box"`` / ``"sample_box"``; default ``(-1.0, 1.0)``, the model's pixel range.
         post: post-processing of the returned :math:`x_0`: ``None``, ``"project"`` (orthogonal projection onto
             the constraint), ``"project_clip"`` (projection, then clipping to ``clip_range``), ``"clip"`` or a
             callable ``x0 -> x0``; the baselines are ``post="project"`` with ``schedule=()``.
@@ -146,8 +150,9 @@ class SamplerOptions:
         elif s is not None and not callable(s):
             _real("scale", s, owner, positive=True)
         if self.final not in FINAL_NAMES:
-            raise ValueError(f"{owner}: final must be None (the last step as the schedule says) or 'box' (the "
-                             f"conditional mode in the box, box_project), got {self.final!r}.")
+            raise ValueError(f"{owner}: final must be None (the last step as the schedule says), 'box' (the "
+                             f"conditional mode in the box, box_project) or 'sample_box' (a sample of the conditional "
+                             f"truncated to the box), got {self.final!r}.")
         object.__setattr__(self, "box", _pair("box", self.box, owner))
         if self.post is not None and not callable(self.post) and self.post not in POST_NAMES:
             raise ValueError(f"{owner}: post must be None, a callable x0 -> x0 or one of {POST_NAMES}, "

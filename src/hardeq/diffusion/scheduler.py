@@ -19,9 +19,18 @@ returns the conditioned :math:`x_0` itself as ``prev_sample`` (the base update w
 :math:`\sqrt{\bar\alpha_0}` with ``set_alpha_to_one=False``, and re-deriving :math:`x_0` from
 :math:`\varepsilon` costs round-off), so the output is exact.
 
+**In the pixel box.** diffusers' pipelines clamp the returned sample, ``(x / 2 + 0.5).clamp(0, 1)``; an exact
+sample with pixels outside ``[-1, 1]`` then misses its channel totals after the clamp. With
+``final="sample_box"`` the last step returns instead a *sample* of the last step's Gaussian
+:math:`\mathcal N(\hat x_0, \mathrm{scale}^2 I)` given the constraint and the box ``[lo, hi]`` (default
+``(-1, 1)``; :func:`~hardeq.diffusion.box.sampled_last_step`); ``final="box"`` returns its mode
+(:func:`~hardeq.diffusion.box_project`). Either is inside the box, so the clamp changes nothing and the
+pipeline's images meet the totals (in ``[0, 1]`` units, :math:`(k + m)/2` for a channel of ``m`` pixels);
+:func:`~hardeq.diffusion.to_uint8_exact` keeps them in 8 bits.
+
 **The config.** ``scheduler_config.json`` records ``base_scheduler`` (``{"class_name": "DDIMScheduler",
-"config": {...}}``), ``constraint``, ``schedule``, ``scale`` and ``deterministic`` as JSON (the specs of
-``hardeq.diffusion._scheduler_spec``). ``config`` refuses to be consumed by *another* scheduler's
+"config": {...}}``), ``constraint``, ``schedule``, ``scale``, ``deterministic``, ``final`` and ``box`` as JSON (the
+specs of ``hardeq.diffusion._scheduler_spec``). ``config`` refuses to be consumed by *another* scheduler's
 ``from_config`` (a ``TypeError`` naming the fix): that is what ``DDIMPipeline.__init__`` does
 (``DDIMScheduler.from_config(scheduler.config)``), and the result would silently drop the constraint.
 """
@@ -38,6 +47,7 @@ from torch import Tensor
 from ..constraints import EqualityConstraint
 from . import _scheduler_spec as spec
 from ._optional import require_diffusers
+from .box import FINAL_OPTIONS, _check_box, check_final, final_step
 from .conditioning import ScaleLike, constrained_x0, resolve_scale
 from .image_constraints import check_image_constraint
 from .noise import check_generator, derive_generator
@@ -161,6 +171,11 @@ class ConstrainedScheduler(SchedulerMixin, ConfigMixin):
             step's train timestep), a float, a tensor broadcastable to the images, or ``t -> scale`` (a tensor or a
             callable is used but not saved: ``save_pretrained`` raises).
         deterministic: use the conditional mean (projection) instead of a sample.
+        final: ``None`` (default: the last step as the schedule says), ``"box"`` (the last step returns the
+            conditional mode in ``box``) or ``"sample_box"`` (a sample of the conditional truncated to ``box``);
+            both need a grouped-sum constraint (e.g. :func:`channel_sum_constraint`) and condition the last step
+            whatever the schedule says.
+        box: ``(lo, hi)`` of ``final``, in the model's space; default ``(-1.0, 1.0)`` (the pipelines' clamp range).
         condition_generator: the conditioning stream (never saved); default: derived, at the first conditioned
             step after each :meth:`set_timesteps`, from the state of the ``generator`` passed to :meth:`step` (or
             torch's global RNG) without drawing from it, so that the main stream is that of the unconstrained loop.
@@ -189,7 +204,8 @@ class ConstrainedScheduler(SchedulerMixin, ConfigMixin):
     # given (a scheduler object, a constraint object); the config records their JSON specs.
     def __init__(self, base_scheduler: object = None, constraint: EqualityConstraint | dict | None = None,
                  schedule: Schedule | list[int] | dict | None = None, scale: ScaleLike | dict = None,
-                 deterministic: bool = False, condition_generator: torch.Generator | None = None) -> None:
+                 deterministic: bool = False, condition_generator: torch.Generator | None = None,
+                 final: str | None = None, box: tuple[float, float] | list[float] = (-1.0, 1.0)) -> None:
         base = _base_from_spec(base_scheduler)
         _check_base(base)
         check_generator("condition_generator", condition_generator)
@@ -199,6 +215,8 @@ class ConstrainedScheduler(SchedulerMixin, ConfigMixin):
         self.schedule = schedule
         self.scale = scale
         self.deterministic = deterministic
+        self.box = box
+        self.final = final
         self._user_condition_generator = condition_generator
         self._condition_generator = condition_generator
 
@@ -274,6 +292,32 @@ class ConstrainedScheduler(SchedulerMixin, ConfigMixin):
         self._deterministic = bool(value)
         self.register_to_config(deterministic=self._deterministic)
 
+    @property
+    def final(self) -> str | None:
+        """The last step: ``None`` (as the schedule says), ``"box"`` (the mode in :attr:`box`) or ``"sample_box"``
+        (a sample in :attr:`box`); assigning it updates the config."""
+        return self._final
+
+    @final.setter
+    def final(self, value: str | None) -> None:
+        if value not in FINAL_OPTIONS:
+            raise ValueError(f"final must be one of {FINAL_OPTIONS} (None: the last step as the schedule says; 'box': "
+                             f"the conditional mode in the box; 'sample_box': a sample in the box), got {value!r}.")
+        self._final = value
+        self.register_to_config(final=value)
+
+    @property
+    def box(self) -> tuple[float, float]:
+        """``(lo, hi)`` of :attr:`final`; assigning it updates the config."""
+        return self._box
+
+    @box.setter
+    def box(self, value: tuple[float, float] | list[float]) -> None:
+        if not isinstance(value, (tuple, list)) or len(value) != 2:
+            raise ValueError(f"box must be a pair (lo, hi) such as (-1.0, 1.0), got {value!r}.")
+        self._box = _check_box(*value)
+        self.register_to_config(box=list(self._box))
+
     # ------------------------------------------------------------------ the base scheduler's interface
     @property
     def timesteps(self) -> Tensor:
@@ -319,8 +363,9 @@ class ConstrainedScheduler(SchedulerMixin, ConfigMixin):
         return tuple(sorted(resolve_steps(self.schedule, n, default_last=self.constraint is not None)))
 
     def __repr__(self) -> str:
+        final = "" if self.final is None else f", final={self.final!r}, box={self.box}"
         return (f"ConstrainedScheduler({type(self.scheduler).__name__}, constraint={self.constraint!r}, "
-                f"schedule={self.schedule!r}, deterministic={self.deterministic})")
+                f"schedule={self.schedule!r}, deterministic={self.deterministic}{final})")
 
     # ------------------------------------------------------------------ the step
     def _index(self, timestep: int | Tensor) -> int:
@@ -371,6 +416,11 @@ class ConstrainedScheduler(SchedulerMixin, ConfigMixin):
             i = self._index(timestep)
             n = len(inner.timesteps)
             t = int(inner.timesteps[i])
+            if self.final is not None and i == n - 1:
+                prev = self._final_step(model_output, t, sample, generator)
+                if not return_dict:
+                    return prev, prev
+                return ConstrainedSchedulerOutput(prev_sample=prev, pred_original_sample=prev)
             if i in resolve_steps(self.schedule, n, default_last=True):
                 con = check_image_constraint(self.constraint, sample, owner="ConstrainedScheduler.step")
                 if self._condition_generator is None and not self.deterministic:
@@ -388,4 +438,17 @@ class ConstrainedScheduler(SchedulerMixin, ConfigMixin):
         if not return_dict:
             return prev, x0
         return ConstrainedSchedulerOutput(prev_sample=prev, pred_original_sample=x0)
+
+    def _final_step(self, model_output: Tensor, t: int, sample: Tensor, generator: torch.Generator | None) -> Tensor:
+        r"""The last step of ``final="box"`` / ``"sample_box"``: the mode or a sample of
+        :math:`\mathcal N(\hat x_0, \mathrm{scale}^2 I)` given the constraint and the box, where :math:`\hat x_0`
+        is the base scheduler's (unconditioned) prediction; the base ``step`` is not called (the last update would
+        only rescale :math:`\hat x_0`)."""
+        con = check_image_constraint(self.constraint, sample, owner="ConstrainedScheduler.step")
+        box = check_final(self.final, self.box, con)
+        if self._condition_generator is None and self.final == "sample_box":
+            self._condition_generator = derive_generator(generator, sample.device)
+        scale = resolve_scale(self.scale, t, self.scheduler.betas.to(torch.float64))
+        x0 = self._x0(model_output, t, sample)
+        return final_step(self.final, x0, con, scale, box, self._condition_generator).to(sample.dtype)
 

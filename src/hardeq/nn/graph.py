@@ -37,6 +37,7 @@ from torch.distributions.utils import lazy_property
 from .._utils import LOG_2PI, is_tracing
 from ..constraints import SumConstraint
 from ..distributions.normal import HALF_DTYPES, ConstrainedNormal
+from .heads import check_bound, check_bounds, truncate
 
 __all__ = ["GraphGaussianHead", "GraphNormal", "graph_normal", "per_graph_log_prob", "variance_weighted_correction"]
 
@@ -248,6 +249,14 @@ class GraphGaussianHead(nn.Module):
     Python number, or a floating / integer tensor that broadcasts to ``(num_graphs,)`` (``()``, ``(1,)`` or
     ``(G,)``), as :class:`~hardeq.nn.ConstrainedGaussianHead` takes its ``constraint_value``.
 
+    **Bounds.** With ``lower`` and / or ``upper`` (e.g. ``lower=0.0`` for non-negative node quantities that sum
+    to a total per graph) the head returns ``graph_normal(...).truncate(lower, upper)``, a
+    :class:`~hardeq.TruncatedConstrainedNormal` over all nodes: exactly feasible samples (every node within its
+    bounds, every graph's sum to round-off), the constrained ``mode``, and the joint restricted ``log_prob``
+    (one value per sample, not per graph: the truncation couples nothing across graphs, but the normaliser is
+    the sampler's, docs/bounds.md). At construction a bound is a number (the same for every node; the number of
+    nodes changes from batch to batch); a call may pass ``(N,)`` tensors, which replace the head's.
+
     Args:
         in_features: size of the node features.
         total: a fixed total for every call that passes none (e.g. ``0.0`` for neutral molecules); a tensor is
@@ -256,6 +265,8 @@ class GraphGaussianHead(nn.Module):
         dtype: dtype in which the softplus and the conditioning are computed (e.g. ``torch.float64`` for a
             float32 network; the softplus of a very negative input underflows in float32). ``None``: the
             features' dtype.
+        lower, upper: a number (every node), ``-inf`` / ``inf`` or ``None`` (default: unbounded, the head returns
+            the :class:`GraphNormal` itself).
 
     Shapes:
         ``h``: ``(N, in_features)``; ``batch``: ``(N,)``; ``total``: ``(G,)`` or broadcastable to it, a number, or
@@ -275,7 +286,8 @@ class GraphGaussianHead(nn.Module):
     """
 
     def __init__(self, in_features: int, *, total: Tensor | float | None = None, min_variance: float = 0.0,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, lower: Tensor | float | None = None,
+                 upper: Tensor | float | None = None) -> None:
         super().__init__()
         if not isinstance(in_features, int) or in_features < 1:
             raise ValueError(f"in_features must be a positive int, got {in_features!r}.")
@@ -295,6 +307,17 @@ class GraphGaussianHead(nn.Module):
             else:
                 total = total.detach().clone()
         self.register_buffer("total", total)
+        lower = check_bound(lower, "lower", None, "GraphGaussianHead")
+        upper = check_bound(upper, "upper", None, "GraphGaussianHead")
+        for name, b in (("lower", lower), ("upper", upper)):
+            if b is not None and b.numel() != 1:
+                raise ValueError(f"GraphGaussianHead: {name} must be a number at construction (the number of nodes "
+                                 f"changes from batch to batch; pass per-node (N,) bounds per call), got shape "
+                                 f"{tuple(b.shape)}.")
+        lower, upper = (None if b is None else b.reshape(()) for b in (lower, upper))
+        check_bounds(lower, upper, "GraphGaussianHead")
+        self.register_buffer("lower", lower)
+        self.register_buffer("upper", upper)
         self.mean = nn.Linear(in_features, 1)
         self.var = nn.Linear(in_features, 1)
 
@@ -310,11 +333,22 @@ class GraphGaussianHead(nn.Module):
         return loc, F.softplus(raw) + self.min_variance
 
     def forward(self, h: Tensor, batch: Tensor, total: Tensor | float | None = None, *,
-                num_graphs: int | None = None) -> GraphNormal:
+                num_graphs: int | None = None, lower: Tensor | float | None = ...,
+                upper: Tensor | float | None = ...):
+        """The :class:`GraphNormal` of the nodes ``h`` ``(N, in_features)`` of the graphs ``batch`` ``(N,)`` with
+        totals ``total`` (default: the head's, else 0); truncated to ``[lower, upper]`` when a bound is in force
+        (``lower`` / ``upper``: a number or ``(N,)``, replacing the head's for this call; ``None``: no such
+        bound; omitted: the head's)."""
+        lower = self.lower if lower is ... else check_bound(lower, "lower", h.shape[0], "forward")
+        upper = self.upper if upper is ... else check_bound(upper, "upper", h.shape[0], "forward")
+        check_bounds(lower, upper, "forward")
         loc, variance = self.moments(h)
         total = self.total if total is None else total
-        return GraphNormal(loc, variance, batch, total, num_graphs=num_graphs)
+        return truncate(GraphNormal(loc, variance, batch, total, num_graphs=num_graphs), lower, upper)
 
     def extra_repr(self) -> str:
         fixed = "" if self.total is None else f", total={tuple(self.total.shape)}"
+        for name in ("lower", "upper"):
+            if getattr(self, name) is not None:
+                fixed += f", {name}={float(getattr(self, name)):g}"
         return f"in_features={self.in_features}, min_variance={self.min_variance}, dtype={self.dtype}{fixed}"

@@ -1,4 +1,5 @@
-r"""Regression heads that return a :class:`~hardeq.ConstrainedNormal`."""
+r"""Regression heads that return a :class:`~hardeq.ConstrainedNormal`, or with bounds its truncation
+:class:`~hardeq.TruncatedConstrainedNormal`."""
 
 from __future__ import annotations
 
@@ -12,6 +13,60 @@ from ..constraints import EqualityConstraint, LinearConstraint, SumConstraint
 from ..distributions.normal import ConstrainedNormal
 
 __all__ = ["ConstrainedGaussianHead"]
+
+
+def check_bound(value: object, name: str, n: int | None, owner: str) -> Tensor | None:
+    """A head's ``lower`` / ``upper`` as ``None`` or a floating tensor: a Python number (``0.0``, ``-inf``) becomes a
+    0-dim float64 tensor; a tensor must be floating or integer, broadcast to ``(n,)`` in its last dimension (size
+    1 or ``n``; any leading dimensions broadcast with the batch at the call) and hold no NaN. ``TypeError`` /
+    ``ValueError`` naming ``name``, the expectation and what arrived."""
+    if value is None:
+        return None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        value = torch.tensor(float(value), dtype=torch.float64)
+    elif not isinstance(value, Tensor) or value.dtype == torch.bool or value.is_complex():
+        what = value.dtype if isinstance(value, Tensor) else type(value).__name__
+        raise TypeError(f"{owner}: {name} must be None, a Python number or a floating / integer torch.Tensor, got "
+                        f"{what}.")
+    if n is not None and value.dim() > 0 and value.shape[-1] not in (1, n):
+        raise ValueError(f"{owner}: {name} must be a number or a tensor whose last dimension is 1 or {n} (one bound "
+                         f"per output), got shape {tuple(value.shape)}.")
+    value = value.detach().clone()
+    if not value.is_floating_point():
+        value = value.to(torch.get_default_dtype())
+    if bool(torch.isnan(value).any()):
+        raise ValueError(f"{owner}: {name} must not hold NaN (use -inf / +inf for no bound), got {value}.")
+    return value
+
+
+def check_bounds(lower: Tensor | None, upper: Tensor | None, owner: str) -> None:
+    """``lower <= upper`` wherever both are given (``ValueError`` naming the first offending entry)."""
+    if lower is None or upper is None:
+        return
+    try:
+        bad = lower > upper
+    except RuntimeError:
+        raise ValueError(f"{owner}: lower of shape {tuple(lower.shape)} and upper of shape {tuple(upper.shape)} do "
+                         "not broadcast.") from None
+    if bool(bad.any()):
+        i = tuple(int(j) for j in bad.nonzero()[0]) if bad.dim() else ()
+        lo = lower.expand(bad.shape)[i] if bad.dim() else lower
+        hi = upper.expand(bad.shape)[i] if bad.dim() else upper
+        raise ValueError(f"{owner}: need lower <= upper, got lower = {float(lo)} > upper = {float(hi)} at index "
+                         f"{list(i)}.")
+
+
+def truncate(dist: ConstrainedNormal, lower: Tensor | None, upper: Tensor | None):
+    """``dist`` itself when neither bound is given, else ``dist.truncate(lower, upper)`` with the bounds in the
+    distribution's dtype and device."""
+    if lower is None and upper is None:
+        return dist
+    loc = dist.loc
+
+    def conv(b: Tensor | None) -> Tensor | None:
+        return None if b is None else b.to(dtype=loc.dtype, device=loc.device)
+
+    return dist.truncate(conv(lower), conv(upper))
 
 
 class ConstrainedGaussianHead(nn.Module):
@@ -37,6 +92,19 @@ class ConstrainedGaussianHead(nn.Module):
     Exactly one of ``constraint_matrix`` (dense ``A``, ``(a, out_features)``, stored as a buffer) and ``index``
     (group ids for sum constraints, ``(out_features,)``) is given.
 
+    **Bounds.** With ``lower`` and / or ``upper`` the head returns the Gaussian conditioned on :math:`Az = k`
+    *and* truncated to :math:`lower \le z \le upper`, a :class:`~hardeq.TruncatedConstrainedNormal`
+    (``dist.truncate(lower, upper)``): ``sample`` draws exactly feasible points (every entry within its bounds,
+    every row of :math:`Az = k` to round-off), ``mode`` is the most probable feasible point (the covariance-metric
+    projection of the conditional mean onto the plane and the box) and ``log_prob`` is the restricted density
+    (docs/bounds.md). A long-only portfolio is ``constraint_value=1.0, lower=0.0, upper=1.0``; non-negative flows
+    are ``lower=0.0``. A bound is a number (the same for every output; ``-inf`` / ``inf`` for none) or a tensor
+    ``(out_features,)`` / ``(*batch, out_features)`` (per output, per sample); a call's ``lower=`` / ``upper=``
+    replace the head's. Training: ``-dist.log_prob(y)`` (its gradient includes the normaliser's, estimated with
+    the sampler's draws); the closed-form ``expected_l2`` / ``expected_l1`` belong to the untruncated law
+    (``head(features, k, lower=None, upper=None)`` with no bounds at construction, or ``dist.base``, see
+    :class:`~hardeq.TruncatedConstrainedNormal`).
+
     Args:
         in_features (int): size of the features.
         out_features (int): ``n``, the size of the constrained output.
@@ -45,11 +113,16 @@ class ConstrainedGaussianHead(nn.Module):
         constraint_value (Tensor or float, optional): a fixed :math:`k` (stored as a buffer), used when a call
             passes none.
         min_scale (float): floor :math:`\sigma_{\min}` added to every scale.
+        lower, upper (float or Tensor, optional): bounds of every output (see **Bounds**); ``None`` (default):
+            unbounded, and the head returns the :class:`~hardeq.ConstrainedNormal` itself.
 
     Shapes:
         features: ``(*batch, in_features)``; constraint_value: broadcastable to ``(*batch, a)``;
         returns a distribution with ``batch_shape = broadcast(*batch, constraint_value.shape[:-1])`` and
-        ``event_shape = (n,)``.
+        ``event_shape = (n,)``; lower / upper: a number, ``(n,)`` or broadcastable to ``(*batch, n)``.
+
+    Cost: one linear layer and the conditioner of the constraint (O(n) for group sums, O(n a^2) dense); with
+    bounds ``sample`` adds the sampler's cost (rejection or exact HMC, docs/bounds.md) and ``mode`` a QP.
 
     Example:
         >>> head = ConstrainedGaussianHead(8, 4, constraint_matrix=torch.ones(1, 4))
@@ -59,11 +132,17 @@ class ConstrainedGaussianHead(nn.Module):
         >>> portfolio = ConstrainedGaussianHead(8, 4, constraint_matrix=torch.ones(1, 4), constraint_value=1.0)
         >>> bool(torch.allclose(portfolio(torch.randn(16, 8)).mean.sum(-1), torch.ones(16)))
         True
+        >>> long_only = ConstrainedGaussianHead(8, 4, constraint_matrix=torch.ones(1, 4), constraint_value=1.0,
+        ...                                     lower=0.0, upper=1.0)
+        >>> w = long_only(torch.randn(16, 8)).sample((3,))
+        >>> w.shape, bool((w >= 0).all() and (w <= 1).all()), bool(torch.allclose(w.sum(-1), torch.ones(3, 16)))
+        (torch.Size([3, 16, 4]), True, True)
     """
 
     def __init__(self, in_features: int, out_features: int, *, constraint_matrix: Tensor | None = None,
                  index: Tensor | None = None, constraint_value: Tensor | float | None = None,
-                 min_scale: float = 1e-4) -> None:
+                 min_scale: float = 1e-4, lower: Tensor | float | None = None,
+                 upper: Tensor | float | None = None) -> None:
         super().__init__()
         if (constraint_matrix is None) == (index is None):
             raise ValueError("pass exactly one of constraint_matrix (dense A) and index (group sums).")
@@ -92,6 +171,11 @@ class ConstrainedGaussianHead(nn.Module):
             constraint_value = (constraint_value.detach().clone() if isinstance(constraint_value, Tensor)
                                 else torch.tensor(float(constraint_value)))
         self.register_buffer("constraint_value", constraint_value)
+        lower = check_bound(lower, "lower", out_features, "ConstrainedGaussianHead")
+        upper = check_bound(upper, "upper", out_features, "ConstrainedGaussianHead")
+        check_bounds(lower, upper, "ConstrainedGaussianHead")
+        self.register_buffer("lower", lower)
+        self.register_buffer("upper", upper)
         self.linear = nn.Linear(in_features, 2 * out_features)
 
     @property
@@ -122,7 +206,15 @@ class ConstrainedGaussianHead(nn.Module):
                 constraint_value.is_floating_point() else torch.get_default_dtype()
         return _right_hand_side(constraint_value, self.num_constraints, batch, dtype, device, "")
 
-    def forward(self, features: Tensor, constraint_value: Tensor | float | None = None) -> ConstrainedNormal:
+    def forward(self, features: Tensor, constraint_value: Tensor | float | None = None, *,
+                lower: Tensor | float | None = ..., upper: Tensor | float | None = ...):
+        """The distribution of the outputs given ``features`` ``(*batch, in_features)`` and the right-hand side
+        (default: the fixed one). ``lower`` / ``upper`` replace the head's bounds for this call (``None``: no such
+        bound; omitted: the head's). Returns a :class:`~hardeq.ConstrainedNormal`, or a
+        :class:`~hardeq.TruncatedConstrainedNormal` when a bound is in force."""
+        lower = self.lower if lower is ... else check_bound(lower, "lower", self.out_features, "forward")
+        upper = self.upper if upper is ... else check_bound(upper, "upper", self.out_features, "forward")
+        check_bounds(lower, upper, "forward")
         if not isinstance(features, Tensor) or features.dim() < 1 or features.shape[-1] != self.in_features:
             shape = tuple(features.shape) if isinstance(features, Tensor) else type(features).__name__
             raise ValueError(f"features must have shape (..., {self.in_features}), got {shape}.")
@@ -135,11 +227,16 @@ class ConstrainedGaussianHead(nn.Module):
         if isinstance(given, Tensor) and given.is_floating_point():
             dtype = torch.promote_types(dtype, given.dtype)
         k = self._resolve(constraint_value, features.shape[:-1], dtype, loc.device)
-        return ConstrainedNormal(loc.to(dtype), scale.to(dtype), constraint=self.constraint(k))
+        dist = ConstrainedNormal(loc.to(dtype), scale.to(dtype), constraint=self.constraint(k))
+        return truncate(dist, lower, upper)
 
     def extra_repr(self) -> str:
         kind = "dense" if self.constraint_matrix is not None else "sum"
         fixed = "" if self.constraint_value is None else f", constraint_value={tuple(self.constraint_value.shape)}"
+        for name in ("lower", "upper"):
+            b = getattr(self, name)
+            if b is not None:
+                fixed += f", {name}={float(b):g}" if b.dim() == 0 else f", {name}={tuple(b.shape)}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"a={self.num_constraints}, constraint={kind}{fixed}")
 

@@ -230,6 +230,14 @@ def plot_curves(curves: Mapping[str, Any], out: Path, prefix: str = "chemical",
     return paths
 
 
+def _nonnegative(doc: Mapping[str, Any]) -> str:
+    """The non-negative-flows section (chemical/bounds.py) and a blank line, or "" for a run without it."""
+    from .bounds import markdown
+
+    lines = markdown(doc)
+    return "\n".join(lines).lstrip("\n") + "\n\n" if lines else ""
+
+
 def render_markdown(doc: Mapping[str, Any]) -> str:
     """``chemical.md``: the run's settings and environment, the tables and the paired tests."""
     cfg, env, timing = doc["config"], doc["environment"], doc.get("timing", {})
@@ -249,5 +257,6 @@ def render_markdown(doc: Mapping[str, Any]) -> str:
             f"({', '.join(f'{k} {v:.0f} s' for k, v in units.items())}; CPU time "
             f"{', '.join(f'{k} {v:.0f} s' for k, v in cpu.items())}). Environment: torch {env['torch']}, "
             f"{env['device']}, {env['threads']} threads, {git}.\n\n"
-            f"{table}\n{sig}\n{claims(doc)}\nLearning curves: " + ", ".join(f"`chemical.{d}.png`" for d in datasets)
+            f"{table}\n{sig}\n{claims(doc)}\n{_nonnegative(doc)}Learning curves: "
+            + ", ".join(f"`chemical.{d}.png`" for d in datasets)
             + ". Protocol and discussion: docs/chemical.md.\n")

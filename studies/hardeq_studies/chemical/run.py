@@ -104,8 +104,49 @@ def run_dataset(name: str, config: Mapping[str, Any], seeds: Sequence[int], *, e
                      for k in ("train_mse", "val_mse") if k in result.history}
         if m in OURS and "val_log_var" in result.history:
             curves[m]["val_log_var"] = [float(v) for v in result.history["val_log_var"][:, sl].mean(1)]
-    return {"records": records, "curves": curves, "per_seed": per_seed, "seconds": time.perf_counter() - t0,
-            "cpu_seconds": time.process_time() - c0}
+    nonneg = _nonnegative_flows(config, name, task, model, splits["test"], result.best_state, methods, seeds)
+    return {"records": records, "curves": curves, "per_seed": per_seed, "nonnegative_flows": nonneg,
+            "seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0}
+
+
+def _nonnegative_flows(config: Mapping[str, Any], name: str, task: ChemicalTask, model: torch.nn.Module,
+                       test: dict[str, Tensor], state: Mapping[str, Tensor], methods: Sequence[str],
+                       seeds: Sequence[int]) -> dict[str, Any]:
+    """The non-negative-flows variant (chemical/bounds.py) of the methods of ``config["nonnegative_flows"]``
+    trained in this unit: ``{method: {rule: {metric: [per seed]}}}`` on the test set at the selected parameters
+    (``{}`` when the config has no such entry or none of its methods is here)."""
+    spec = config.get("nonnegative_flows")
+    chosen = [m for m in (spec or {}).get("methods", []) if m in methods and m in task.ours]
+    if not chosen:
+        return {}
+    from .bounds import evaluate_rules, lower_bounds, nonnegative_rules
+
+    from hardeq import ConstrainedNormal, LinearConstraint
+
+    lower = lower_bounds(spec["lower"][name], task.n)
+    model.load_state_dict(state)
+    model.eval()
+    with torch.no_grad():
+        outputs = task.ours_outputs(task.forward(model, test))  # (M_ours, N, 2n)
+        k = task.constraint_value(test["x"])
+        B64, k64 = task.B.to(torch.float64), k.to(torch.float64)
+        out: dict[str, Any] = {}
+        for m in chosen:
+            rows = task._rel(m)
+            per = {rule: {metric: [] for metric in ("test_mse", "negative_share", "max_balance_residual")}
+                   for rule in ("untruncated", "clip-project", "truncated mean", "truncated mode")}
+            for j, seed in enumerate(seeds):
+                o = outputs[rows][j].to(torch.float64)  # the law of task.distribution, in float64
+                scale = torch.sqrt(torch.exp(o[:, task.n: 2 * task.n]) + task.variance_floor)
+                dist = ConstrainedNormal(o[:, : task.n], scale, validate_args=False,
+                                         constraint=LinearConstraint(B64, k64, validate_args=False))
+                preds = nonnegative_rules(dist, lower, B64, k64, draws=int(spec["draws"]),
+                                          burn_in=int(spec["burn_in"]), seed=seed)
+                for rule, metrics in evaluate_rules(preds, test["y"], B64, k64, lower).items():
+                    for metric, v in metrics.items():
+                        per[rule][metric].append(v)
+            out[m] = per
+    return out
 
 
 def _worker(name: str, kwargs: dict[str, Any], threads: int) -> dict[str, Any]:
@@ -147,7 +188,8 @@ def run(config: Mapping[str, Any], seeds: Sequence[int], *, epochs: int, dataset
                                                                           "position": i}, "threads": threads}
                                       for i, (label, (name, part, ms)) in enumerate(units.items())},
                             jobs=jobs, desc="chemical", progress=progress)
-    out: dict[str, Any] = {"records": [], "curves": {}, "per_seed": {}, "timing": {}, "cpu_timing": {}}
+    out: dict[str, Any] = {"records": [], "curves": {}, "per_seed": {}, "timing": {}, "cpu_timing": {},
+                           "nonnegative_flows": {}}
     for name in datasets:
         labels = [label for label, u in units.items() if u[0] == name]
         recs = [r for label in labels for r in results[label]["records"]]
@@ -155,6 +197,9 @@ def run(config: Mapping[str, Any], seeds: Sequence[int], *, epochs: int, dataset
         for key in ("curves", "per_seed"):
             merged = {m: v for label in labels for m, v in results[label][key].items()}
             out[key][name] = {m: merged[m] for m in methods}
+        merged = {m: v for label in labels for m, v in results[label].get("nonnegative_flows", {}).items()}
+        if merged:
+            out["nonnegative_flows"][name] = {m: merged[m] for m in methods if m in merged}
     for label in units:
         out["timing"][label] = results[label]["seconds"]
         out["cpu_timing"][label] = results[label]["cpu_seconds"]

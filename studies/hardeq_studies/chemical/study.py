@@ -37,6 +37,9 @@ class ChemicalStudy(Study):
 
     def _config(self, args: argparse.Namespace) -> dict[str, Any]:
         config = load_config(getattr(args, "config", None))
+        preset = config.get("presets", {}).get(getattr(args, "preset", None), {})
+        if "nonnegative_flows" in preset and "nonnegative_flows" in config:  # the preset's draws / burn-in
+            config["nonnegative_flows"] = {**config["nonnegative_flows"], **preset["nonnegative_flows"]}
         if getattr(args, "checkpoint_every", None):
             config["train"]["checkpoint_every"] = int(args.checkpoint_every)
         return config
@@ -68,9 +71,18 @@ class ChemicalStudy(Study):
                 "datasets_run": datasets, "methods_run": methods,
                 "dtype_run": getattr(run.args, "dtype", None) or config["dtype"], "world_size": run.ctx.world_size,
                 "jobs": result["jobs"], "threads": result["threads"]}
-        return {"config": used, "records": result["records"], "device": run.device, "per_seed": result["per_seed"],
-                "significance": significance(result["per_seed"], methods),
-                "timing": {"total_s": wall, **result["timing"]}, "cpu_timing": result["cpu_timing"]}
+        doc = {"config": used, "records": result["records"], "device": run.device, "per_seed": result["per_seed"],
+               "significance": significance(result["per_seed"], methods),
+               "timing": {"total_s": wall, **result["timing"]}, "cpu_timing": result["cpu_timing"]}
+        if result.get("nonnegative_flows"):  # the non-negative-flows variant (chemical/bounds.py)
+            from .bounds import summarise
+
+            per_seed = result["nonnegative_flows"]
+            parts = {d: summarise(p, d) for d, p in per_seed.items()}
+            doc["nonnegative_flows"] = {"config": config["nonnegative_flows"], "per_seed": per_seed,
+                                        "significance": {d: p["significance"] for d, p in parts.items()}}
+            doc["records"] = doc["records"] + [r for p in parts.values() for r in p["records"]]
+        return doc
 
     def write_extra(self, run: RunSetup, result: dict[str, Any]) -> None:
         from ..results import atomic_write_text

@@ -14,6 +14,7 @@ from ..palette import color, linestyle
 from ..claims import Claim, claims_section
 from ..results import markdown_table, wall_time
 from ..stats import paired_wilcoxon
+from . import bounds
 from .classical import CLASSICAL
 
 __all__ = ["summarise", "significance", "document", "claims", "render_markdown", "plot_cumulative",
@@ -160,6 +161,10 @@ def document(result: dict[str, Any], paper: dict[str, Any]) -> dict[str, Any]:
         doc["data"][u] = {**res["data"].describe(), "tickers": res["data"].table.tickers}
         for k in ("per_run", "curves", "weights", "training"):
             doc[k][u] = summary[k]
+        long_only = bounds.summarise(res, runs, u)
+        if long_only is not None:  # the long-only variant (portfolio/bounds.py)
+            doc.setdefault("long_only", {})[u] = long_only
+            doc["records"] += long_only["records"]
     return doc
 
 
@@ -350,6 +355,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
               "after the last improvement (both capped at the epochs run). `selected epoch: runs` lists "
               "epoch:number of runs. The classical allocations on the same validation windows for reference.", "",
               *_training_lines(doc, trained)]
+    lines += bounds.markdown(doc)
     lines += ["", "Figures: `portfolio_cumulative.png` (test-period cumulative return of the windows starting every "
               "horizon days, held in sequence; mean over runs, band = ±1 std over runs; one panel per universe), "
               "`portfolio_weights.png` (distribution of N w over runs, windows and stocks, per universe).", ""]

@@ -51,6 +51,8 @@ def settings(config: dict[str, Any], preset: str) -> dict[str, Any]:
     p = config["presets"][preset]
     s = _merge(config["protocol"], {k: p[k] for k in ("data", "model", "train") if k in p})
     s.update({k: copy.deepcopy(p[k]) for k in ("seeds", "epochs", "device", "universes") if k in p})
+    if "long_only" in p and "long_only" in s:  # the preset's draws / burn-in of the long-only variant
+        s["long_only"] = {**s["long_only"], **p["long_only"]}
     if not isinstance(s.get("universes"), dict) or not s["universes"]:
         raise ValueError(f"preset {preset!r}: universes must be a non-empty mapping name -> data overrides.")
     return s
@@ -163,10 +165,17 @@ def train_unit(s: dict[str, Any], data: PortfolioData, tensors: dict[str, dict[s
     model.load_state_dict(res.best_state)
     w, stats = evaluate(model, head, tensors["test"], rf=rf, days=days)
     keep = (*METRICS, *DIAGNOSTICS, "cum_return") if method in OURS else (*METRICS, "cum_return")
-    return {"test": {k: stats[k] for k in keep}, "weights": w.to(torch.float32),
-            "curve": torch.tensor(curve.rows, dtype=torch.float64), "best_epoch": int(res.best_epoch[0]),
-            "val_sharpe": -float(res.best_value[0]),
-            "seconds": time.perf_counter() - t0}
+    out = {"test": {k: stats[k] for k in keep}, "weights": w.to(torch.float32),
+           "curve": torch.tensor(curve.rows, dtype=torch.float64), "best_epoch": int(res.best_epoch[0]),
+           "val_sharpe": -float(res.best_value[0])}
+    if method == "ours" and s.get("long_only"):  # the long-only decision rules on the same trained network
+        from .bounds import long_only_stats, long_only_weights, test_outputs
+
+        raw = test_outputs(model, tensors["test"]["inputs"])
+        rules = long_only_weights(head, raw, draws=int(s["long_only"]["draws"]),
+                                  burn_in=int(s["long_only"]["burn_in"]), seed=seed)
+        out["long_only"] = long_only_stats(rules, tensors["test"]["returns"], rf=rf, days=days)
+    return {**out, "seconds": time.perf_counter() - t0}
 
 
 def selection_options(train: dict[str, Any], epochs: int) -> tuple[int, int]:

@@ -1,0 +1,213 @@
+r"""The long-only variant of the ``portfolio`` study: weights in ``[0, 1]`` that sum to one.
+
+The ``ours`` head gives, per test window, the Gaussian :math:`\mathcal N(\mu, \mathrm{diag}\,v)` over the
+stocks' weights conditioned on :math:`\sum_i w_i = 1` (:meth:`~.task.WeightHead.distribution`). Its conditional
+mean, the weights ``ours`` is evaluated at, may be short (:math:`w_i < 0`). A long-only investor needs
+:math:`0 \le w_i \le 1`. Three ways to get there from the *same trained network of the same run* (so every
+comparison is paired by run and differs only in the decision rule):
+
+=========================  =============================================================================
+ours                       the untruncated conditional mean (the study's ``ours``; may be short)
+ours clip-project          the clip-then-project baseline: clip the conditional mean to ``[0, 1]``, project
+                           orthogonally onto :math:`\sum w = 1`, repeat until both hold to round-off
+                           (:func:`clip_then_project`); a repair of the decision, blind to the variances
+ours truncated mean        the mean of the law *truncated* to the box,
+                           :math:`E[w \mid \sum w = 1,\ 0 \le w \le 1]`, estimated by the average of
+                           ``draws`` draws of ``ConstrainedNormal.truncate(0, 1)`` (rejection, or exact HMC
+                           chains from the mode after ``burn_in`` iterations: docs/bounds.md); long-only by
+                           construction (a mean of feasible points); a Monte Carlo estimate, so its test Sharpe
+                           carries the estimate's noise
+ours truncated mode        the mode of the truncated law: the projection of :math:`\mu` onto the simplex in the
+                           metric :math:`\mathrm{diag}(v)^{-1}` (:attr:`TruncatedConstrainedNormal.mode`)
+=========================  =============================================================================
+
+The network is trained once, as ``ours`` (untruncated expected Sharpe); the bounds enter at the decision. What
+is measured per run is the test Sharpe of each rule, the share of short weights, the largest bound violation and
+sum residual, and how far each rule moves the weights from the untruncated mean (mean over windows of
+:math:`\sum_i |w_i - \bar w_i|`, the turnover the bound forces).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["RULES", "clip_then_project", "long_only_weights", "long_only_stats", "test_outputs"]
+
+#: the decision rules compared, in table order (the first is the untruncated reference)
+RULES = ("ours", "ours clip-project", "ours truncated mean", "ours truncated mode")
+
+
+def clip_then_project(w: Tensor, lower: float = 0.0, upper: float = 1.0, total: float = 1.0, *,
+                      max_iter: int = 1000, tol: float | None = None) -> Tensor:
+    r"""Alternate clipping to ``[lower, upper]`` and the orthogonal projection onto :math:`\sum_i w_i = t`.
+
+    Each sweep clips every entry, then adds :math:`(t - \sum_i w_i) / m` to the :math:`m` entries strictly
+    inside the box (the projection onto the plane within the face the clip reached, so the clipped entries stay
+    put), until the sum residual is below ``tol`` and every entry is in the box; a final clip makes the bounds
+    exact. Alternating projections onto two convex sets with a common point converge to a point of the
+    intersection (not in general the nearest one, which is why this is a baseline, not the mode).
+
+    Args:
+        w: ``(..., N)`` weights (any floating dtype; computed in float64).
+        lower, upper: the box, ``lower * N <= total <= upper * N``.
+        total: the sum ``t``.
+        max_iter: sweeps before a ``RuntimeError``.
+        tol: sum tolerance (default ``64 N eps(float64)``).
+
+    Returns:
+        ``(..., N)`` in ``w``'s dtype: every entry in ``[lower, upper]`` and :math:`|\sum w - t|` within ``tol``.
+
+    Raises:
+        ValueError: an empty polytope (``total`` outside ``[N lower, N upper]``).
+        RuntimeError: no convergence in ``max_iter`` sweeps.
+    """
+    N = w.shape[-1]
+    if not N * lower <= total <= N * upper:
+        raise ValueError(f"clip_then_project: {N} weights in [{lower}, {upper}] cannot sum to {total}.")
+    tol = 64 * N * torch.finfo(torch.float64).eps if tol is None else float(tol)
+    x = w.detach().to(torch.float64).clamp(lower, upper)
+    for _ in range(max_iter):
+        r = total - x.sum(-1, keepdim=True)
+        if bool((r.abs() <= tol).all()):
+            return x.to(w.dtype)
+        inside = (x > lower) & (x < upper)
+        # entries that can move towards the plane: inside the box, or at the bound the residual pulls away from
+        free = inside | ((x <= lower) & (r > 0)) | ((x >= upper) & (r < 0))
+        m = free.sum(-1, keepdim=True).clamp_min(1)
+        x = torch.where(free, x + r / m, x).clamp(lower, upper)
+    raise RuntimeError(f"clip_then_project: no convergence in {max_iter} sweeps (largest residual "
+                       f"{float((total - x.sum(-1)).abs().max()):.3e}).")
+
+
+def long_only_weights(head, raw: Tensor, *, draws: int, burn_in: int, seed: int) -> dict[str, Tensor]:
+    """The weights ``(K, N)`` (float64) of every rule of :data:`RULES` for the ``ours`` head's raw outputs
+    ``raw`` ``(K, N, 2)`` of the ``K`` test windows; the truncated mean averages ``draws`` draws (rejection when its
+    acceptance is high enough, else ``draws`` exact-HMC chains from the mode, ``burn_in`` iterations each) taken
+    under a forked RNG seeded with ``seed`` (reproducible, global stream untouched)."""
+    dist = head.distribution(raw.to(torch.float64))
+    mean = dist.mean
+    truncated = dist.truncate(0.0, 1.0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(seed))
+        tmean = truncated.sample((int(draws),), burn_in=int(burn_in)).mean(0)
+    return {"ours": mean, "ours clip-project": clip_then_project(mean), "ours truncated mean": tmean,
+            "ours truncated mode": truncated.mode}
+
+
+def test_outputs(model, inputs: Tensor, batch_size: int = 64) -> Tensor:
+    """The weight head's raw outputs ``(K, N, c)`` (float64) of the network ``model`` on the windows ``inputs``
+    (relative prices ``(K, T, N)``), in evaluation mode and without gradients, as :func:`~.run.evaluate` forms
+    them."""
+    model.eval()
+    with torch.no_grad():
+        raws = [model(inputs[i: i + batch_size] - 1)[1].to(torch.float64) for i in range(0, inputs.shape[0],
+                                                                                         batch_size)]
+    return torch.cat(raws)
+
+
+def long_only_stats(weights: dict[str, Tensor], returns: Tensor, *, rf: float, days: int) -> dict[str, Any]:
+    """Per-rule means over the test windows: ``test_sharpe``, ``short_share`` (fraction of weights < 0),
+    ``max_violation`` (largest distance of a weight outside ``[0, 1]``), ``max_sum_residual``
+    (:math:`\\max |\\sum w - 1|`) and ``moved`` (mean over windows of :math:`\\sum_i |w_i - \\bar w_i|`, from the
+    untruncated mean :math:`\\bar w`)."""
+    from .task import portfolio_stats
+
+    base = weights["ours"]
+    out: dict[str, Any] = {}
+    for rule, w in weights.items():
+        s = portfolio_stats(w, returns.to(torch.float64), rf=rf, days=days)
+        violation = torch.maximum((-w).clamp_min(0), (w - 1).clamp_min(0)).amax()
+        out[rule] = {"test_sharpe": float(s["sharpe"].mean()), "short_share": float(s["short_share"].mean()),
+                     "max_violation": float(violation), "max_sum_residual": float(s["sum_residual"].max()),
+                     "moved": float((w - base).abs().sum(-1).mean())}
+    return out
+
+
+#: the per-run metrics of every rule (means over the test windows; max for the violation and the residual)
+METRICS = ("test_sharpe", "short_share", "max_violation", "max_sum_residual", "moved")
+#: the hypotheses tested over runs: (claim, the rule that should be better, the rule it is compared with)
+CLAIMS = (("bounds help: the truncated mean beats the untruncated mean", "ours truncated mean", "ours"),
+          ("the truncated mean beats clip-then-project", "ours truncated mean", "ours clip-project"),
+          ("the truncated mode beats clip-then-project", "ours truncated mode", "ours clip-project"))
+#: how this comparison differs from a decisive one
+DIFFERS = ("the bounds enter only at the decision (the network is trained untruncated), and the universes and runs "
+           "are few")
+
+
+def summarise(result: dict[str, Any], runs: list[int], universe: str) -> dict[str, Any] | None:
+    """``{"per_run": {rule: {metric: [per run]}}, "records", "significance"}`` of one universe's long-only rules
+    (``None`` when ``ours`` was not run with the long-only variant). Records: ``method = "long-only: RULE"``."""
+    from ..stats import paired_wilcoxon
+
+    units = [result["units"].get(("ours", r)) for r in runs]
+    if not units or any(u is None or "long_only" not in u for u in units):
+        return None
+    per_run = {rule: {k: [float(u["long_only"][rule][k]) for u in units] for k in METRICS} for rule in RULES}
+    records = []
+    for rule in RULES:
+        for k in METRICS:
+            v = torch.tensor(per_run[rule][k], dtype=torch.float64)
+            records.append({"dataset": universe, "method": f"long-only: {rule}", "metric": k, "mean": float(v.mean()),
+                            "std": float(v.std()) if v.numel() > 1 else float("nan"), "n_seeds": int(v.numel()),
+                            "paper": None, "variant": "long-only"})
+    tests = []
+    for claim, a, b in CLAIMS:
+        x, y = per_run[a]["test_sharpe"], per_run[b]["test_sharpe"]
+        t = paired_wilcoxon(x, y)
+        tests.append({"universe": universe, "claim": claim, "a": a, "b": b, "metric": "test_sharpe",
+                      "a_higher": int(sum(xi > yi for xi, yi in zip(x, y))), **t})
+    return {"per_run": per_run, "records": records, "significance": tests}
+
+
+def claims(doc: dict[str, Any]) -> list:
+    """The :data:`CLAIMS` in every universe of ``doc["long_only"]`` (higher test Sharpe is better)."""
+    from ..claims import Claim
+
+    out = []
+    for u, part in doc["long_only"].items():
+        for t in part["significance"]:
+            means = {r: sum(part["per_run"][r]["test_sharpe"]) / len(part["per_run"][r]["test_sharpe"])
+                     for r in (t["a"], t["b"])}
+            out.append(Claim(f"{u}: {t['claim']}", f"{t['b']} (test Sharpe {means[t['b']]:.3f})",
+                             f"{t['a']} {means[t['a']]:.3f}; higher in {t['a_higher']}/{t['n']} runs, median "
+                             f"difference {t['median_diff']:+.3f}", test=t, lower_is_better=False, differs=DIFFERS,
+                             budget="more runs (the cpu preset's 10), or bounds in training"))
+    return out
+
+
+def markdown(doc: dict[str, Any]) -> list[str]:
+    """The long-only section of ``portfolio.md`` (lines), or ``[]`` for a document without the variant."""
+    from ..bounds_claims import bounds_claims_section
+    from ..results import markdown_table
+
+    if not doc.get("long_only"):
+        return []
+    rows = []
+    for u, part in doc["long_only"].items():
+        for rule in RULES:
+            r = part["per_run"][rule]
+            n = len(r["test_sharpe"])
+            mean = {k: sum(r[k]) / n for k in METRICS}
+            sd = (sum((x - mean["test_sharpe"]) ** 2 for x in r["test_sharpe"]) / (n - 1)) ** 0.5 if n > 1 else None
+            sharpe = f"{mean['test_sharpe']:.3f}" + (f" ± {sd:.3f}" if sd is not None else "")
+            rows.append([u, rule, sharpe, f"{mean['short_share']:.3f}", f"{max(r['max_violation']):.1e}",
+                         f"{max(r['max_sum_residual']):.1e}", f"{mean['moved']:.3f}"])
+    n_runs = len(next(iter(doc["long_only"].values()))["per_run"]["ours"]["test_sharpe"])
+    lines = ["", "## Long-only variant: weights in [0, 1] summing to one", "",
+             "The `ours` network of each run, decided four ways on the test windows (portfolio/bounds.py): its "
+             "untruncated conditional mean (may be short), the clip-then-project baseline (clip to [0, 1], project "
+             "onto the sum, repeat), and the mean and the mode of its law *truncated* to the box "
+             "(`ConstrainedNormal.truncate(0, 1)`; the mean from "
+             f"{doc['config'].get('long_only', {}).get('draws', '?')} draws per window: rejection, or exact-HMC "
+             f"chains from the mode after {doc['config'].get('long_only', {}).get('burn_in', '?')} iterations). "
+             "Mean ± std over "
+             f"{n_runs} runs; `moved`: mean over windows of sum abs(w - w_ours).", "",
+             markdown_table(["universe", "rule", "test Sharpe", "share of short weights", "max bound violation",
+                             "max abs(sum(w) - 1)", "moved"], rows)]
+    lines += ["", bounds_claims_section("Long-only variant: do the bounds help?", claims(doc), intro=(
+        f"Two-sided paired Wilcoxon signed-rank tests of the test Sharpe over the {n_runs} runs of each "
+        "universe (the rules share the run's network).")).rstrip("\n")]
+    return lines

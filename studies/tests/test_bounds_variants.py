@@ -1,0 +1,104 @@
+"""The bounded variants of two studies (fast parts): the clip-then-project baselines, the rules' metrics, and the
+reports' "do the bounds help?" sections (absent from a document without the variant, so committed results
+regenerate unchanged)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hardeq import ConstrainedNormal, LinearConstraint
+from hardeq_studies.chemical import bounds as chem
+from hardeq_studies.claims import VERDICTS
+from hardeq_studies.portfolio import bounds as port
+from hardeq_studies.portfolio.classical import project_simplex
+
+
+def test_portfolio_clip_then_project_is_long_only_and_sums_to_one():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(200, 7, generator=g, dtype=torch.float64) * 0.4 + 1 / 7
+    out = port.clip_then_project(w)
+    assert bool(((out >= 0) & (out <= 1)).all())
+    assert float((out.sum(-1) - 1).abs().max()) < 1e-13
+    inside = ((w >= 0) & (w <= 1)).all(-1) & ((w.sum(-1) - 1).abs() < 1e-15)
+    torch.testing.assert_close(out[inside], w[inside])  # feasible weights are kept
+    # with only the lower bound active it is the Euclidean projection onto the simplex (Michelot's iteration)
+    x = torch.tensor([[-1.0, 0.6, 0.6], [0.2, 0.3, 0.9]], dtype=torch.float64)
+    ref = torch.stack([project_simplex(r) for r in x])
+    torch.testing.assert_close(port.clip_then_project(x), ref)
+    with pytest.raises(ValueError, match="cannot sum to"):
+        port.clip_then_project(w, total=8.0)
+
+
+def test_chemical_clip_then_project_keeps_the_balances_and_the_bounds():
+    B = torch.tensor([[0.0, -1.0, 1.0], [-1.0, -1.0, 0.0]], dtype=torch.float64)
+    g = torch.Generator().manual_seed(1)
+    y = torch.randn(100, 3, generator=g, dtype=torch.float64) * 0.3 + 0.2
+    k = torch.stack([y[:, 2] - y[:, 1], -y[:, 0] - y[:, 1]], -1).abs() * torch.tensor([1.0, -1.0],
+                                                                                        dtype=torch.float64)
+    lower = chem.lower_bounds([0, 0, 0], 3)
+    out = chem.clip_then_project(y, B, k, lower)
+    feasible = (chem.clip_then_project(out, B, k, lower) - out).abs().max()
+    assert bool((out >= 0).all()) and float(feasible) < 1e-9
+    assert float((out @ B.T - k).abs().max()) < 1e-10
+    assert torch.equal(chem.lower_bounds([0, None], 2), torch.tensor([0.0, -math.inf], dtype=torch.float64))
+    with pytest.raises(ValueError, match="expected 3 lower bounds"):
+        chem.lower_bounds([0, 0], 3)
+
+
+def test_chemical_rules_on_a_small_law():
+    """Every rule meets the balances; the bounded ones keep the flows >= 0; the untruncated mean may not."""
+    B = torch.tensor([[1.0, 1.0, 1.0]], dtype=torch.float64)
+    k = torch.tensor([[1.0], [0.5]], dtype=torch.float64)
+    loc = torch.tensor([[1.2, -0.3, 0.1], [0.3, 0.3, -0.1]], dtype=torch.float64)
+    dist = ConstrainedNormal(loc, 0.2, constraint=LinearConstraint(B, k))
+    lower = chem.lower_bounds([0, 0, None], 3)
+    preds = chem.nonnegative_rules(dist, lower, B, k, draws=8, burn_in=5, seed=0)
+    y = torch.tensor([[0.8, 0.1, 0.1], [0.2, 0.2, 0.1]], dtype=torch.float64)
+    stats = chem.evaluate_rules(preds, y, B, k, lower)
+    assert stats["untruncated"]["negative_share"] > 0
+    for rule in chem.RULES:
+        assert stats[rule]["max_balance_residual"] < 1e-9, rule
+        if rule != "untruncated":
+            assert stats[rule]["negative_share"] == 0.0, rule
+
+
+def _portfolio_doc(sharpe_mean):
+    per_run = {rule: {k: [0.0] * 6 for k in port.METRICS} for rule in port.RULES}
+    for rule in port.RULES:
+        per_run[rule]["test_sharpe"] = [1.0 + 0.01 * i for i in range(6)]
+    per_run["ours truncated mean"]["test_sharpe"] = [sharpe_mean + 0.01 * i for i in range(6)]
+    units = {("ours", r): {"long_only": {rule: {k: per_run[rule][k][r] for k in port.METRICS}
+                                         for rule in port.RULES}} for r in range(6)}
+    part = port.summarise({"units": units}, list(range(6)), "u")
+    return {"long_only": {"u": part}, "config": {"long_only": {"draws": 4, "burn_in": 5}}}
+
+
+def test_portfolio_bounds_section_decides_with_the_claims_vocabulary():
+    doc = _portfolio_doc(1.5)  # the truncated mean better in all 6 runs: Wilcoxon p = 2 / 2^6 = 0.03
+    text = "\n".join(port.markdown(doc))
+    assert "## Long-only variant: do the bounds help?" in text and "not claims of the paper" in text
+    rows = [line for line in text.splitlines() if line.startswith("| u: ")]
+    assert len(rows) == 3
+    verdicts = [row.rstrip(" |").rsplit(" | ", 1)[1] for row in rows]
+    assert all(any(v.startswith(w) for w in VERDICTS) for v in verdicts)
+    assert verdicts[0].startswith("undecided")  # p = 0.031 raw, Holm over 3 tests: 0.094
+    assert port.markdown({"config": {}}) == []  # a document without the variant: nothing added
+    recs = doc["long_only"]["u"]["records"]
+    assert {r["method"] for r in recs} == {f"long-only: {r}" for r in port.RULES}
+
+
+def test_chemical_bounds_section_and_records():
+    per_seed = {"cstr": {"ours-NLL": {rule: {"test_mse": [0.1, 0.2, 0.3], "negative_share": [0.0] * 3,
+                                             "max_balance_residual": [1e-15] * 3} for rule in chem.RULES}}}
+    per_seed["cstr"]["ours-NLL"]["truncated mean"]["test_mse"] = [0.05, 0.1, 0.2]
+    part = chem.summarise(per_seed["cstr"], "cstr")
+    assert all(r["paper"] is None and r["variant"] == "nonnegative flows" for r in part["records"])
+    doc = {"nonnegative_flows": {"config": {"draws": 4, "burn_in": 5, "lower": {"cstr": [0, 0, 0]}},
+                                 "per_seed": per_seed, "significance": {"cstr": part["significance"]}}}
+    text = "\n".join(chem.markdown(doc))
+    assert "## Non-negative flows: do the bounds help?" in text and "cstr [1, 2, 3]" in text
+    assert "lower in 3/3 seeds" in text
+    assert chem.markdown({}) == []
