@@ -331,13 +331,21 @@ def test_half_precision_every_method(dtype):
 def test_half_precision_support_check(dtype):
     """With validation, a half-precision point of the plane is accepted (checked to 8 eps_half per row) and a
     point off it rejected."""
+    torch.manual_seed(0)
     n, cases = _half_constraints(dtype)
     for _, con, _ in cases:
         d = ConstrainedNormal(torch.zeros(5, n, dtype=dtype), torch.ones(5, n, dtype=dtype), constraint=con,
                               validate_args=True)
         d.log_prob(d.sample((3,)))
+        # off the plane in every row by far more than the tolerance (8 eps_half (|A||z|)_i): a shift along the
+        # rows' own directions moves row i by (A A^T c)_i = |A|_F-scale amounts; a uniform +0.5 could leave a row
+        # whose entries sum to about 0 within it
+        A = con.dense_matrix().double()
+        z = d.sample()
+        scale = z.double().abs() @ A.abs().mT + 1.0
+        shift = (2.0 * scale) @ torch.linalg.pinv(A).mT  # A shift = 2 scale, row by row
         with pytest.raises(ValueError, match="support"):
-            d.log_prob(d.sample() + 0.5)
+            d.log_prob((z.double() + shift).to(dtype))
 
 
 def test_autocast_head_forward_backward():
