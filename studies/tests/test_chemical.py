@@ -263,6 +263,8 @@ def test_ddp_two_processes_match_single_process(tmp_path):
         assert (a["method"], a["metric"]) == (b["method"], b["metric"])
         if a["metric"].startswith("violation") and a["method"] in CONSTRAINED:
             assert a["mean"] < 1e-12 and b["mean"] < 1e-12
+        elif a["metric"] == "max_balance_residual":  # the bounded variants' balance residual: round-off only,
+            assert a["mean"] < 1e-10 and b["mean"] < 1e-10  # whose last bits depend on the reduction order
         else:
             assert a["mean"] == pytest.approx(b["mean"], rel=1e-9, abs=1e-15), (a, b)
     c_ddp = json.loads((tmp_path / "ddp" / "chemical.curves.json").read_text())
