@@ -4,9 +4,7 @@ r"""The GPU path, measured: library tests on the device, the four speed targets 
 Run by ``benchmarks/gpu.sh`` (``--device cuda``, under 10 minutes on one GPU); ``--smoke --device cpu`` runs the same
 code at tiny sizes in a few seconds (the default test suite does, ``tests/test_bench_gpu.py``). Three phases:
 
-1. **tests** (not with ``--smoke``): ``python -m pytest --device cuda -q`` on the library suite (``tests/``); the
-   pass/fail/skip counts, the wall time and the last lines of its output.
-2. **targets**, float32, every variant timed with its baselines in one process, repeat rounds interleaved, one
+1. **targets**, float32, every variant timed with its baselines in one process, repeat rounds interleaved, one
    warm-up call first; on CUDA each call is timed by CUDA events around it after a ``torch.cuda.synchronize()``
    (on CPU by ``time.perf_counter``); medians. The per-row residual ``max_i |(Az - k)_i| / (|A||z|)_i``
    (float64, :func:`hardeq.testing.row_residual_ratio`) of the worst sample and row is reported with each.
@@ -26,10 +24,13 @@ code at tiny sizes in a few seconds (the default test suite does, ``tests/test_b
      ``k`` each round against the unconstrained draw. Goal <= 2x.
 
    A case that fails (out of memory, an operation the device lacks) is recorded with its error; the run goes on.
+2. **tests** (not with ``--smoke``): ``python -m pytest --device cuda -q`` on the library suite (``tests/``), over
+   up to 8 pytest-xdist processes when xdist is installed; its whole output to ``OUT/<device>-tests.log``; the
+   pass/fail/skip counts, the wall time and the last lines of its output.
 3. **study** (not with ``--smoke``): ``hardeq reproduce mof --preset paper`` on the device, one split, the
    likelihood group (a two-member ensemble trained together), ``--study-steps`` optimiser steps (300); the study's
    own training time (``timing.train_s`` of its JSON, validations included) per optimiser step taken, and the
-   wall time of the whole command.
+   wall time of the whole command. The phases import this checkout (``src``, ``studies`` first on ``PYTHONPATH``).
 
 Writes ``OUT/<device>.json`` (every number, the machine, the commands) and ``OUT/<device>.md`` (the tables), where
 ``<device>`` is the device's name in lower case with dashes (``nvidia-h100-80gb-hbm3``, or ``cpu-smoke``). ``OUT``
@@ -50,7 +51,6 @@ import json
 import os
 import platform
 import re
-import shutil
 import statistics
 import subprocess
 import sys
@@ -257,8 +257,28 @@ def run_targets(dev: torch.device, sizes: dict) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------------ tests, study
-def pytest_command(device: str) -> list[str]:
-    return [sys.executable, "-m", "pytest", "--device", device, "-q", "-p", "no:cacheprovider", str(ROOT / "tests")]
+def pytest_command(device: str, workers: int = 0) -> list[str]:
+    """The library suite on ``device``; with ``workers > 0`` spread over that many pytest-xdist processes (all
+    share the one GPU), one line per failure."""
+    cmd = [sys.executable, "-m", "pytest", "--device", device, "-q", "-p", "no:cacheprovider", "--tb=line"]
+    return cmd + (["-n", str(workers)] if workers > 0 else []) + [str(ROOT / "tests")]
+
+
+def xdist_workers() -> int:
+    """Worker processes for the test phase: up to 8 when pytest-xdist is installed (the CPU side of many small
+    tests is the bottleneck on a GPU machine), else 0 (one process)."""
+    try:
+        import xdist  # noqa: F401
+    except ImportError:
+        return 0
+    return max(0, min(8, (os.cpu_count() or 1) - 2))
+
+
+def source_env() -> dict:
+    """The environment of the phases' subprocesses: this checkout's ``src`` and ``studies`` first on the path,
+    so that the tree being measured is the one imported, installed or not."""
+    paths = [str(ROOT / "src"), str(ROOT / "studies")] + [p for p in os.environ.get("PYTHONPATH", "").split(":") if p]
+    return os.environ | {"PYTHONPATH": ":".join(paths)}
 
 
 def parse_pytest_summary(text: str) -> dict:
@@ -271,22 +291,26 @@ def parse_pytest_summary(text: str) -> dict:
     return counts
 
 
-def run_tests(device: str, timeout_s: int) -> dict:
-    cmd = pytest_command(device)
+def run_tests(device: str, timeout_s: int, log: Path | None = None) -> dict:
+    """The library suite on ``device``; its whole output goes to ``log`` (when given), its counts and last lines to
+    the record."""
+    cmd = pytest_command(device, xdist_workers())
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, env=source_env())
         text, rc = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as error:
         text, rc = (error.stdout or b"").decode() if isinstance(error.stdout, bytes) else (error.stdout or ""), None
+    if log is not None:
+        log.write_text(text)
     return {"command": " ".join(cmd[1:]), "returncode": rc, "timed_out": rc is None,
             "seconds": time.perf_counter() - t0, **parse_pytest_summary(text),
             "tail": "\n".join(text.strip().splitlines()[-25:])}
 
 
 def study_command(device: str, steps: int, out: Path) -> list[str]:
-    exe = shutil.which("hardeq") or "hardeq"
-    return [exe, "reproduce", "mof", "--preset", "paper", "--device", device, "--splits", "1", "--groups",
+    return [sys.executable, "-m", "hardeq_studies", "reproduce", "mof", "--preset", "paper", "--device", device,
+            "--splits", "1", "--groups",
             "likelihood", "--steps", str(steps), "--eval-every", str(max(1, steps // 3)), "--out", str(out),
             "--fresh", "--allow-dirty", "--quiet"]
 
@@ -296,7 +320,8 @@ def run_study(device: str, steps: int, timeout_s: int) -> dict:
         cmd = study_command(device, steps, Path(tmp))
         t0 = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
+                                  env=source_env())
             rc, text = proc.returncode, proc.stdout + proc.stderr
         except (subprocess.TimeoutExpired, FileNotFoundError) as error:
             rc, text = None, f"{type(error).__name__}: {error}"
@@ -308,7 +333,7 @@ def run_study(device: str, steps: int, timeout_s: int) -> dict:
                 study_doc = json.loads(doc_path.read_text())
             except (ValueError, OSError):
                 pass
-    out = {"command": " ".join(["hardeq"] + cmd[1:]), "returncode": rc, "wall_s": wall, "steps_asked": steps,
+    out = {"command": " ".join(["hardeq"] + cmd[3:]), "returncode": rc, "wall_s": wall, "steps_asked": steps,
            "wall_s_per_step": wall / steps, "tail": "\n".join(text.strip().splitlines()[-10:])}
     train_s = (study_doc.get("timing") or {}).get("train_s")
     taken = [int(v) for per_unit in (study_doc.get("optimizer_steps") or {}).values() for v in per_unit]
@@ -424,14 +449,13 @@ def main(argv: list[str] | None = None) -> dict:
         stem.with_suffix(".md").write_text(text)
         return text
 
-    doc["targets"] = []
-    if not (args.smoke or args.skip_tests):
-        print(f"[bench_gpu] library tests on {args.device} ...", file=sys.stderr, flush=True)
-        doc["tests"] = run_tests(dev.type, args.tests_timeout)
-        write()
     print(f"[bench_gpu] targets on {name} ...", file=sys.stderr, flush=True)
     doc["targets"] = run_targets(dev, SIZES["smoke" if args.smoke else "full"])
     write()
+    if not (args.smoke or args.skip_tests):
+        print(f"[bench_gpu] library tests on {args.device} ...", file=sys.stderr, flush=True)
+        doc["tests"] = run_tests(dev.type, args.tests_timeout, log=stem.with_name(stem.name + "-tests.log"))
+        write()
     if not (args.smoke or args.skip_study):
         print(f"[bench_gpu] study step on {args.device} ...", file=sys.stderr, flush=True)
         doc["study"] = run_study(dev.type, args.study_steps, args.study_timeout)

@@ -54,8 +54,10 @@ def test_pytest_summary_is_parsed(bench):
 
 def test_phase_commands(bench, tmp_path):
     assert bench.pytest_command("cuda")[1:5] == ["-m", "pytest", "--device", "cuda"]
+    assert bench.pytest_command("cuda", 8)[-3:] == ["-n", "8", str(ROOT / "tests")]
     cmd = bench.study_command("cuda", 300, tmp_path)
-    assert cmd[1:8] == ["reproduce", "mof", "--preset", "paper", "--device", "cuda", "--splits"]
+    assert cmd[1:10] == ["-m", "hardeq_studies", "reproduce", "mof", "--preset", "paper", "--device", "cuda",
+                         "--splits"]
     assert "--steps" in cmd and cmd[cmd.index("--steps") + 1] == "300"
     assert bench.slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
 
