@@ -68,8 +68,8 @@ class HostGenerators(TorchFunctionMode):
             return func(*args, **kwargs)
         if func in self._factories:
             target = torch.device(kwargs.pop("device", None) or self.target)
-            if target.type == "cpu":
-                return func(*args, **kwargs)
+            if target.type == "cpu":  # asked for the host by name: keep it there (the default device is the GPU)
+                return func(*args, device=target, **kwargs)
             return func(*args, device="cpu", **kwargs).to(target)
         on_device = [a for a in args if isinstance(a, torch.Tensor) and a.device.type != "cpu"]
         if not on_device:

@@ -166,3 +166,19 @@ def test_broadcast_batches_and_round_off_stall(cov):
         np.testing.assert_allclose(m.reshape(12, n)[b].numpy(), ref, atol=1e-9)
     z = t.sample((3,), method="rejection")
     assert z.shape == (3, 3, 4, n) and t.log_prob(z).shape == (3, 3, 4)
+
+
+@pytest.mark.parametrize("rank", [4, 2])
+def test_min_norm_solve_is_the_minimum_norm_least_squares_solution(rank):
+    """The exact Newton step's solver (LAPACK's gelsd on the CPU, the Hermitian pseudo-inverse on a GPU, whose
+    lstsq has no rank-revealing driver) against NumPy's minimum-norm lstsq, for a full-rank and a singular PSD J."""
+    from hardeq.bounds.mode import _min_norm_solve
+
+    g = torch.Generator().manual_seed(rank)
+    G = torch.randn(3, 4, rank, generator=g, dtype=torch.float64)
+    J = G @ G.mT  # (3, 4, 4), rank `rank`
+    r = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    x = _min_norm_solve(J, r)
+    for b in range(3):
+        ref = np.linalg.lstsq(J[b].cpu().numpy(), r[b].cpu().numpy(), rcond=None)[0]
+        np.testing.assert_allclose(x[b].cpu().numpy(), ref, rtol=1e-9, atol=1e-9)

@@ -16,6 +16,8 @@ from hardeq import SumConstraint
 from hardeq.diffusion import box_project, channel_sum_constraint
 from hardeq.testing import assert_exact_per_row
 
+from .conftest import diffusion_names
+
 
 def gen(seed):
     return torch.Generator().manual_seed(seed)
@@ -195,7 +197,7 @@ def test_errors():
 def test_doctest():
     import hardeq.diffusion.box as mod
 
-    globs = {"torch": torch, **{k: getattr(hardeq.diffusion, k) for k in hardeq.diffusion.__all__}}
+    globs = {"torch": torch, **diffusion_names()}
     result = doctest.testmod(mod, extraglobs=globs, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
 

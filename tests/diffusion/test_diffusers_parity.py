@@ -8,13 +8,13 @@ the outputs agree to the last bit; with the stock float32 ones to float32 round-
 import pytest
 import torch
 
-from hardeq.diffusion import (ConstrainedScheduler, DDIMOptions, DDPMOptions, Uniform, channel_sum_constraint,
-                              ddim_sample, ddpm_sample)
-from hardeq.diffusion.noise_schedule import alphas_cumprod, make_betas
+diffusers = pytest.importorskip("diffusers")  # before ConstrainedScheduler, whose module needs it
 
-from .conftest import assert_exact, gen
+from hardeq.diffusion import (ConstrainedScheduler, DDIMOptions, DDPMOptions, Uniform,  # noqa: E402
+                              channel_sum_constraint, ddim_sample, ddpm_sample)
+from hardeq.diffusion.noise_schedule import alphas_cumprod, make_betas  # noqa: E402
 
-diffusers = pytest.importorskip("diffusers")
+from .conftest import assert_exact, gen  # noqa: E402
 
 T = 20
 SHAPE = (2, 2, 8, 8)

@@ -9,6 +9,8 @@ import torch
 import hardeq
 import hardeq.diffusion
 
+from .conftest import diffusion_names
+
 MODULES = ["hardeq.diffusion.schedules", "hardeq.diffusion.image_constraints", "hardeq.diffusion.conditioning",
            "hardeq.diffusion.ddim", "hardeq.diffusion.ddpm", "hardeq.diffusion.flow", "hardeq.diffusion.options",
            "hardeq.diffusion.noise_schedule"]
@@ -18,6 +20,6 @@ MODULES = ["hardeq.diffusion.schedules", "hardeq.diffusion.image_constraints", "
 @pytest.mark.parametrize("name", MODULES)
 def test_doctests(name):
     module = importlib.import_module(name)
-    globs = {"torch": torch, "hardeq": hardeq, **{k: getattr(hardeq.diffusion, k) for k in hardeq.diffusion.__all__}}
+    globs = {"torch": torch, "hardeq": hardeq, **diffusion_names()}
     result = doctest.testmod(module, extraglobs=globs, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0

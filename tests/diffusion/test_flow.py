@@ -9,10 +9,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-import hardeq.diffusion
 from hardeq.diffusion import (FlowOptions, StartEnd, box_project, channel_sum_constraint, flow_sample, flow_sigmas,
                               project_onto)
 from hardeq.testing import assert_exact_per_row
+
+from .conftest import diffusion_names
 
 MEAN, STD = 0.3, 0.5  # the data: x0 ~ N(MEAN, STD^2) in every pixel, independently
 
@@ -167,6 +168,6 @@ def test_diffusers_flow_match_euler_parity():
 def test_doctest():
     import hardeq.diffusion.flow as mod
 
-    globs = {"torch": torch, **{k: getattr(hardeq.diffusion, k) for k in hardeq.diffusion.__all__}}
+    globs = {"torch": torch, **diffusion_names()}
     result = doctest.testmod(mod, extraglobs=globs, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0

@@ -9,8 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import hardeq.diffusion
 from hardeq.diffusion import box_project, to_uint8_exact
+
+from .conftest import diffusion_names
 
 
 def gen(seed):
@@ -109,6 +110,6 @@ def test_errors():
 def test_doctest():
     import hardeq.diffusion.quantize as mod
 
-    globs = {"torch": torch, **{k: getattr(hardeq.diffusion, k) for k in hardeq.diffusion.__all__}}
+    globs = {"torch": torch, **diffusion_names()}
     result = doctest.testmod(mod, extraglobs=globs, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0

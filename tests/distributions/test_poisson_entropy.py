@@ -45,7 +45,8 @@ def test_entropy_matches_scipy_multinomial_per_group(dtype, rate, total, index):
     tol = 1e-12 if dtype == torch.float64 else 1e-6
     assert math.isclose(float(H), _scipy_entropy(rate, total, index), rel_tol=tol, abs_tol=tol)
     via_constraint = ConstrainedPoisson(rate, constraint=SumConstraint(index, total)).entropy()
-    assert float(via_constraint) == float(H)
+    # the same computation; on a GPU its group sums (index_add, atomic) may add in another order
+    assert math.isclose(float(via_constraint), float(H), rel_tol=16 * torch.finfo(dtype).eps)
 
 
 def test_entropy_equals_a_full_enumeration_of_the_support():

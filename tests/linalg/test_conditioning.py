@@ -15,6 +15,7 @@ from hardeq.linalg import conditioning, covariance
 from hardeq.linalg.conditioning import Conditioner
 from hardeq.linalg.covariance import DiagonalCovariance, FullCovariance, LowRankCovariance
 from hardeq.testing import dense_conditional, random_spd
+from tests.device import device
 
 
 def rel_residual(A, k, z):
@@ -80,9 +81,11 @@ def test_residual_check_escalates_when_a_factor_is_accepted_too_eagerly(monkeypa
     """Force the float32 Cholesky path on an ill-conditioned S (accept any kappa): the residual check must
     detect the violation, refine, and escalate (cholesky -> cholesky64 -> qr) until the sample is exact."""
     monkeypatch.setitem(conditioning.KAPPA_MAX, "working", float("inf"))
-    loc, scale, A, k = ill_conditioned(torch.float32, decades=8.0)
+    # the float32 factorisation succeeds here (LAPACK: pivot-ratio estimate ~1.7e7), but is far too inaccurate
+    loc, scale, A, k = ill_conditioned(torch.float32, decades=8.0, dependence=3e-3)
     c = Conditioner(DiagonalCovariance(scale), hardeq.LinearConstraint(A, k))
-    assert c.method == "cholesky"
+    # a factorisation that fails outright (cuSOLVER's float32 potrf here, not LAPACK's) is never accepted
+    assert c.method == "cholesky" or (device().type != "cpu" and c.method == "cholesky64")
     torch.manual_seed(1)
     z = c.condition(loc + scale * torch.randn(1000, 12))
     assert c.method in ("cholesky64", "qr")  # escalated
@@ -305,3 +308,15 @@ def test_fused_sample_every_structure(structure, kind):
     noise = torch.randn(5, cov.noise_size, generator=g, dtype=torch.float64)
     torch.testing.assert_close(c.sample(loc, noise=noise), c.condition(loc + cov.sqrt_matvec(noise)))
     assert rel_residual(con.dense_matrix(), k, c.sample(loc, (20,))) <= 1e-12
+
+
+def test_a_failed_factorisation_is_never_accepted(monkeypatch):
+    """Even with no limit on the condition number, a Cholesky factorisation that fails (a non-positive pivot: the
+    estimate is infinite) is passed over for the next step of the plan, never used."""
+    monkeypatch.setitem(conditioning.KAPPA_MAX, "working", float("inf"))
+    loc, scale, A, k = ill_conditioned(torch.float32, decades=8.0, dependence=1e-3)  # float32 potrf fails
+    c = Conditioner(DiagonalCovariance(scale), hardeq.LinearConstraint(A, k))
+    assert c.method == "cholesky64" and c.factor.kappa < float("inf")
+    torch.manual_seed(1)
+    z = c.condition(loc + scale * torch.randn(100, 12))
+    assert rel_residual(A, k, z) <= 1e-5

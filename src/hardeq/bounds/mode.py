@@ -298,6 +298,16 @@ def dual_newton(mu: Tensor, v: Tensor, lo: Tensor, hi: Tensor, k: Tensor, matvec
     return z, lam, done
 
 
+def _min_norm_solve(J: Tensor, r: Tensor) -> Tensor:
+    """The minimum-norm least-squares solution of ``J x = r`` for a symmetric positive semi-definite ``J``
+    (``(*, a, a)``, ``r`` ``(*, a)``): LAPACK's SVD-based ``gelsd`` on the CPU; on other devices, whose
+    ``lstsq`` offers only ``gels`` (full rank only), the Hermitian pseudo-inverse (an eigendecomposition, the
+    same default cut-off ``eps * a`` of the largest eigenvalue)."""
+    if J.device.type == "cpu":
+        return torch.linalg.lstsq(J, r.unsqueeze(-1), driver="gelsd").solution.squeeze(-1)
+    return (torch.linalg.pinv(J, hermitian=True) @ r.unsqueeze(-1)).squeeze(-1)
+
+
 def _dense_solver(A: Tensor, v: Tensor):
     """``solve(w, r)`` for a dense ``A`` (``(*, a, n)`` float64, broadcasting over ``B``): the equilibrated Cholesky
     of :math:`A\\,\\mathrm{diag}(w)A^\\top` plus the relative ridge."""
@@ -306,14 +316,14 @@ def _dense_solver(A: Tensor, v: Tensor):
     def solve(w: Tensor, r: Tensor, exact: bool = False) -> Tensor:
         J = (A * w.unsqueeze(-2)) @ A.mT
         if exact:  # the minimum-norm Newton step on the active set (rows with no free coordinate get none)
-            return torch.linalg.lstsq(J, r.unsqueeze(-1), driver="gelsd").solution.squeeze(-1)
+            return _min_norm_solve(J, r)
         J = J + torch.diag_embed(JACOBIAN_RIDGE * base + torch.finfo(J.dtype).tiny)
         s = J.diagonal(0, -2, -1).sqrt()
         L, info = torch.linalg.cholesky_ex(J / (s.unsqueeze(-1) * s.unsqueeze(-2)))
         x = torch.cholesky_solve((r / s).unsqueeze(-1), L).squeeze(-1) / s
         bad = info != 0
         if bool(bad.any()):  # a numerically singular J: least squares
-            x2 = torch.linalg.lstsq(J, r.unsqueeze(-1)).solution.squeeze(-1)
+            x2 = _min_norm_solve(J, r)
             x = torch.where(bad.unsqueeze(-1), x2, x)
         return x
 

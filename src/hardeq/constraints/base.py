@@ -148,6 +148,13 @@ class EqualityConstraint(ABC):
     def device(self) -> torch.device:
         return self.k.device
 
+    @property
+    def operator_requires_grad(self) -> bool:
+        """Does a tensor of the operator ``A`` (anything but ``k``) require grad? Default: any tensor attribute of
+        the constraint other than ``k``; the built-in constraints name their operator tensors directly, which
+        ``torch.compile`` traces without a graph break."""
+        return any(isinstance(t, Tensor) and t.requires_grad and t is not self.k for t in vars(self).values())
+
     # ------------------------------------------------------------------ products
     def matmul(self, X: Tensor) -> Tensor:
         """``A X``: ``(*batch, n, m) -> (*batch, a, m)``. Default: the columns of ``X`` as a sample of vectors

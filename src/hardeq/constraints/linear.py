@@ -187,6 +187,10 @@ class LinearConstraint(EqualityConstraint):
     def storage_numel(self) -> int:
         return self._source.numel()
 
+    @property
+    def operator_requires_grad(self) -> bool:
+        return self.A.requires_grad or self._source.requires_grad
+
     def derived(self) -> dict | None:
         """The constants derived from ``A`` alone, shared by every constraint built on the same unchanged ``A``
         tensor (one lookup per instance, whose cost is one comparison of ``A`` with its snapshot); ``None`` when

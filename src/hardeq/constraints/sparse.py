@@ -212,6 +212,10 @@ class SparseConstraint(EqualityConstraint):
         return self._A._nnz()
 
     @property
+    def operator_requires_grad(self) -> bool:
+        return self._A.requires_grad
+
+    @property
     def sparse_matrix(self) -> Tensor:
         """``A`` as the CSR tensor ``(a, n)`` stored by this constraint (no copy)."""
         return self._A

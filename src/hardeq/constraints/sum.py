@@ -154,6 +154,10 @@ class SumConstraint(EqualityConstraint):
     def storage_numel(self) -> int:
         return self.event_size
 
+    @property
+    def operator_requires_grad(self) -> bool:
+        return False  # the operator is the group index: integers
+
     def abs_matvec(self, z_abs: Tensor) -> Tensor:
         return self.matvec(z_abs)
 

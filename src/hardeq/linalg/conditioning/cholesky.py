@@ -153,10 +153,11 @@ class CholeskyFactor(Factor):
     @classmethod
     def build(cls, cov: "Covariance", constraint: "EqualityConstraint", c: Tensor, precision: torch.dtype,
               kappa_max: float) -> "CholeskyFactor | None":
-        """The factor, or ``None`` when the factorisation fails or its :math:`\\kappa` estimate exceeds
-        ``kappa_max`` (then :math:`\\varepsilon\\kappa` would cost more than one refinement step)."""
+        """The factor, or ``None`` when the factorisation fails (``kappa`` infinite, whatever ``kappa_max``) or its
+        :math:`\\kappa` estimate exceeds ``kappa_max`` (then :math:`\\varepsilon\\kappa` would cost more than one
+        refinement step)."""
         factor = cls(cov, constraint, c, precision)
-        return factor if factor.kappa <= kappa_max else None
+        return factor if math.isfinite(factor.kappa) and factor.kappa <= kappa_max else None
 
     @property
     def _cov(self) -> "Covariance":

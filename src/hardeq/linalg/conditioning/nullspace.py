@@ -131,4 +131,4 @@ class NullspaceFactor(Factor):
 
 def _operator_requires_grad(constraint: "EqualityConstraint") -> bool:
     """Does a tensor of the constraint other than ``k`` require grad? (The basis ``N`` is computed without it.)"""
-    return any(isinstance(t, Tensor) and t.requires_grad and t is not constraint.k for t in vars(constraint).values())
+    return constraint.operator_requires_grad
