@@ -16,7 +16,7 @@ def _one_thread():
 
 def toy_eps(x, t):
     """A smooth deterministic noise predictor ``(B, C, H, W), (B,) -> (B, C, H, W)``."""
-    tt = t.to(x.dtype).view(-1, *([1] * (x.dim() - 1)))
+    tt = t.to(device=x.device, dtype=x.dtype).view(-1, *([1] * (x.dim() - 1)))  # diffusers' timesteps: host
     return 0.5 * torch.tanh(x) + 0.01 * tt.sin() * x.flip(-1)
 
 

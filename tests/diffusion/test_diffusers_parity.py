@@ -14,7 +14,13 @@ from hardeq.diffusion import (ConstrainedScheduler, DDIMOptions, DDPMOptions, Un
                               channel_sum_constraint, ddim_sample, ddpm_sample)
 from hardeq.diffusion.noise_schedule import alphas_cumprod, make_betas  # noqa: E402
 
+from tests.device import device  # noqa: E402
+
 from .conftest import assert_exact, gen  # noqa: E402
+
+#: the same UNet called twice on the same input gives the same bits on the CPU; on a GPU its convolutions may
+#: pick other algorithms between calls (float32 round-off), so the two loops agree to float32 round-off there
+BITWISE = device().type == "cpu"
 
 T = 20
 SHAPE = (2, 2, 8, 8)
@@ -47,8 +53,10 @@ def test_ddpm_matches_diffusers(tiny_unet, float64_schedule):
     ref = _loop(tiny_unet, sch, 1)
     opts = DDPMOptions(num_train_timesteps=T)
     out = ddpm_sample(tiny_unet, SHAPE, opts, generator=gen(1))
-    if float64_schedule:
+    if float64_schedule and BITWISE:
         assert torch.equal(out, ref)
+    elif float64_schedule:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     else:
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     # an empty schedule with a constraint is the unconstrained loop too
@@ -70,7 +78,7 @@ def test_ddim_matches_diffusers(tiny_unet, eta, set_alpha_to_one, spacing, float
                        timestep_spacing=spacing)
     out = ddim_sample(tiny_unet, SHAPE, opts, generator=gen(2))
     if float64_schedule:
-        torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-6 if BITWISE else 1e-5)
     else:
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 

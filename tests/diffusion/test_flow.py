@@ -31,7 +31,7 @@ def gaussian_coeffs(t, m=MEAN, s=STD):
 
 
 def gaussian_velocity(x, t):
-    tt = (t / 1.0).to(torch.float64).view(-1, *([1] * (x.dim() - 1)))
+    tt = (t / 1.0).to(device=x.device, dtype=torch.float64).view(-1, *([1] * (x.dim() - 1)))  # t may be host
     D = (1 - tt) ** 2 * STD**2 + tt**2
     return ((tt - (1 - tt) * STD**2) * (x - (1 - tt) * MEAN) / D - MEAN).to(x.dtype)
 

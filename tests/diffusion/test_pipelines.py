@@ -12,6 +12,8 @@ diffusers = pytest.importorskip("diffusers")
 
 from hardeq.diffusion import ConstrainedScheduler, StartEnd, Uniform, channel_sum_constraint  # noqa: E402
 
+from tests.device import device  # noqa: E402
+
 from .conftest import gen  # noqa: E402
 
 B, SHAPE = 3, (3, 2, 8, 8)
@@ -122,7 +124,7 @@ def test_save_load_in_ddpm_pipeline(tiny_unet, tmp_path):
     pipe.save_pretrained(tmp_path)
     index = json.loads((tmp_path / "model_index.json").read_text())
     assert index["scheduler"] == ["hardeq.diffusion.scheduler", "ConstrainedScheduler"]
-    loaded = diffusers.DDPMPipeline.from_pretrained(tmp_path)
+    loaded = diffusers.DDPMPipeline.from_pretrained(tmp_path).to(device())  # it loads onto the CPU
     _same_scheduler(cs, loaded.scheduler)
     seen = _record_last(loaded.scheduler)
     images = _run(loaded, steps=T)
@@ -142,7 +144,7 @@ def test_save_load_in_ddim_pipeline(tiny_unet, tmp_path):
     with pytest.raises(TypeError, match="subfolder='scheduler'"):
         diffusers.DDIMPipeline.from_pretrained(tmp_path)
     loaded_cs = ConstrainedScheduler.from_pretrained(tmp_path, subfolder="scheduler")
-    loaded = diffusers.DDIMPipeline.from_pretrained(tmp_path, scheduler=loaded_cs.scheduler)
+    loaded = diffusers.DDIMPipeline.from_pretrained(tmp_path, scheduler=loaded_cs.scheduler).to(device())
     loaded.scheduler = loaded_cs
     _same_scheduler(cs, loaded.scheduler)
     seen = _record_last(loaded_cs)

@@ -13,6 +13,8 @@ from hardeq.diffusion import (DDIMOptions, DDPMOptions, FlowOptions, box_project
 from hardeq.diffusion.box import sampled_last_step
 from hardeq.testing import assert_exact_per_row
 
+from tests.device import device
+
 from .conftest import gen
 
 BETAS = torch.linspace(1e-4, 0.02, 12, dtype=torch.float64)
@@ -191,7 +193,7 @@ def test_ddpm_pipeline_with_sample_box_returns_images_that_meet_the_totals(small
     assert cs.config.final == "sample_box" and list(cs.config.box) == [-1.0, 1.0]
     pipe.save_pretrained(tmp_path)
     diffusers = pytest.importorskip("diffusers")
-    loaded = diffusers.DDPMPipeline.from_pretrained(tmp_path)
+    loaded = diffusers.DDPMPipeline.from_pretrained(tmp_path).to(device())  # it loads onto the CPU
     assert loaded.scheduler.final == "sample_box" and loaded.scheduler.box == (-1.0, 1.0)
     loaded.set_progress_bar_config(disable=True)
     assert torch.equal(_images(loaded), images)

@@ -30,6 +30,12 @@ class LoopSetup:
     final: str | None = None  # None, "box" or "sample_box"
 
 
+def _default_device() -> torch.device:
+    """torch's default device for new tensors: the CPU unless ``torch.set_default_device`` (or a
+    ``with torch.device(...)`` block) says otherwise."""
+    return torch.get_default_device() if hasattr(torch, "get_default_device") else torch.empty(0).device
+
+
 def _model_dtype_device(model: object) -> tuple[torch.dtype | None, torch.device | None]:
     params = getattr(model, "parameters", None)
     if callable(params):
@@ -74,7 +80,7 @@ def setup_loop(model: object, shape: object, constraint: EqualityConstraint | No
         device = torch.device(device) if device is not None else noise.device
     else:
         dtype = dtype or mdtype or torch.get_default_dtype()
-        device = torch.device(device) if device is not None else (mdevice or torch.device("cpu"))
+        device = torch.device(device) if device is not None else (mdevice or _default_device())
     if dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
         raise TypeError(f"dtype must be a floating dtype, got {dtype}.")
     if constraint is not None:

@@ -125,7 +125,8 @@ class SamplerOptions:
         clip_range: ``(lo, hi)`` of the ``"clip"`` options; default ``(-1.0, 1.0)``.
         dtype: of the samples; default (``None``): the model's parameters' (or the initial noise's), else
             float32.
-        device: of the samples; default (``None``): the model's parameters' (or the initial noise's), else CPU.
+        device: of the samples; default (``None``): the model's parameters' (or the initial noise's), else
+            torch's default device (the CPU unless ``torch.set_default_device`` chose another).
         progress: show a tqdm progress bar. Default ``False``.
     """
 
