@@ -168,7 +168,8 @@ def _pipeline(unet, final, totals):
 
 def _images(pipe, seed=0):
     out = pipe(batch_size=diffusers_B, generator=gen(seed), num_inference_steps=4, output_type="np").images
-    return torch.from_numpy(np.ascontiguousarray(out)).permute(0, 3, 1, 2).to(torch.float64)  # NCHW in [0, 1]
+    images = torch.from_numpy(np.ascontiguousarray(out)).permute(0, 3, 1, 2)  # NCHW in [0, 1], on the host
+    return images.to(device=device(), dtype=torch.float64)
 
 
 def test_ddpm_pipeline_with_sample_box_returns_images_that_meet_the_totals(small_unet, tmp_path):
