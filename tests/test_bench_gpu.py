@@ -76,3 +76,17 @@ def test_study_markdown_reads_the_study_timing(bench):
            "study": {"command": "hardeq reproduce mof", "returncode": 0, "wall_s": 60.0, "steps_asked": 300,
                      "wall_s_per_step": 0.2, "train_s": 30.0, "steps_taken": 300, "train_s_per_step": 0.1}}
     assert "100.0 ms per optimiser step" in bench.markdown(doc)
+
+
+def test_profile_script_counts_launches_and_syncs(tmp_path):
+    """``benchmarks/profile_gpu.py --smoke`` profiles the four cases on the suite's device and writes both files."""
+    spec = importlib.util.spec_from_file_location("profile_gpu", ROOT / "benchmarks" / "profile_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    records = module.main(["--device", device().type, "--smoke", "--calls", "2", "--rows", "5", "--out",
+                           str(tmp_path)])
+    assert [r["case"] for r in records] == ["B", "C16", "D", "sparse"]
+    for r in records:
+        assert r["calls"] == 2 and "Self CPU" in r["cpu_table"] and isinstance(r["syncs_per_call"], dict)
+    assert json.loads((tmp_path / "profile.json").read_text())[0]["case"] == "B"
+    assert (tmp_path / "profile.txt").read_text().startswith("== B:")
