@@ -133,3 +133,15 @@ def test_broadcast_loc_and_shared_k_in_a_batch():
     z = d.sample()
     assert z.shape == scale.shape
     assert_exact_per_row(hardeq.LinearConstraint(A, k[0].expand(5, -1)), z)
+
+
+def test_chunks_are_cache_sized_on_the_cpu_and_whole_elsewhere():
+    """On the CPU a chunk holds about FUSED_CHUNK_ELEMS elements and at least ``min_rows`` rows; on another device
+    (kernel launches cost more than cache misses there) every row goes in one chunk."""
+    rows = factor_module._rows_per_chunk
+    elems = factor_module.FUSED_CHUNK_ELEMS
+    assert rows(64, 100_000, 8, torch.device("cpu")) == max(8, elems // 100_000)
+    assert rows(64, 100_000, 40, torch.device("cpu")) == 40  # each chunk streams A once: at least a rows
+    assert rows(3, 10, 8, torch.device("cpu")) == 3  # never more than there are
+    assert rows(64, 100_000, 8, torch.device("meta")) == 64
+    assert rows(0, 100, 8, torch.device("meta")) == 1

@@ -61,8 +61,19 @@ _CHUNK_ELEMS = 1 << 24
 #: blocked Gram-Cholesky (:func:`~hardeq.linalg.cholesky.gram_cholesky_lower`, CPU): below it, forming
 #: :math:`S` and ``torch.linalg.cholesky_ex`` cost little
 BLOCKED_MIN_ROWS = 256
-#: elements of one chunk of rows in :meth:`CholeskyFactor.sample_fused` (each of its transients is one chunk)
+#: elements of one chunk of rows in :meth:`CholeskyFactor.sample_fused` (each of its transients is one chunk), on the
+#: CPU; on other devices one chunk holds every row (see :func:`_rows_per_chunk`)
 FUSED_CHUNK_ELEMS = 1 << 21
+
+
+def _rows_per_chunk(count: int, n: int, min_rows: int, device: torch.device) -> int:
+    """Rows of ``n`` elements per chunk for a loop over ``count`` rows: on the CPU, chunks of about
+    :data:`FUSED_CHUNK_ELEMS` elements (every transient stays in cache) and at least ``min_rows`` rows (each chunk
+    streams ``A`` once); elsewhere all rows at once, since on a GPU each chunk costs kernel launches (a profile of
+    target B on an H200: 18 small GEMMs per call from four chunks) while the buffers stay the output's size."""
+    if device.type != "cpu":
+        return max(1, count)
+    return max(1, min(count, max(min_rows, FUSED_CHUNK_ELEMS // max(1, n))))
 
 
 def _dense_2d(con: "EqualityConstraint") -> Tensor | None:
@@ -180,7 +191,7 @@ class CholeskyFactor(Factor):
         ``(B, n)``: the row-pair GEMM of :func:`~hardeq.ops.gram_pairs.gram_from_pairs`, over chunks of rows whose
         normalised variances are computed into one reused buffer (no ``B x n`` temporary)."""
         count, n = self.cov.scale.shape
-        step = max(1, min(count, max(pairs.shape[0], FUSED_CHUNK_ELEMS // max(1, n))))  # P streamed once per chunk
+        step = _rows_per_chunk(count, n, pairs.shape[0], pairs.device)  # P streamed once per chunk
         buffer = torch.empty((step, n), dtype=self.precision, device=pairs.device)
         flat = torch.empty((count, pairs.shape[0]), dtype=self.precision, device=pairs.device)
         for r0 in range(0, count, step):
@@ -283,7 +294,7 @@ class CholeskyFactor(Factor):
         out = torch.empty(torch.Size(sample_shape) + batch + (n,), dtype=self.dtype, device=loc.device)
         flat = out.view(count, n)
         # at least a rows per chunk: each chunk's products stream A once, which must not cost more than the chunk
-        step = max(1, min(count, max(con.num_constraints, FUSED_CHUNK_ELEMS // max(1, n))))
+        step = _rows_per_chunk(count, n, con.num_constraints, loc.device)
         buffer = torch.empty((2, step, n), dtype=self.dtype, device=loc.device)
         failed = torch.zeros((), dtype=torch.bool, device=loc.device)
         scale, k_all, L, d = cov.scale, con.k, self.L, self.d
