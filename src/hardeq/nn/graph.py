@@ -214,8 +214,8 @@ def variance_weighted_correction(loc: Tensor, variance: Tensor, batch: Tensor, t
 
     Examples:
         >>> from hardeq.nn import variance_weighted_correction
-        >>> variance_weighted_correction(torch.tensor([1.0, 2.0, 3.0, 0.0, 1.0]), torch.tensor([1.0, 1.0, 2.0, 1.0, 3.0]),
-        ...                              torch.tensor([0, 0, 0, 1, 1]), torch.tensor([2.0, 5.0]))  # excesses -4 and 4
+        >>> loc, variance = torch.tensor([1.0, 2.0, 3.0, 0.0, 1.0]), torch.tensor([1.0, 1.0, 2.0, 1.0, 3.0])
+        >>> variance_weighted_correction(loc, variance, torch.tensor([0, 0, 0, 1, 1]), torch.tensor([2.0, 5.0]))
         tensor([0., 1., 1., 1., 4.])
     """
     total, G = _check_nodes(loc, variance, batch, total, num_graphs, "variance_weighted_correction")
