@@ -49,7 +49,8 @@ class ConstrainedNormal(_distributions.ConstrainedNormal, TorchDistributionMixin
     :meth:`truncate` returns this module's :class:`TruncatedConstrainedNormal`.
 
     Examples:
-        >>> import pyro
+        >>> import torch, pyro, hardeq
+        >>> from hardeq import SumConstraint
         >>> from hardeq.contrib.pyro import ConstrainedNormal
         >>> zero_sum = SumConstraint(torch.zeros(4, dtype=torch.long), torch.tensor([0.0]))
         >>> d = ConstrainedNormal(torch.zeros(4), 1.0, constraint=zero_sum)
@@ -69,8 +70,9 @@ class TruncatedConstrainedNormal(_truncated.TruncatedConstrainedNormal, TorchDis
     score-function estimator.
 
     Examples:
+        >>> import torch, hardeq
         >>> from hardeq.contrib.pyro import ConstrainedNormal
-        >>> zero_sum = SumConstraint(torch.zeros(4, dtype=torch.long), torch.tensor([0.0]))
+        >>> zero_sum = hardeq.SumConstraint(torch.zeros(4, dtype=torch.long), torch.tensor([0.0]))
         >>> d = ConstrainedNormal(torch.zeros(4), 1.0, constraint=zero_sum).truncate(-1.0, 1.0)
         >>> type(d).__module__, d.has_rsample, isinstance(d, hardeq.TruncatedConstrainedNormal)
         ('hardeq.contrib.pyro', False, True)
@@ -82,7 +84,7 @@ class ConstrainedPoisson(_distributions.ConstrainedPoisson, TorchDistributionMix
     ``TorchDistributionMixin``.
 
     Examples:
-        >>> import math, pyro
+        >>> import math, torch, pyro
         >>> from hardeq.contrib.pyro import ConstrainedPoisson
         >>> d = ConstrainedPoisson(torch.tensor([1.0, 2.0, 3.0]), torch.tensor(6))  # Multinomial(6, (1, 2, 3) / 6)
         >>> with pyro.plate("draws", 5):
