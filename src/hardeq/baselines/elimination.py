@@ -106,6 +106,12 @@ def constraint_layer(y: Tensor, constraint: EqualityConstraint, order: Sequence[
 
     Returns:
         Tensor: ``(*sample, *batch, n)`` with ``A out = k`` to round-off.
+
+    Examples:
+        >>> from hardeq.baselines import constraint_layer
+        >>> total = SumConstraint(torch.zeros(4, dtype=torch.long), torch.tensor([2.0]))
+        >>> constraint_layer(torch.tensor([[1.0, 2.0, 3.0, 4.0]]), total)  # the last member becomes 2 - (1 + 2 + 3)
+        tensor([[ 1.,  2.,  3., -4.]])
     """
     constraint = check_constraint(constraint, "constraint_layer")
     y = check_y_against_constraint(y, constraint, "constraint_layer")

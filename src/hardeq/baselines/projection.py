@@ -85,6 +85,13 @@ def kkt_projection(y: Tensor, constraint: EqualityConstraint) -> Tensor:
 
     Returns:
         Tensor: ``(*sample, *batch, n)``, satisfying ``A out = k`` to round-off.
+
+    Examples:
+        >>> from hardeq.baselines import kkt_projection
+        >>> A = LinearConstraint(torch.tensor([[1.0, 1.0, 1.0, 0.0], [0.0, 1.0, 1.0, 1.0]]), torch.tensor([4.0, 3.0]))
+        >>> z = kkt_projection(torch.tensor([1.0, 2.0, 5.0, 5.0]), A)
+        >>> z, bool(A.check(z))
+        (tensor([ 2.2000, -0.6000,  2.4000,  1.2000]), True)
     """
     constraint = check_constraint(constraint, "kkt_projection")
     y = check_y_against_constraint(y, constraint, "kkt_projection")

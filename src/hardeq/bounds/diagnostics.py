@@ -70,6 +70,15 @@ def effective_sample_size(samples: Tensor) -> Tensor:
 
     Returns:
         ``(*event)`` float64; a constant coordinate gets ``draws * chains`` (see the module docstring).
+
+    Examples:
+        >>> from hardeq.bounds import effective_sample_size
+        >>> draws = torch.randn(1000, 4, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        >>> ess = effective_sample_size(draws)  # independent draws: about 4 chains x 1000
+        >>> ess.shape, bool(((ess > 3000) & (ess < 5000)).all())
+        (torch.Size([2]), True)
+        >>> effective_sample_size(torch.ones(10, 2, 1))  # a constant coordinate: draws x chains
+        tensor([20.], dtype=torch.float64)
     """
     x = _check(samples, "samples", 4)
     N, M = x.shape[0], x.shape[1]
@@ -112,6 +121,15 @@ def split_rhat(samples: Tensor) -> Tensor:
     Returns:
         ``(*event)`` float64; 1 for a constant coordinate, ``inf`` when every split chain is constant but they
         differ.
+
+    Examples:
+        >>> from hardeq.bounds import split_rhat
+        >>> draws = torch.randn(1000, 4, 1, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        >>> bool(split_rhat(draws) < 1.01)  # chains that agree
+        True
+        >>> draws[:, 2:] += 3.0  # two chains sit elsewhere
+        >>> bool(split_rhat(draws) > 1.5)
+        True
     """
     x = _check(samples, "samples", 4)
     half = x.shape[0] // 2

@@ -96,6 +96,15 @@ class HMCResult:
         corner_refreshes (int): velocities redrawn in a corner (see the module docstring; 0 unless a chain
             started on several walls at once).
         method (str): ``"hmc"``.
+
+    Examples:
+        >>> from hardeq.bounds import exact_hmc
+        >>> total = SumConstraint(torch.zeros(2, dtype=torch.long), torch.tensor([1.0], dtype=torch.float64))
+        >>> d = ConstrainedNormal(torch.zeros(2, dtype=torch.float64), 1.0, constraint=total)
+        >>> start = torch.full((2, 2), 0.5, dtype=torch.float64)  # 2 chains on the plane, inside the box
+        >>> res = exact_hmc(d, 0.0, 1.0, start, num_samples=10, burn_in=5, generator=torch.Generator().manual_seed(0))
+        >>> res.method, res.samples.shape, res.ess.shape, res.trajectories  # 2 chains x 15 iterations
+        ('hmc', torch.Size([10, 2, 2]), torch.Size([2]), 30)
     """
 
     samples: Tensor
@@ -237,6 +246,18 @@ def exact_hmc(dist, lower: Tensor, upper: Tensor, start: Tensor, *, num_samples:
             gives the number of entries and the worst one) or off the plane, a bad ``travel_time``.
         RuntimeError: a trajectory exceeded ``max_bounces``, or the state became non-finite (e.g. inf bounds
             on both sides of a coordinate with a non-finite mean).
+
+    Examples:
+        >>> from hardeq.bounds import exact_hmc, truncated_mode
+        >>> total = SumConstraint(torch.zeros(3, dtype=torch.long), torch.tensor([3.0], dtype=torch.float64))
+        >>> d = ConstrainedNormal(torch.tensor([2.0, 0.0, 0.0], dtype=torch.float64), 1.0, constraint=total)
+        >>> lower, upper = torch.zeros(3, dtype=torch.float64), torch.full((3,), 1.5, dtype=torch.float64)
+        >>> start = truncated_mode(d, lower, upper).expand(4, 3)  # 4 chains, all at the mode
+        >>> res = exact_hmc(d, lower, upper, start, num_samples=50, burn_in=20,
+        ...                 generator=torch.Generator().manual_seed(0))
+        >>> z = res.samples
+        >>> z.shape, bool(((z >= 0) & (z <= 1.5)).all()), bool(total.check(z).all())
+        (torch.Size([50, 4, 3]), True, True)
     """
     from ..distributions.normal import ConstrainedNormal
 

@@ -80,7 +80,17 @@ JACOBIAN_RIDGE = 1e-12
 
 class ModeNotFound(ValueError):
     """The mode solver could not meet a row of ``A z = k`` inside the box: the polytope is empty (or so thin that
-    float64 cannot find a point in it). The message names the batch element and row and gives the residual."""
+    float64 cannot find a point in it). The message names the batch element and row and gives the residual.
+
+    Examples:
+        >>> from hardeq.bounds import truncated_mode
+        >>> total = SumConstraint(torch.zeros(3, dtype=torch.long), torch.tensor([3.0], dtype=torch.float64))
+        >>> d = ConstrainedNormal(torch.zeros(3, dtype=torch.float64), 1.0, constraint=total)
+        >>> truncated_mode(d, torch.zeros(3, dtype=torch.float64), torch.full((3,), 0.5, dtype=torch.float64))
+        Traceback (most recent call last):
+            ...
+        hardeq.bounds.mode.ModeNotFound: the mode's ... found no point of the plane A z = k inside the box ...
+    """
 
 
 # ====================================================================== grouped sums, diagonal covariance
@@ -499,6 +509,15 @@ def truncated_mode(dist, lower: Tensor, upper: Tensor) -> Tensor:
     Raises:
         ModeNotFound (a ``ValueError``): no point of the plane in the box was found (the polytope is empty); the
             message names the batch element, the row and its residual.
+
+    Examples:
+        >>> from hardeq.bounds import truncated_mode
+        >>> total = SumConstraint(torch.zeros(3, dtype=torch.long), torch.tensor([3.0], dtype=torch.float64))
+        >>> d = ConstrainedNormal(torch.tensor([2.0, 0.0, 0.0], dtype=torch.float64), 1.0, constraint=total)
+        >>> d.mean  # untruncated: the excess 1 shared equally
+        tensor([2.3333, 0.3333, 0.3333], dtype=torch.float64)
+        >>> truncated_mode(d, torch.zeros(3, dtype=torch.float64), torch.full((3,), 1.5, dtype=torch.float64))
+        tensor([1.5000, 0.7500, 0.7500], dtype=torch.float64)
     """
     f64 = torch.float64
     batch = dist.batch_shape

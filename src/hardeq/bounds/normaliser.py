@@ -54,7 +54,14 @@ def _log1mexp(x: Tensor) -> Tensor:
 def log_diff_ndtr(a: Tensor, b: Tensor) -> Tensor:
     r""":math:`\log(\Phi(b) - \Phi(a))` for :math:`a < b` (``-inf`` where :math:`a \ge b`), without cancellation:
     :math:`\log\Phi(b) + \log(1 - e^{\log\Phi(a) - \log\Phi(b)})` when :math:`a + b \le 0`, else the same on
-    :math:`(-b, -a)` (symmetry), so both tails keep their relative accuracy. Differentiable."""
+    :math:`(-b, -a)` (symmetry), so both tails keep their relative accuracy. Differentiable.
+
+    Examples:
+        >>> from hardeq.bounds import log_diff_ndtr
+        >>> a, b = torch.tensor([-1.0, 10.0], dtype=torch.float64), torch.tensor([1.0, 11.0], dtype=torch.float64)
+        >>> log_diff_ndtr(a, b)  # the far tail stays finite (Phi(11) - Phi(10) is 0 in float64 subtraction)
+        tensor([ -0.3817, -53.2313], dtype=torch.float64)
+    """
     flip = (a + b) > 0
     lo = torch.where(flip, -b, a)
     hi = torch.where(flip, -a, b)
@@ -101,7 +108,17 @@ def line_interval(dist, lower: Tensor, upper: Tensor, direction: Tensor | None =
 
 def exact_log_normaliser(dist, lower: Tensor, upper: Tensor, direction: Tensor | None = None) -> Tensor:
     r""":math:`\log P(\text{box}\mid\text{plane}) = \log(\Phi(\beta) - \Phi(\alpha))` for ``n - a == 1``, ``(*batch)``,
-    differentiable (module docstring). ``ValueError`` when the interval is empty or a point (no volume)."""
+    differentiable (module docstring). ``ValueError`` when the interval is empty or a point (no volume).
+
+    Examples:
+        >>> import math
+        >>> from hardeq.bounds import exact_log_normaliser
+        >>> zero_sum = SumConstraint(torch.zeros(2, dtype=torch.long), torch.zeros(1, dtype=torch.float64))
+        >>> d = ConstrainedNormal(torch.zeros(2, dtype=torch.float64), 1.0, constraint=zero_sum)  # z = (t, -t)
+        >>> log_z = exact_log_normaliser(d, -torch.ones(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64))
+        >>> round(float(log_z), 4), round(math.log(math.erf(1.0)), 4)  # t ~ N(0, 1/2): log P(|t| <= 1)
+        (-0.1711, -0.1711)
+    """
     alpha, beta, _, _ = line_interval(dist, lower, upper, direction)
     bad = ~(alpha < beta)
     if bool(bad.any()):
@@ -118,7 +135,15 @@ def exact_log_normaliser(dist, lower: Tensor, upper: Tensor, direction: Tensor |
 def mc_log_normaliser(draws: Tensor, lower: Tensor, upper: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     r"""From ``N`` untruncated draws ``(N, *batch, n)``: ``(log_Z, stderr, acceptance)``, each ``(*batch)``;
     :math:`\hat Z` = fraction in the box, stderr :math:`\sqrt{(1-\hat Z)/(N\hat Z)}` (``inf`` where no draw is
-    in)."""
+    in).
+
+    Examples:
+        >>> from hardeq.bounds import mc_log_normaliser
+        >>> draws = torch.tensor([[0.0], [1.0], [2.0], [3.0]])  # 4 untruncated draws of n = 1
+        >>> log_z, stderr, acceptance = mc_log_normaliser(draws, torch.zeros(1), torch.full((1,), 1.5))
+        >>> round(float(log_z.exp()), 4), round(float(stderr), 4), round(float(acceptance), 4)  # 2 of 4 in the box
+        (0.5, 0.5, 0.5)
+    """
     N = draws.shape[0]
     inside = ((draws >= lower) & (draws <= upper)).all(-1)
     acc = inside.to(torch.float64).mean(0)

@@ -60,7 +60,16 @@ def as_bound(name: str, value: object, shape: torch.Size, dtype: torch.dtype, de
 
 def check_bounds(lower: Tensor, upper: Tensor) -> None:
     """``ValueError`` for ``NaN`` bounds, ``lower > upper``, ``lower == upper`` (a box of no volume), or a bound at
-    the wrong infinity (``lower = +inf`` / ``upper = -inf``); names the first offending index."""
+    the wrong infinity (``lower = +inf`` / ``upper = -inf``); names the first offending index.
+
+    Examples:
+        >>> from hardeq.bounds import check_bounds
+        >>> check_bounds(torch.zeros(2), torch.tensor([1.0, float("inf")]))  # a valid box: returns None
+        >>> check_bounds(torch.zeros(2), torch.tensor([1.0, -1.0]))
+        Traceback (most recent call last):
+            ...
+        ValueError: the box must have lower < upper in every coordinate; at index (1,) ... lower > upper.
+    """
     for name, t in (("lower", lower), ("upper", upper)):
         if bool(torch.isnan(t).any()):
             idx = tuple(int(i) for i in torch.isnan(t).nonzero()[0])
@@ -80,7 +89,15 @@ def check_bounds(lower: Tensor, upper: Tensor) -> None:
 def row_ranges(constraint, lower: Tensor, upper: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     r"""The range of each :math:`(Az)_i` over the box: ``(low, high, size)``, each ``(*batch, a)`` float64, with
     ``size`` :math:`= \sum_j |a_{ij}|\max(|l_j|, |u_j|)` over the finite bounds (the scale of the row's terms, for
-    tolerances). A zero coefficient contributes nothing, whatever the bound. Cost O(n) grouped, O(a n) otherwise."""
+    tolerances). A zero coefficient contributes nothing, whatever the bound. Cost O(n) grouped, O(a n) otherwise.
+
+    Examples:
+        >>> from hardeq.bounds import row_ranges
+        >>> A = LinearConstraint(torch.tensor([[1.0, -2.0, 0.0]]), torch.zeros(1))  # z_1 - 2 z_2 over [0, 1]^2
+        >>> low, high, size = row_ranges(A, torch.zeros(3), torch.tensor([1.0, 1.0, 5.0]))
+        >>> low, high, size
+        (tensor([-2.], dtype=torch.float64), tensor([1.], dtype=torch.float64), tensor([3.], dtype=torch.float64))
+    """
     f64 = torch.float64
     lo, hi = lower.to(f64), upper.to(f64)
     mag = torch.where(torch.isfinite(lo), lo.abs(), 0.0).maximum(torch.where(torch.isfinite(hi), hi.abs(), 0.0))
@@ -105,7 +122,18 @@ def check_polytope(constraint, lower: Tensor, upper: Tensor, rtol: float) -> Non
     r"""``ValueError`` unless every row of :math:`Az = k` can be met strictly inside the box (module docstring):
     names the batch element and the row (the group, for a grouped sum), the interval it must lie in, and ``k``.
     ``rtol``: the untruncated distribution's per-row tolerance (1e-5 float32, 1e-12 float64); a ``k`` within it of an
-    end of the interval is a face (no volume)."""
+    end of the interval is a face (no volume).
+
+    Examples:
+        >>> from hardeq.bounds import check_polytope
+        >>> total = SumConstraint(torch.zeros(3, dtype=torch.long), torch.tensor([3.0], dtype=torch.float64))
+        >>> lower = torch.zeros(3, dtype=torch.float64)
+        >>> check_polytope(total, lower, torch.full((3,), 2.0, dtype=torch.float64), 1e-12)  # feasible: None
+        >>> check_polytope(total, lower, torch.full((3,), 0.5, dtype=torch.float64), 1e-12)
+        Traceback (most recent call last):
+            ...
+        ValueError: the polytope {A z = k} ∩ [lower, upper] is empty: group 0 ... sum to [0, 1.5], but k = 3. ...
+    """
     low, high, size = row_ranges(constraint, lower, upper)
     k = constraint.k.detach().to(torch.float64)
     shape = torch.broadcast_shapes(low.shape, k.shape)

@@ -31,7 +31,18 @@ ROUND_ELEMENTS = 1 << 24
 
 class RejectionBudgetExceeded(RuntimeError):
     """Rejection sampling drew its budget without collecting the requested number of draws (acceptance too low);
-    the message gives the measured acceptance. Use ``method="hmc"``."""
+    the message gives the measured acceptance. Use ``method="hmc"``.
+
+    Examples:
+        >>> from hardeq.bounds import rejection_sample
+        >>> total = SumConstraint(torch.zeros(3, dtype=torch.long), torch.tensor([3.0], dtype=torch.float64))
+        >>> d = ConstrainedNormal(torch.zeros(3, dtype=torch.float64), 1.0, constraint=total)
+        >>> rejection_sample(d, torch.zeros(3, dtype=torch.float64), torch.full((3,), 1.02, dtype=torch.float64), 100,
+        ...                  max_draws=1000, generator=torch.Generator().manual_seed(0))  # a thin box around (1, 1, 1)
+        Traceback (most recent call last):
+            ...
+        hardeq.bounds.rejection.RejectionBudgetExceeded: rejection sampling drew ... Use method='hmc' (or ...
+    """
 
 
 @torch.no_grad()
@@ -53,6 +64,15 @@ def rejection_sample(dist, lower: Tensor, upper: Tensor, num: int, *, max_draws:
 
     Raises:
         RejectionBudgetExceeded: some batch element did not collect ``num`` draws within ``max_draws``.
+
+    Examples:
+        >>> from hardeq.bounds import rejection_sample
+        >>> total = SumConstraint(torch.zeros(3, dtype=torch.long), torch.tensor([3.0], dtype=torch.float64))
+        >>> d = ConstrainedNormal(torch.zeros(3, dtype=torch.float64), 1.0, constraint=total)
+        >>> lower, upper = torch.zeros(3, dtype=torch.float64), torch.full((3,), 2.0, dtype=torch.float64)
+        >>> z, acceptance = rejection_sample(d, lower, upper, 100, generator=torch.Generator().manual_seed(0))
+        >>> z.shape, bool(((z >= 0) & (z <= 2)).all()), bool(total.check(z).all()), 0 < float(acceptance) <= 1
+        (torch.Size([100, 3]), True, True, True)
     """
     batch, n = dist.batch_shape, dist.event_shape[0]
     B = batch.numel()

@@ -23,6 +23,13 @@ class TruncatedSamples:
         ess (Tensor | None): ``(*batch, n)`` effective sample size per coordinate (for rejection: the number of
             draws, which are independent), or ``None`` when not measured.
         rhat (Tensor | None): ``(*batch, n)`` split R-hat across HMC chains; ``None`` for rejection.
+
+    Examples:
+        >>> total = SumConstraint(torch.zeros(3, dtype=torch.long), torch.tensor([3.0], dtype=torch.float64))
+        >>> d = ConstrainedNormal(torch.zeros(3, dtype=torch.float64), 1.0, constraint=total).truncate(0.0, 2.0)
+        >>> out = d.sample_with_info((100,), method="rejection", generator=torch.Generator().manual_seed(0))
+        >>> type(out).__name__, out.method, out.samples.shape, out.ess, out.rhat
+        ('TruncatedSamples', 'rejection', torch.Size([100, 3]), tensor([100., 100., 100.], dtype=torch.float64), None)
     """
 
     samples: Tensor

@@ -96,6 +96,15 @@ class EqualityConstraint(ABC):
     :meth:`cross_covariance`, :meth:`sqrt_gram_factor`, the grouped path) are specialised by registration
     (:func:`~hardeq.constraints.register_pair`). :class:`~hardeq.testing.ConstraintTestCase` checks a subclass
     against a dense float64 oracle.
+
+    Examples:
+        >>> c = SumConstraint(torch.tensor([0, 0, 1]), torch.tensor([1.0, 2.0]))
+        >>> isinstance(c, EqualityConstraint), c.dense_matrix()
+        (True, tensor([[1., 1., 0.],
+                [0., 0., 1.]]))
+        >>> z = c.project(torch.tensor([3.0, 0.0, 0.0]))  # the nearest point of the plane
+        >>> z, bool(c.check(z))
+        (tensor([ 2., -1.,  2.]), True)
     """
 
     #: right-hand side k, shape ``(*batch, a)`` (one name across the API)

@@ -70,7 +70,19 @@ class Grouped(NamedTuple):
 
 def register_pair(operation: str, constraint_type: type, covariance_type: type) -> Callable:
     """Decorator registering ``fn(constraint, covariance)`` for one of :data:`OPERATIONS` and a pair of types
-    (subclasses inherit it; the most specific registration wins, as in :func:`torch.distributions.register_kl`)."""
+    (subclasses inherit it; the most specific registration wins, as in :func:`torch.distributions.register_kl`).
+
+    Examples:
+        >>> from hardeq.constraints.pairs import gram
+        >>> class UnitCovariance(DiagonalCovariance):  # a structure known to be the identity
+        ...     pass
+        >>> @register_pair("gram", SumConstraint, UnitCovariance)
+        ... def _gram_sum_unit(constraint, covariance):  # A I A^T = diag(group sizes) = diag(A 1)
+        ...     return torch.diag_embed(constraint.matvec(torch.ones(constraint.event_size)))
+        >>> gram(SumConstraint(torch.tensor([0, 0, 1]), torch.zeros(2)), UnitCovariance(torch.ones(3)))
+        tensor([[2., 0.],
+                [0., 1.]])
+    """
     if operation not in _REGISTRY:
         raise ValueError(f"operation must be one of {OPERATIONS}, got {operation!r}.")
     if not isinstance(constraint_type, type) or not isinstance(covariance_type, type):

@@ -46,7 +46,18 @@ __all__ = ["ConstrainedNormal", "ConstrainedPoisson", "TruncatedConstrainedNorma
 class ConstrainedNormal(_distributions.ConstrainedNormal, TorchDistributionMixin):
     """:class:`hardeq.ConstrainedNormal` as a Pyro distribution: the same arguments and numbers, plus Pyro's
     ``TorchDistributionMixin`` (``score_parts``, ``expand_by``, ``to_event``, ``mask``, calling it draws).
-    :meth:`truncate` returns this module's :class:`TruncatedConstrainedNormal`."""
+    :meth:`truncate` returns this module's :class:`TruncatedConstrainedNormal`.
+
+    Examples:
+        >>> import torch, pyro, hardeq
+        >>> from hardeq import SumConstraint
+        >>> from hardeq.contrib.pyro import ConstrainedNormal
+        >>> zero_sum = SumConstraint(torch.zeros(4, dtype=torch.long), torch.tensor([0.0]))
+        >>> d = ConstrainedNormal(torch.zeros(4), 1.0, constraint=zero_sum)
+        >>> z = pyro.sample("z", d.expand_by([3]))  # Pyro's mixin methods
+        >>> isinstance(d, hardeq.ConstrainedNormal), z.shape, bool(zero_sum.check(z).all())
+        (True, torch.Size([3, 4]), True)
+    """
 
     def truncate(self, lower=None, upper=None, **kwargs) -> TruncatedConstrainedNormal:
         return TruncatedConstrainedNormal(self, lower, upper, **kwargs)
@@ -56,9 +67,30 @@ class TruncatedConstrainedNormal(_truncated.TruncatedConstrainedNormal, TorchDis
     """:class:`hardeq.TruncatedConstrainedNormal` as a Pyro distribution. It has no reparametrised sampler
     (``has_rsample = False``): as an observed site its ``log_prob`` (with the normaliser's gradient, exact for one
     free dimension and estimated otherwise) is what SVI differentiates; as a latent, Trace_ELBO falls back to the
-    score-function estimator."""
+    score-function estimator.
+
+    Examples:
+        >>> import torch, hardeq
+        >>> from hardeq.contrib.pyro import ConstrainedNormal
+        >>> zero_sum = hardeq.SumConstraint(torch.zeros(4, dtype=torch.long), torch.tensor([0.0]))
+        >>> d = ConstrainedNormal(torch.zeros(4), 1.0, constraint=zero_sum).truncate(-1.0, 1.0)
+        >>> type(d).__module__, d.has_rsample, isinstance(d, hardeq.TruncatedConstrainedNormal)
+        ('hardeq.contrib.pyro', False, True)
+    """
 
 
 class ConstrainedPoisson(_distributions.ConstrainedPoisson, TorchDistributionMixin):
     """:class:`hardeq.ConstrainedPoisson` as a Pyro distribution: the same arguments and numbers, plus Pyro's
-    ``TorchDistributionMixin``."""
+    ``TorchDistributionMixin``.
+
+    Examples:
+        >>> import math, torch, pyro
+        >>> from hardeq.contrib.pyro import ConstrainedPoisson
+        >>> d = ConstrainedPoisson(torch.tensor([1.0, 2.0, 3.0]), torch.tensor(6))  # Multinomial(6, (1, 2, 3) / 6)
+        >>> with pyro.plate("draws", 5):
+        ...     x = pyro.sample("x", d)
+        >>> x.shape, x.sum(-1), round(float(d.log_prob(torch.tensor([1.0, 2.0, 3.0]))), 4)
+        (torch.Size([5, 3]), tensor([6., 6., 6., 6., 6.]), -1.9741)
+        >>> round(math.log(math.factorial(6) / (1 * 2 * 6) * (1 / 6) * (2 / 6) ** 2 * (3 / 6) ** 3), 4)  # the pmf
+        -1.9741
+    """

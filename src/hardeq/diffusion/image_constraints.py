@@ -123,7 +123,14 @@ def validate_image_constraint(constraint: object, shape: tuple[int, ...], *,
 
 def channel_sums(x: Tensor) -> Tensor:
     """Per-channel sums of images ``(B, C, H, W)``, shape ``(B, C)``, accumulated in float64 (returned in
-    float64), so that they resolve the round-off of float32 samples."""
+    float64), so that they resolve the round-off of float32 samples.
+
+    Examples:
+        >>> x = torch.ones(2, 3, 4, 4)
+        >>> channel_sums(x)
+        tensor([[16., 16., 16.],
+                [16., 16., 16.]], dtype=torch.float64)
+    """
     if not isinstance(x, Tensor) or x.dim() != 4:
         raise ValueError(f"x must be a tensor of shape (B, C, H, W), got "
                          f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}.")
@@ -134,7 +141,14 @@ def satisfies_constraint(x: Tensor, constraint: EqualityConstraint, rtol: float 
     r"""Boolean tensor ``(B,)``: does each image of ``x`` ``(B, *image_shape)`` satisfy the constraint to
     round-off? The residual :math:`|Ax - k|` is evaluated in float64 and compared with
     ``rtol * (1 + max_j (|A||x| + |k|)_j)``, ``rtol`` defaulting to ``1e-5`` for float32 / ``1e-12`` for float64
-    images (see :meth:`hardeq.LinearConstraint.check`)."""
+    images (see :meth:`hardeq.LinearConstraint.check`).
+
+    Examples:
+        >>> c = channel_sum_constraint((2, 1, 2, 2), [3.0])
+        >>> x = torch.tensor([[[[1.0, 1.0], [0.5, 0.5]]], [[[1.0, 1.0], [0.5, 0.0]]]])  # sums 3 and 2.5
+        >>> satisfies_constraint(x, c)
+        tensor([ True, False])
+    """
     x2 = flatten_images(x)
     if rtol is None:
         rtol = 1e-5 if x.dtype in (torch.float32, torch.float16, torch.bfloat16) else 1e-12

@@ -52,6 +52,15 @@ def derive_generator(generator: torch.Generator | None, device: torch.device | s
 
     It lives on the main generator's device (or on ``device``'s type when ``generator`` is ``None``, CPU for
     devices without a generator type of their own).
+
+    Examples:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> a, b = derive_generator(g, "cpu"), derive_generator(g, "cpu")  # the same state of g: the same stream
+        >>> torch.equal(torch.randn(3, generator=a), torch.randn(3, generator=b))
+        True
+        >>> fresh = torch.Generator().manual_seed(0)
+        >>> torch.equal(torch.randn(3, generator=g), torch.randn(3, generator=fresh))  # g has not moved
+        True
     """
     device = torch.device(device)
     if generator is not None:

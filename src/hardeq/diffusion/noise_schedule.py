@@ -25,7 +25,14 @@ def make_betas(num_train_timesteps: int = 1000, beta_start: float = 1e-4, beta_e
     r"""The :math:`\beta_t`, shape ``(T,)``, float64, with the same values as diffusers' schedulers (which build
     them in float32): ``"linear"`` (``linspace(beta_start, beta_end, T)``), ``"scaled_linear"``
     (``linspace(sqrt(beta_start), sqrt(beta_end), T)**2``) or ``"squaredcos_cap_v2"`` (the cosine schedule of
-    Nichol & Dhariwal, capped at 0.999)."""
+    Nichol & Dhariwal, capped at 0.999).
+
+    Examples:
+        >>> make_betas(4, 0.1, 0.4)
+        tensor([0.1000, 0.2000, 0.3000, 0.4000], dtype=torch.float64)
+        >>> make_betas(4, 0.01, 0.09, "scaled_linear")  # linspace(0.1, 0.3, 4) ** 2
+        tensor([0.0100, 0.0278, 0.0544, 0.0900], dtype=torch.float64)
+    """
     if isinstance(num_train_timesteps, bool) or not isinstance(num_train_timesteps, int) or num_train_timesteps < 1:
         raise ValueError(f"num_train_timesteps must be a positive int, got {num_train_timesteps!r}.")
     T = num_train_timesteps

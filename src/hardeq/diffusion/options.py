@@ -128,6 +128,15 @@ class SamplerOptions:
         device: of the samples; default (``None``): the model's parameters' (or the initial noise's), else
             torch's default device (the CPU unless ``torch.set_default_device`` chose another).
         progress: show a tqdm progress bar. Default ``False``.
+
+    Examples:
+        >>> o = FlowOptions(num_steps=4, post="project")  # every sampler's options extend these
+        >>> isinstance(o, SamplerOptions), o.post, o.box, o.deterministic
+        (True, 'project', (-1.0, 1.0), False)
+        >>> SamplerOptions(final="clip")
+        Traceback (most recent call last):
+            ...
+        ValueError: SamplerOptions: final must be None (the last step as the schedule says), 'box' ... got 'clip'.
     """
 
     deterministic: bool = False
@@ -189,6 +198,13 @@ class NoiseScheduleOptions(SamplerOptions):
         num_train_timesteps: ``T``; default 1000.
         beta_start, beta_end: :math:`\beta_0` and :math:`\beta_{T-1}`; defaults ``1e-4`` and ``0.02`` (Ho et al.).
         beta_schedule: ``"linear"`` (default), ``"scaled_linear"`` or ``"squaredcos_cap_v2"``.
+
+    Examples:
+        >>> o = NoiseScheduleOptions(num_train_timesteps=4, beta_start=0.1, beta_end=0.4)
+        >>> o.train_betas()
+        tensor([0.1000, 0.2000, 0.3000, 0.4000], dtype=torch.float64)
+        >>> isinstance(DDPMOptions(), NoiseScheduleOptions), DDPMOptions().num_train_timesteps
+        (True, 1000)
     """
 
     betas: Tensor | None = None

@@ -27,7 +27,16 @@ POST_OPTIONS = ("project", "project_clip", "clip")
 def project_onto(constraint: EqualityConstraint, x: Tensor) -> Tensor:
     r"""Orthogonal projection of the images ``x`` ``(B, *image_shape)`` onto :math:`\{Ax = k\}` (flattened):
     :math:`x - A^\top(AA^\top)^{-1}(Ax - k)`; O(n) for a :class:`~hardeq.SumConstraint` (for a channel sum:
-    subtract the mean excess of each channel). Same shape as ``x``; exact to round-off."""
+    subtract the mean excess of each channel). Same shape as ``x``; exact to round-off.
+
+    Examples:
+        >>> c = channel_sum_constraint((1, 1, 2, 2), [3.0])
+        >>> x = torch.tensor([[[[0.9, 0.8], [0.1, -0.5]]]])  # sum 1.3: each pixel moves by (3 - 1.3) / 4
+        >>> y = project_onto(c, x)
+        >>> y, bool(satisfies_constraint(y, c))
+        (tensor([[[[ 1.3250,  1.2250],
+                  [ 0.5250, -0.0750]]]]), True)
+    """
     if not isinstance(x, Tensor):
         raise TypeError(f"project_onto: x must be a torch.Tensor, got {type(x).__name__}.")
     con = check_image_constraint(constraint, x, owner="project_onto")
@@ -36,7 +45,13 @@ def project_onto(constraint: EqualityConstraint, x: Tensor) -> Tensor:
 
 
 def clip_to(x: Tensor, lo: float = -1.0, hi: float = 1.0) -> Tensor:
-    """``x`` clamped to ``[lo, hi]`` elementwise (breaks any equality constraint the input satisfied)."""
+    """``x`` clamped to ``[lo, hi]`` elementwise (breaks any equality constraint the input satisfied).
+
+    Examples:
+        >>> clip_to(torch.tensor([[[[0.9, 0.8], [0.1, -0.5]]]]), 0.0, 0.5)
+        tensor([[[[0.5000, 0.5000],
+                  [0.1000, 0.0000]]]])
+    """
     if not lo < hi:
         raise ValueError(f"clip range must have lo < hi, got ({lo}, {hi}).")
     return x.clamp(lo, hi)
@@ -44,7 +59,15 @@ def clip_to(x: Tensor, lo: float = -1.0, hi: float = 1.0) -> Tensor:
 
 def project_and_clip(constraint: EqualityConstraint, x: Tensor, lo: float = -1.0, hi: float = 1.0) -> Tensor:
     """:func:`project_onto` then :func:`clip_to`: the common repair pipeline, which is *not* exact (the clip undoes
-    part of the projection)."""
+    part of the projection).
+
+    Examples:
+        >>> c = channel_sum_constraint((1, 1, 2, 2), [3.0])
+        >>> y = project_and_clip(c, torch.tensor([[[[0.9, 0.8], [0.1, -0.5]]]]))
+        >>> y, round(float(channel_sums(y)), 4), bool(satisfies_constraint(y, c))  # the clip undoes part of it
+        (tensor([[[[ 1.0000,  1.0000],
+                  [ 0.5250, -0.0750]]]]), 2.45, False)
+    """
     return clip_to(project_onto(constraint, x), lo, hi)
 
 

@@ -90,7 +90,17 @@ class _ConstrainedConfig(FrozenDict):
 
 @dataclass
 class ConstrainedSchedulerOutput(BaseOutput):
-    """Output of :meth:`ConstrainedScheduler.step` (a diffusers ``BaseOutput``, like ``DDIMSchedulerOutput``)."""
+    """Output of :meth:`ConstrainedScheduler.step` (a diffusers ``BaseOutput``, like ``DDIMSchedulerOutput``).
+
+    Examples:
+        >>> import diffusers
+        >>> c = channel_sum_constraint((1, 1, 2, 2), [1.0])
+        >>> cs = ConstrainedScheduler(diffusers.DDPMScheduler(num_train_timesteps=10, clip_sample=False), c)
+        >>> x = torch.randn(1, 1, 2, 2, generator=torch.Generator().manual_seed(0))
+        >>> out = cs.step(torch.zeros(1, 1, 2, 2), cs.timesteps[-1], x)  # the last step, conditioned
+        >>> type(out).__name__, out.prev_sample.shape, bool(satisfies_constraint(out.pred_original_sample, c))
+        ('ConstrainedSchedulerOutput', torch.Size([1, 1, 2, 2]), True)
+    """
 
     #: :math:`x_{t-1}`, ``(B, C, H, W)``; the conditioned :math:`x_0` after a conditioned last step
     prev_sample: Tensor
@@ -194,6 +204,17 @@ class ConstrainedScheduler(SchedulerMixin, ConfigMixin):
             schedule type.
         ValueError: ``clip_sample`` or ``thresholding`` is on, the prediction / variance type is unsupported, or a
             spec is malformed.
+
+    Examples:
+        >>> import diffusers
+        >>> c = channel_sum_constraint((2, 1, 4, 4), [3.0])
+        >>> cs = ConstrainedScheduler(diffusers.DDIMScheduler(num_train_timesteps=50, clip_sample=False), c)
+        >>> cs.set_timesteps(5)
+        >>> x = torch.randn(2, 1, 4, 4, generator=torch.Generator().manual_seed(0))
+        >>> for t in cs.timesteps:  # a stand-in noise predictor 0.5 x
+        ...     x = cs.step(0.5 * x, t, x).prev_sample
+        >>> cs.conditioned_steps(), bool(satisfies_constraint(x, c).all())  # the last step conditioned: exact sums
+        ((4,), True)
     """
 
     config_name = "scheduler_config.json"

@@ -45,7 +45,13 @@ def _check_num_steps(num_steps: object) -> int:
 
 
 class Schedule(ABC):
-    """Base class of the conditioning schedules: subclasses implement :meth:`_steps` and :attr:`label`."""
+    """Base class of the conditioning schedules: subclasses implement :meth:`_steps` and :attr:`label`.
+
+    Examples:
+        >>> s = StartEnd(3, 1)  # a Schedule: the first 3 steps and the last one
+        >>> isinstance(s, Schedule), s.steps(10), s.label, s.includes_last(10)
+        (True, (0, 1, 2, 9), 'Start 3 End 1', True)
+    """
 
     def steps(self, num_steps: int) -> tuple[int, ...]:
         """Sorted indices ``i`` in ``range(num_steps)`` at which the :math:`\\hat x_0`-prediction is conditioned.

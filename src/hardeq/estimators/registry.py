@@ -15,7 +15,14 @@ __all__ = ["Estimator", "register_estimator", "get_estimator", "available_estima
 
 @dataclass(frozen=True)
 class Estimator:
-    """A registered estimator: its id, family, function, and whether its gradient is exact (unbiased)."""
+    """A registered estimator: its id, family, function, and whether its gradient is exact (unbiased).
+
+    Examples:
+        >>> from hardeq.estimators import get_estimator
+        >>> e = get_estimator("pathwise")
+        >>> e.name, e.family, e.exact  # exact: its gradient is unbiased
+        ('pathwise', 'normal', True)
+    """
 
     name: str
     family: str
@@ -38,7 +45,21 @@ def _family(family: object) -> dict[str, Estimator]:
 
 
 def register_estimator(name: str, *, family: str = "normal", exact: bool = False) -> Callable:
-    """Decorator registering ``fn`` under ``name`` in ``family`` (``"normal"`` or ``"poisson"``)."""
+    """Decorator registering ``fn`` under ``name`` in ``family`` (``"normal"`` or ``"poisson"``).
+
+    Examples:
+        >>> from hardeq.estimators import ESTIMATORS, get_estimator, register_estimator
+        >>> @register_estimator("no_grad")
+        ... def no_grad(cond, loc, noise):  # the exact sample, no gradient
+        ...     return get_estimator("pathwise")(cond, loc, noise).detach()
+        >>> d = ConstrainedNormal(torch.zeros(3, requires_grad=True), 1.0,
+        ...                       constraint=SumConstraint(torch.zeros(3, dtype=torch.long), torch.ones(1)))
+        >>> try:
+        ...     d.rsample((2,), "no_grad").requires_grad, d.rsample((2,)).requires_grad
+        ... finally:
+        ...     del ESTIMATORS["normal"]["no_grad"]  # unregister again
+        (False, True)
+    """
     registry = _family(family)
 
     def decorator(fn: Callable) -> Callable:
@@ -51,7 +72,17 @@ def register_estimator(name: str, *, family: str = "normal", exact: bool = False
 
 
 def get_estimator(name: str, family: str = "normal") -> Estimator:
-    """Look up an estimator by id; unknown ids raise ``ValueError`` listing the known ones."""
+    """Look up an estimator by id; unknown ids raise ``ValueError`` listing the known ones.
+
+    Examples:
+        >>> from hardeq.estimators import get_estimator
+        >>> get_estimator("marginal_expectation").exact
+        False
+        >>> get_estimator("pathwize")
+        Traceback (most recent call last):
+            ...
+        ValueError: unknown estimator 'pathwize': estimator must be one of ... for the 'normal' family.
+    """
     registry = _family(family)
     if not isinstance(name, str):
         raise TypeError(f"estimator must be a string id, got {type(name).__name__}.")
@@ -65,5 +96,11 @@ def get_estimator(name: str, family: str = "normal") -> Estimator:
 
 
 def available_estimators(family: str = "normal") -> list[str]:
-    """Sorted ids of the estimators registered for ``family``."""
+    """Sorted ids of the estimators registered for ``family``.
+
+    Examples:
+        >>> from hardeq.estimators import available_estimators
+        >>> "pathwise" in available_estimators(), "random" in available_estimators("poisson")
+        (True, True)
+    """
     return sorted(_family(family))

@@ -77,6 +77,13 @@ class Covariance(ABC):
     Attributes read by callers (declared here, so no caller relies on an unwritten contract): :attr:`event_size`,
     :attr:`noise_size`, :attr:`batch_shape`, :attr:`arg_constraints`, :attr:`dtype`, :attr:`device`,
     :attr:`variance` (:math:`\mathrm{diag}\,\Sigma`, every structure) and :attr:`is_diagonal`.
+
+    Examples:
+        >>> cov = LowRankCovariance(torch.tensor([[1.0], [1.0], [0.0]]), torch.ones(3))
+        >>> isinstance(cov, Covariance), cov.event_size, cov.noise_size
+        (True, 3, 4)
+        >>> cov.diagonal(), cov.inv_quad(torch.ones(3))  # defaults built from the six abstract methods
+        (tensor([2., 2., 1.]), tensor(1.6667))
     """
 
     #: ``n``
@@ -407,6 +414,14 @@ class FullCovariance(Covariance):
 
     Args:
         scale_tril (Tensor): ``L``, shape ``(*batch, n, n)``.
+
+    Examples:
+        >>> cov = FullCovariance(torch.tensor([[1.0, 0.0], [1.0, 1.0]]))
+        >>> cov.dense()
+        tensor([[1., 1.],
+                [1., 2.]])
+        >>> cov.logdet(), cov.inv_matvec(torch.tensor([1.0, 2.0]))
+        (tensor(0.), tensor([0., 1.]))
     """
 
     arg_constraints = {"scale_tril": constraints.lower_cholesky}  # noqa: RUF012
@@ -491,6 +506,15 @@ class LowRankCovariance(Covariance):
     Args:
         cov_factor (Tensor): ``W``, shape ``(*batch, n, r)``.
         scale (Tensor): standard deviations of the diagonal part, ``(*batch, n)``, positive.
+
+    Examples:
+        >>> cov = LowRankCovariance(torch.tensor([[1.0], [1.0], [0.0]]), torch.ones(3))
+        >>> cov.dense()
+        tensor([[2., 1., 0.],
+                [1., 2., 0.],
+                [0., 0., 1.]])
+        >>> round(float(cov.logdet()), 4), cov.noise_size  # log 3; n + r noise variables
+        (1.0986, 4)
     """
 
     arg_constraints = {"cov_factor": constraints.independent(constraints.real, 2),  # noqa: RUF012
@@ -645,7 +669,18 @@ _TRACE_REGISTRY: dict[tuple[type, type], Callable[[Covariance, Covariance], Tens
 
 def register_trace_inv_mul(type_p: type, type_q: type) -> Callable:
     r"""Decorator registering ``fn(p, q)`` computing :math:`\mathrm{tr}(\Sigma_p^{-1}\Sigma_q)` for a pair of
-    covariance types (most specific match wins, as in :func:`torch.distributions.register_kl`)."""
+    covariance types (most specific match wins, as in :func:`torch.distributions.register_kl`).
+
+    Examples:
+        >>> from hardeq.linalg.covariance import trace_inv_mul
+        >>> class UnitCovariance(DiagonalCovariance):  # a structure known to be the identity
+        ...     pass
+        >>> @register_trace_inv_mul(UnitCovariance, UnitCovariance)
+        ... def _trace_unit(p, q):
+        ...     return torch.tensor(float(p.event_size))  # tr(I^-1 I) = n
+        >>> trace_inv_mul(UnitCovariance(torch.ones(3)), UnitCovariance(torch.ones(3)))
+        tensor(3.)
+    """
 
     def decorator(fn: Callable[[Covariance, Covariance], Tensor]) -> Callable:
         _TRACE_REGISTRY[type_p, type_q] = fn

@@ -100,6 +100,15 @@ class GraphNormal(ConstrainedNormal):
             ``None`` for 0.
         num_graphs: ``G`` (default ``batch.max() + 1``; pass it to avoid a device sync).
         validate_args: as in ``torch.distributions``.
+
+    Examples:
+        >>> from hardeq.nn import GraphNormal
+        >>> batch = torch.tensor([0, 0, 0, 1, 1])  # graph of each node
+        >>> d = GraphNormal(torch.zeros(5), torch.ones(5), batch, torch.tensor([3.0, -2.0]))
+        >>> _ = torch.manual_seed(0)
+        >>> z = d.rsample((4,))
+        >>> z.shape, d.log_prob(z).shape, bool(d.constraint.check(z).all())  # one log-density per graph
+        (torch.Size([4, 5]), torch.Size([4, 2]), True)
     """
 
     def __init__(self, loc: Tensor, variance: Tensor, batch: Tensor, total: Tensor | float | None = None, *,
@@ -184,6 +193,14 @@ def graph_normal(loc: Tensor, variance: Tensor, batch: Tensor, total: Tensor | f
         a :class:`GraphNormal` (a :class:`~hardeq.ConstrainedNormal` with ``event_shape = (N,)``): ``.mean`` (the
         variance-weighted correction), ``.variance`` (:math:`v_i - v_i^2/V_g`), ``.rsample``, ``.expected_l1(y)``,
         and ``.log_prob(y)`` / ``.entropy()`` per graph, shape ``(G,)`` (their sums are the joint values).
+
+    Examples:
+        >>> from hardeq.nn import graph_normal
+        >>> batch = torch.tensor([0, 0, 0, 1, 1])
+        >>> d = graph_normal(torch.tensor([1.0, 2.0, 3.0, 0.0, 1.0]), torch.tensor([1.0, 1.0, 2.0, 1.0, 3.0]), batch,
+        ...                  torch.tensor([2.0, 5.0]))
+        >>> torch.allclose(d.mean, torch.tensor([0.0, 1.0, 1.0, 1.0, 4.0]), atol=1e-6), d.variance
+        (True, tensor([0.7500, 0.7500, 1.0000, 0.7500, 0.7500]))
     """
     return GraphNormal(loc, variance, batch, total, num_graphs=num_graphs, validate_args=validate_args)
 
@@ -194,6 +211,12 @@ def variance_weighted_correction(loc: Tensor, variance: Tensor, batch: Tensor, t
 
     It equals ``graph_normal(loc, variance, batch, total).mean``, the conditional mean of the diagonal
     Gaussian (the tests check it); kept as a two-line reference. Shapes as :func:`graph_normal`; returns ``(N,)``.
+
+    Examples:
+        >>> from hardeq.nn import variance_weighted_correction
+        >>> loc, variance = torch.tensor([1.0, 2.0, 3.0, 0.0, 1.0]), torch.tensor([1.0, 1.0, 2.0, 1.0, 3.0])
+        >>> variance_weighted_correction(loc, variance, torch.tensor([0, 0, 0, 1, 1]), torch.tensor([2.0, 5.0]))
+        tensor([0., 1., 1., 1., 4.])
     """
     total, G = _check_nodes(loc, variance, batch, total, num_graphs, "variance_weighted_correction")
     M = loc.new_zeros(G).index_add_(0, batch, loc)
@@ -219,6 +242,15 @@ def per_graph_log_prob(loc: Tensor, variance: Tensor, batch: Tensor, value: Tens
 
     Args:
         loc, variance, batch, total, num_graphs: as :func:`graph_normal`; value: ``(N,)``.
+
+    Examples:
+        >>> from hardeq.nn import graph_normal, per_graph_log_prob
+        >>> loc, variance, batch = torch.zeros(5), torch.ones(5), torch.tensor([0, 0, 0, 1, 1])
+        >>> value = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0])  # on the planes: sums 3 and 0
+        >>> lp = per_graph_log_prob(loc, variance, batch, value, torch.tensor([3.0, 0.0]))
+        >>> [round(float(x), 4) for x in lp], bool(torch.allclose(lp, graph_normal(loc, variance, batch,
+        ...                                                   torch.tensor([3.0, 0.0])).log_prob(value)))
+        ([-1.8379, -0.9189], True)
     """
     total, G = _check_nodes(loc, variance, batch, total, num_graphs, "per_graph_log_prob")
     if not isinstance(value, Tensor) or value.shape != loc.shape:

@@ -67,7 +67,17 @@ def _mv(M: Tensor, x: Tensor) -> Tensor:
 
 
 class ConstraintTestCase(ABC):
-    """Base class: a subclass implements :meth:`create` and inherits the ``test_*`` methods below."""
+    """Base class: a subclass implements :meth:`create` and inherits the ``test_*`` methods below.
+
+    Examples:
+        >>> from hardeq.testing import ConstraintTestCase
+        >>> class TestDense(ConstraintTestCase):  # pytest collects it from a test module
+        ...     def create(self, batch_shape, dtype, seed):
+        ...         A = torch.tensor([[1.0, 2.0, 0.0], [0.0, 1.0, -1.0]], dtype=dtype)
+        ...         k = torch.ones(batch_shape + (2,), dtype=dtype)
+        ...         return LinearConstraint(A, k), A, k
+        >>> TestDense().test_matvec(torch.float32, (2,))  # without pytest: one contract, passes (None)
+    """
 
     #: batch shapes of ``k`` (and of ``A`` if the constraint supports a batched ``A``) to test
     batch_shapes: tuple[tuple[int, ...], ...] = ((), (2,))

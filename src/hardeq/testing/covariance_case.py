@@ -83,6 +83,17 @@ class CovarianceTestCase(ABC):
     Attributes:
         batch_shape: batch shape of the parameters in the tests.
         event_size: ``n``; ``create`` must honour it.
+
+    Examples:
+        >>> from hardeq.testing import CovarianceTestCase
+        >>> class TestWrongDense(CovarianceTestCase):
+        ...     def create(self, batch_shape, dtype, seed):  # the structure and its dense Sigma
+        ...         scale = torch.ones(batch_shape + (self.event_size,), dtype=dtype)
+        ...         return DiagonalCovariance(scale), torch.diag_embed(2 * scale.double())  # wrong: Sigma = I
+        >>> TestWrongDense().test_identity(torch.float64)
+        Traceback (most recent call last):
+            ...
+        AssertionError: dense: Tensor-likes are not close! ...
     """
 
     batch_shape: tuple[int, ...] = (2, 3)

@@ -22,7 +22,13 @@ __all__ = ["exactness_tolerance", "row_residual_ratio", "assert_exact_per_row"]
 
 
 def exactness_tolerance(dtype: torch.dtype) -> float:
-    """The criterion's ``tol`` for vectors of ``dtype``: 1e-12 for float64, 1e-5 for float32 (and narrower)."""
+    """The criterion's ``tol`` for vectors of ``dtype``: 1e-12 for float64, 1e-5 for float32 (and narrower).
+
+    Examples:
+        >>> from hardeq.testing import exactness_tolerance
+        >>> exactness_tolerance(torch.float32), exactness_tolerance(torch.float64), exactness_tolerance(torch.bfloat16)
+        (1e-05, 1e-12, 1e-05)
+    """
     return 1e-12 if dtype == torch.float64 else 1e-5
 
 
@@ -76,6 +82,15 @@ def assert_exact_per_row(constraint: EqualityConstraint | Tensor, z: Tensor, tol
 
     The message names the worst vector's index in ``z``'s leading (sample and batch) dimensions, the worst row,
     its residual and its scale :math:`(|A||z|)_i`.
+
+    Examples:
+        >>> from hardeq.testing import assert_exact_per_row
+        >>> c = SumConstraint(torch.tensor([0, 0, 1]), torch.tensor([1.0, 2.0]))
+        >>> assert_exact_per_row(c, torch.tensor([0.25, 0.75, 2.0]))  # passes: returns None
+        >>> assert_exact_per_row(c, torch.tensor([0.25, 0.75, 2.1]))
+        Traceback (most recent call last):
+            ...
+        AssertionError: A z = k is not met to round-off: 1 of 2 rows exceed tol = 1e-05; worst at ..., row 1: ...
     """
     tol = exactness_tolerance(z.dtype) if tol is None else tol
     res, scale = _row_residual_and_scale(constraint, z, k)

@@ -23,7 +23,13 @@ FAILURE_RATE = 1e-4
 
 
 def mc_atol(stddev: Tensor, num_samples: int, failure_rate: float = FAILURE_RATE) -> Tensor:
-    """Two-sided z-interval half-width for a sample mean, Bonferroni-corrected over ``stddev.numel()``."""
+    """Two-sided z-interval half-width for a sample mean, Bonferroni-corrected over ``stddev.numel()``.
+
+    Examples:
+        >>> from hardeq.testing import mc_atol
+        >>> mc_atol(torch.ones(1), 10_000)  # 3.89 standard errors: a sample mean misses by more with probability 1e-4
+        tensor([0.0389])
+    """
     from scipy.stats import norm
 
     z = float(norm.isf(failure_rate / (2 * max(stddev.numel(), 1))))
@@ -32,7 +38,16 @@ def mc_atol(stddev: Tensor, num_samples: int, failure_rate: float = FAILURE_RATE
 
 @dataclass
 class DenseConditional:
-    """The conditional Gaussian in null-space coordinates (unbatched, float64)."""
+    """The conditional Gaussian in null-space coordinates (unbatched, float64).
+
+    Examples:
+        >>> from hardeq.testing import dense_conditional
+        >>> oracle = dense_conditional(torch.zeros(3), torch.eye(3), torch.ones(1, 3), torch.tensor([3.0]))
+        >>> type(oracle).__name__, oracle.basis.shape, oracle.t_cov.shape  # z = z0 + N t, t in R^(n - a)
+        ('DenseConditional', torch.Size([3, 2]), torch.Size([2, 2]))
+        >>> oracle.mean, round(float(oracle.entropy()), 4)
+        (tensor([1., 1., 1.], dtype=torch.float64), 2.8379)
+    """
 
     z0: Tensor  # (n,) point on the plane
     basis: Tensor  # (n, n - a) orthonormal null-space basis N
@@ -66,6 +81,14 @@ def dense_conditional(loc: Tensor, covariance: Tensor, A: Tensor, k: Tensor) -> 
 
     Two oracles built on the same ``A`` (the same call to ``torch.linalg.svd``) share ``z0`` and ``basis``,
     so their ``t``-space distributions can be compared directly (KL).
+
+    Examples:
+        >>> from hardeq.testing import dense_conditional
+        >>> total = SumConstraint(torch.zeros(3, dtype=torch.long), torch.tensor([3.0], dtype=torch.float64))
+        >>> d = ConstrainedNormal(torch.zeros(3, dtype=torch.float64), 1.0, constraint=total)
+        >>> oracle = dense_conditional(torch.zeros(3), torch.eye(3), torch.ones(1, 3), torch.tensor([3.0]))
+        >>> torch.allclose(d.mean, oracle.mean), torch.allclose(d.covariance_matrix, oracle.covariance)
+        (True, True)
     """
     loc, covariance, A, k = (x.detach().double() for x in (loc, covariance, A, k))
     a, n = A.shape
@@ -82,6 +105,13 @@ def dense_conditional(loc: Tensor, covariance: Tensor, A: Tensor, k: Tensor) -> 
 
 
 def random_spd(n: int, *, dtype=torch.float64, generator: torch.Generator | None = None) -> Tensor:
-    """A random, well-conditioned SPD matrix (``n x n``)."""
+    """A random, well-conditioned SPD matrix (``n x n``).
+
+    Examples:
+        >>> from hardeq.testing import random_spd
+        >>> S = random_spd(3, generator=torch.Generator().manual_seed(0))
+        >>> S.shape, S.dtype, torch.equal(S, S.T), bool((torch.linalg.eigvalsh(S) > 0).all())
+        (torch.Size([3, 3]), torch.float64, True, True)
+    """
     X = torch.randn(n, n, dtype=dtype, generator=generator)
     return X @ X.T / n + 0.5 * torch.eye(n, dtype=dtype)
