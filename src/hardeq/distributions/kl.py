@@ -25,7 +25,7 @@ from .normal import ConstrainedNormal
 __all__ = ["kl_constrained_normal"]
 
 
-@register_kl(ConstrainedNormal, ConstrainedNormal)
+@register_kl(ConstrainedNormal, ConstrainedNormal)  # type: ignore[untyped-decorator]  # torch: register_kl unannotated
 def kl_constrained_normal(q: ConstrainedNormal, p: ConstrainedNormal) -> Tensor:
     """``KL(q || p)``, shape ``broadcast(q.batch_shape, p.batch_shape)``; ``inf`` across subspaces."""
     if q.event_shape != p.event_shape:
