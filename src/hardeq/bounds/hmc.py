@@ -206,7 +206,8 @@ def _hit_times(x: Tensor, v: Tensor, lo: Tensor, hi: Tensor, movable_lo: Tensor,
 
 
 @torch.no_grad()
-def exact_hmc(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, start: Tensor, *, num_samples: int, burn_in: int = 100,
+def exact_hmc(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, start: Tensor, *, num_samples: int,
+              burn_in: int = 100,
               thin: int = 1, travel_time: tuple[float, float] = (math.pi / 8, math.pi / 2),
               generator: torch.Generator | None = None, max_bounces: int | None = None) -> HMCResult:
     r"""Exact HMC draws of ``dist`` (:math:`z \mid Az = k`) truncated to ``lower <= z <= upper``.

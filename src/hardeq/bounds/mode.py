@@ -71,12 +71,12 @@ if TYPE_CHECKING:
     from ..distributions.normal import ConstrainedNormal
     from ..linalg.covariance import Covariance
 
-#: a linear operator on ``(B, .)`` float64 vectors (:math:`Az`, :math:`A^\top\lambda`, :math:`|A|x`)
+#: a linear operator on ``(B, .)`` float64 vectors (``A z``, ``A^T lambda``, ``|A| x``)
 _Operator = Callable[[Tensor], Tensor]
 
 
 class _Solver(Protocol):
-    """``solve(w, r, exact=False)``: :math:`(A\,\mathrm{diag}(w)A^\top + \text{ridge})^{-1}r` (see :func:`dual_newton`)."""
+    """``solve(w, r, exact=False)``, the linear solve of :func:`dual_newton`."""
 
     def __call__(self, w: Tensor, r: Tensor, exact: bool = False) -> Tensor: ...
 
@@ -570,7 +570,8 @@ def _rows_ok(z: Tensor, matvec: _Operator, abs_matvec: _Operator, k: Tensor, rto
     return ok
 
 
-def _raise_unless(ok: Tensor, z: Tensor, matvec: _Operator, abs_matvec: _Operator, k: Tensor, batch: torch.Size, where: str) -> None:
+def _raise_unless(ok: Tensor, z: Tensor, matvec: _Operator, abs_matvec: _Operator, k: Tensor, batch: torch.Size,
+                  where: str) -> None:
     if bool(ok.all()):
         return
     flat = int((~ok).nonzero()[0])

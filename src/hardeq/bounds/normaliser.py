@@ -105,7 +105,8 @@ def line_interval(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, directi
     return alpha, beta, mean, w
 
 
-def exact_log_normaliser(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, direction: Tensor | None = None) -> Tensor:
+def exact_log_normaliser(dist: ConstrainedNormal, lower: Tensor, upper: Tensor,
+                         direction: Tensor | None = None) -> Tensor:
     r""":math:`\log P(\text{box}\mid\text{plane}) = \log(\Phi(\beta) - \Phi(\alpha))` for ``n - a == 1``, ``(*batch)``,
     differentiable (module docstring). ``ValueError`` when the interval is empty or a point (no volume)."""
     alpha, beta, _, _ = line_interval(dist, lower, upper, direction)

@@ -349,7 +349,8 @@ class TruncatedConstrainedNormal(Distribution):
 
     @torch.no_grad()
     def _sample_compute(self, sample_shape: object, method: str, *, chains: int | None = None, burn_in: int = 100,
-                        thin: int = 1, travel_time: tuple[float, float] | None = None, threshold: float = AUTO_THRESHOLD,
+                        thin: int = 1, travel_time: tuple[float, float] | None = None,
+                        threshold: float = AUTO_THRESHOLD,
                         max_draws: int | None = None, generator: torch.Generator | None = None) -> TruncatedSamples:
         sample_shape = _sample_shape(sample_shape)
         if method not in METHODS:
