@@ -10,6 +10,7 @@ samplers) and :mod:`hardeq.testing` (conformance suites) are imported on first a
 from __future__ import annotations
 
 import importlib
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from . import baselines, bounds, estimators
@@ -30,7 +31,7 @@ __version__ = "0.1.0"
 _LAZY_SUBMODULES = ("diffusion", "nn", "testing")
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> ModuleType:
     if name in _LAZY_SUBMODULES:
         return importlib.import_module(f".{name}", __name__)  # also binds it as an attribute of this module
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

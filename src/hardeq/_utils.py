@@ -85,7 +85,7 @@ def check_finite(name: str, value: Tensor) -> None:
         )
 
 
-def check_same_dtype_device(**tensors: Tensor) -> None:
+def check_same_dtype_device(**tensors: Tensor | None) -> None:
     """Raise ``TypeError`` if the given tensors disagree in dtype, ``ValueError`` if in device."""
     items = [(k, v) for k, v in tensors.items() if v is not None]
     if not items:

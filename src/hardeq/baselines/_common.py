@@ -17,7 +17,8 @@ satisfies :math:`A y = A_F y_F + A_D(E k - E A_F y_F) = k`. The layers differ on
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Self
 
 import torch
 from torch import Tensor, nn
@@ -90,7 +91,8 @@ def check_vector(name: str, value: object, *, size: int, size_name: str, dtype: 
 def check_broadcast(owner: str, **shapes: torch.Size) -> torch.Size:
     """Broadcast batch shapes, raising ``ValueError`` that lists them when they are incompatible."""
     try:
-        return torch.broadcast_shapes(*shapes.values())
+        shape: torch.Size = torch.broadcast_shapes(*shapes.values())
+        return shape
     except RuntimeError:
         listed = ", ".join(f"{k} {tuple(v)}" for k, v in shapes.items())
         raise ValueError(f"{owner}: batch dimensions do not broadcast: {listed}.") from None
@@ -138,7 +140,8 @@ class _AffineLayer(nn.Module):
         self.register_buffer("constraint_matrix", A.detach().clone())
         self.register_buffer("constraint_value", constraint_value)
         # derived factors are recomputed (in float64) whenever A changes dtype/device or is loaded
-        self.register_load_state_dict_post_hook(lambda module, incompatible_keys: module._refresh())
+        self.register_load_state_dict_post_hook(  # type: ignore[no-untyped-call]  # torch: unannotated method
+            lambda module, incompatible_keys: module._refresh())
 
     def _refresh(self) -> None:
         """(Re)compute the derived buffers from ``constraint_matrix``; subclasses override."""
@@ -150,14 +153,14 @@ class _AffineLayer(nn.Module):
             else:
                 self.register_buffer(name, value, persistent=False)
 
-    def _apply(self, fn, *args, **kwargs):  # .to(), .double(), .cuda(), ...
-        super()._apply(fn, *args, **kwargs)
+    def _apply(self, fn: Callable[[Tensor], Tensor], *args: Any, **kwargs: Any) -> Self:  # .to(), .double(), ...
+        super()._apply(fn, *args, **kwargs)  # type: ignore[no-untyped-call]  # torch: nn.Module._apply unannotated
         # recompute rather than convert, so that .double() on a float32 layer gives float64 accuracy
         self._refresh()
         return self
 
     @classmethod
-    def from_constraint(cls, constraint: EqualityConstraint, **kwargs):
+    def from_constraint(cls, constraint: EqualityConstraint, **kwargs: Any) -> Self:
         r"""Build the layer from any :class:`~hardeq.constraints.EqualityConstraint`.
 
         The layer operates on the matrix by definition, so ``A`` is materialised with

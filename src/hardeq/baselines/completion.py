@@ -86,6 +86,8 @@ class EqualityCompletion(_AffineLayer):
 
     def _refresh(self) -> None:
         E, R0 = dependent_operator(self.constraint_matrix, self.dependent)
+        self._gain: Tensor  # derived buffers (typed here: nn.Module's attribute lookup says Tensor | Module)
+        self._reduced: Tensor
         self._set_derived(_gain=E, _reduced=R0)
 
     def forward(self, y: Tensor, constraint_value: Tensor | None = None) -> Tensor:
@@ -100,7 +102,8 @@ class EqualityCompletion(_AffineLayer):
         y_I = check_vector("y_independent", y_independent, size=n - a, size_name="n - a", dtype=A.dtype,
                            device=A.device, owner=type(self).__name__)
         y = y_I.new_zeros(y_I.shape[:-1] + (n,)).index_copy(-1, self.independent, y_I)
-        return self(y, constraint_value)
+        out: Tensor = self(y, constraint_value)
+        return out
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", dependent={self.dependent.tolist()}"

@@ -79,6 +79,8 @@ class ConstraintLayer(_AffineLayer):
         column_order = _scan_order(self._order, A.shape[-1])
         dependent = greedy_pivots(A, column_order, shared=False, owner=type(self).__name__)
         E, R0 = dependent_operator(A, dependent)
+        self._gain: Tensor  # derived buffers (typed here: nn.Module's attribute lookup says Tensor | Module)
+        self._reduced: Tensor
         self._set_derived(dependent=dependent, _gain=E, _reduced=R0)
 
     def forward(self, y: Tensor, constraint_value: Tensor | None = None) -> Tensor:
@@ -124,7 +126,8 @@ def constraint_layer(y: Tensor, constraint: EqualityConstraint, order: Sequence[
 
 #: eliminations of constraints whose matrix needs no gradient, per constraint object (and default order): the
 #: constrained_layer estimator calls the layer on every rsample of one distribution
-_ELIMINATIONS: "weakref.WeakKeyDictionary[EqualityConstraint, tuple]" = weakref.WeakKeyDictionary()
+_ELIMINATIONS: "weakref.WeakKeyDictionary[EqualityConstraint, tuple[Tensor, Tensor, Tensor]]" = \
+    weakref.WeakKeyDictionary()
 
 
 def _elimination(constraint: EqualityConstraint, order: Tensor | None, n: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -149,6 +152,7 @@ def _scan_order(order: Tensor | None, n: int) -> Tensor:
 def _sum_constraint_layer(y: Tensor, constraint: EqualityConstraint, order: Tensor | None) -> Tensor:
     """O(n) CL for grouped sums: the highest-ranked member of each group is total minus the others."""
     index = constraint.group_index
+    assert index is not None  # (called for a constraint with a group_index only)
     n, a = constraint.event_size, constraint.num_constraints
     rank = torch.arange(n, device=index.device)
     if order is not None:

@@ -60,6 +60,8 @@ class KKTProjection(_AffineLayer):
         A64 = A.to(torch.float64)
         C = torch.linalg.cholesky(A64 @ A64.mT)  # (*batch, a, a); full row rank checked in __init__
         W = torch.linalg.solve_triangular(C, A64, upper=False)  # (*batch, a, n), rows orthonormal
+        self._cholesky: Tensor  # derived buffers (typed here: nn.Module's attribute lookup says Tensor | Module)
+        self._whitened: Tensor
         self._set_derived(_cholesky=C.to(A.dtype), _whitened=W.to(A.dtype))
 
     def forward(self, y: Tensor, constraint_value: Tensor | None = None) -> Tensor:

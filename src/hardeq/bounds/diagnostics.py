@@ -45,7 +45,8 @@ def _autocovariance(x: Tensor) -> Tensor:
     centred = x - x.mean(0, keepdim=True)
     size = 1 << (2 * N - 1).bit_length()
     f = torch.fft.rfft(centred, n=size, dim=0)
-    return torch.fft.irfft(f * f.conj(), n=size, dim=0)[:N] / N
+    gamma: Tensor = torch.fft.irfft(f * f.conj(), n=size, dim=0)[:N] / N
+    return gamma
 
 
 def effective_sample_size(samples: Tensor) -> Tensor:

@@ -64,11 +64,15 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from .diagnostics import effective_sample_size, split_rhat
+
+if TYPE_CHECKING:
+    from ..distributions.normal import ConstrainedNormal
 
 __all__ = ["HMCResult", "exact_hmc", "MIN_DRAWS_FOR_DIAGNOSTICS"]
 
@@ -156,7 +160,7 @@ def _bound(name: str, value: object, shape: torch.Size, dtype: torch.dtype, devi
 class _Plane:
     """The operators of one conditional law on the plane, as the sampler uses them (no ``n x n`` matrix)."""
 
-    def __init__(self, dist) -> None:
+    def __init__(self, dist: ConstrainedNormal) -> None:
         cond = dist.conditioner
         self.cond = cond
         self.cov = cond.cov
@@ -188,7 +192,8 @@ class _Plane:
         covariance product with a one-hot vector (O(n) diagonal, O(n r) low rank, O(n^2) full). The wall normal
         on the plane is its projection, :math:`\bar\Sigma e_i = (I - KA)\Sigma e_i`."""
         e = torch.nn.functional.one_hot(index, self.mean.shape[-1]).to(self.dtype)
-        return self.cov.matvec(e)
+        column: Tensor = self.cov.matvec(e)
+        return column
 
 
 def _hit_times(x: Tensor, v: Tensor, lo: Tensor, hi: Tensor, movable_lo: Tensor,
@@ -210,7 +215,8 @@ def _hit_times(x: Tensor, v: Tensor, lo: Tensor, hi: Tensor, movable_lo: Tensor,
 
 
 @torch.no_grad()
-def exact_hmc(dist, lower: Tensor, upper: Tensor, start: Tensor, *, num_samples: int, burn_in: int = 100,
+def exact_hmc(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, start: Tensor, *, num_samples: int,
+              burn_in: int = 100,
               thin: int = 1, travel_time: tuple[float, float] = (math.pi / 8, math.pi / 2),
               generator: torch.Generator | None = None, max_bounces: int | None = None) -> HMCResult:
     r"""Exact HMC draws of ``dist`` (:math:`z \mid Az = k`) truncated to ``lower <= z <= upper``.

@@ -61,8 +61,24 @@ differentiable (a piecewise-linear map of the parameters); it is computed withou
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable, Protocol
+
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from ..constraints import EqualityConstraint
+    from ..distributions.normal import ConstrainedNormal
+    from ..linalg.covariance import Covariance
+
+#: a linear operator on ``(B, .)`` float64 vectors (``A z``, ``A^T lambda``, ``|A| x``)
+_Operator = Callable[[Tensor], Tensor]
+
+
+class _Solver(Protocol):
+    """``solve(w, r, exact=False)``, the linear solve of :func:`dual_newton`."""
+
+    def __call__(self, w: Tensor, r: Tensor, exact: bool = False) -> Tensor: ...
 
 __all__ = ["grouped_box_multipliers", "grouped_box_mode", "truncated_mode", "ModeNotFound"]
 
@@ -231,7 +247,8 @@ def grouped_box_mode(mu: Tensor, v: Tensor, lo: Tensor, hi: Tensor, index: Tenso
 
 
 # ====================================================================== diagonal covariance, any constraint
-def dual_newton(mu: Tensor, v: Tensor, lo: Tensor, hi: Tensor, k: Tensor, matvec, rmatvec, abs_matvec, solve,
+def dual_newton(mu: Tensor, v: Tensor, lo: Tensor, hi: Tensor, k: Tensor, matvec: _Operator, rmatvec: _Operator,
+                abs_matvec: _Operator, solve: _Solver,
                 lam0: Tensor | None = None, max_iter: int = MAX_NEWTON) -> tuple[Tensor, Tensor, Tensor]:
     r"""Semismooth Newton on :math:`F(\lambda) = A\,\mathrm{clip}(\mu + v\odot A^\top\lambda, l, u) - k = 0` with an
     Armijo line search on the concave dual :math:`\theta` (module docstring); float64, batched over ``B``.
@@ -254,7 +271,8 @@ def dual_newton(mu: Tensor, v: Tensor, lo: Tensor, hi: Tensor, k: Tensor, matvec
         return y, torch.minimum(torch.maximum(y, lo), hi)
 
     def theta(lam_: Tensor, z_: Tensor) -> Tensor:
-        return 0.5 * ((z_ - mu).square() / v).sum(-1) - (lam_ * (matvec(z_) - k)).sum(-1)
+        out: Tensor = 0.5 * ((z_ - mu).square() / v).sum(-1) - (lam_ * (matvec(z_) - k)).sum(-1)
+        return out
 
     y, z = primal(lam)
     done = torch.zeros(B, dtype=torch.bool, device=mu.device)
@@ -314,11 +332,13 @@ def _min_norm_solve(J: Tensor, r: Tensor) -> Tensor:
     ``lstsq`` offers only ``gels`` (full rank only), the Hermitian pseudo-inverse (an eigendecomposition, the
     same default cut-off ``eps * a`` of the largest eigenvalue)."""
     if J.device.type == "cpu":
-        return torch.linalg.lstsq(J, r.unsqueeze(-1), driver="gelsd").solution.squeeze(-1)
-    return (torch.linalg.pinv(J, hermitian=True) @ r.unsqueeze(-1)).squeeze(-1)
+        solution: Tensor = torch.linalg.lstsq(J, r.unsqueeze(-1), driver="gelsd").solution
+        return solution.squeeze(-1)
+    pinv: Tensor = torch.linalg.pinv(J, hermitian=True)
+    return (pinv @ r.unsqueeze(-1)).squeeze(-1)
 
 
-def _dense_solver(A: Tensor, v: Tensor):
+def _dense_solver(A: Tensor, v: Tensor) -> _Solver:
     """``solve(w, r)`` for a dense ``A`` (``(*, a, n)`` float64, broadcasting over ``B``): the equilibrated Cholesky
     of :math:`A\\,\\mathrm{diag}(w)A^\\top` plus the relative ridge."""
     base = (A.square() * v.unsqueeze(-2)).sum(-1)  # diag(A diag(v) A^T), (B, a)
@@ -330,7 +350,7 @@ def _dense_solver(A: Tensor, v: Tensor):
         J = J + torch.diag_embed(JACOBIAN_RIDGE * base + torch.finfo(J.dtype).tiny)
         s = J.diagonal(0, -2, -1).sqrt()
         L, info = torch.linalg.cholesky_ex(J / (s.unsqueeze(-1) * s.unsqueeze(-2)))
-        x = torch.cholesky_solve((r / s).unsqueeze(-1), L).squeeze(-1) / s
+        x: Tensor = torch.cholesky_solve((r / s).unsqueeze(-1), L).squeeze(-1) / s
         bad = info != 0
         if bool(bad.any()):  # a numerically singular J: least squares
             x2 = _min_norm_solve(J, r)
@@ -341,7 +361,7 @@ def _dense_solver(A: Tensor, v: Tensor):
 
 
 # ====================================================================== general covariance
-def _eq_qp(mu: Tensor, cov, A: Tensor, k: Tensor, W: Tensor, values: Tensor,
+def _eq_qp(mu: Tensor, cov: Covariance, A: Tensor, k: Tensor, W: Tensor, values: Tensor,
            batch_shape: torch.Size) -> tuple[Tensor, Tensor, Tensor]:
     r"""The equality-constrained QP with the bounds of ``W`` as rows: :math:`z = \mu + \Sigma R^\top y`,
     :math:`(R\Sigma R^\top)y = r - R\mu`, :math:`R = [A; E_W]`, :math:`r = [k; \text{values}_W]`, batched with the
@@ -388,7 +408,7 @@ def _eq_qp(mu: Tensor, cov, A: Tensor, k: Tensor, W: Tensor, values: Tensor,
 MAX_PDAS = 10
 
 
-def primal_dual_active_set(mu: Tensor, cov, A: Tensor, k: Tensor, lo: Tensor, hi: Tensor, z0: Tensor,
+def primal_dual_active_set(mu: Tensor, cov: Covariance, A: Tensor, k: Tensor, lo: Tensor, hi: Tensor, z0: Tensor,
                            batch_shape: torch.Size) -> tuple[Tensor, Tensor]:
     r"""Primal-dual active-set iteration (Hintermüller, Ito & Kunisch 2003) warm-started from the active set of
     ``z0``: solve the equality QP on the predicted active sets :math:`\mathcal L, \mathcal U`, then predict
@@ -417,7 +437,7 @@ def primal_dual_active_set(mu: Tensor, cov, A: Tensor, k: Tensor, lo: Tensor, hi
     return z, done
 
 
-def active_set(mu: Tensor, cov, A: Tensor, k: Tensor, lo: Tensor, hi: Tensor, z0: Tensor,
+def active_set(mu: Tensor, cov: Covariance, A: Tensor, k: Tensor, lo: Tensor, hi: Tensor, z0: Tensor,
                batch_shape: torch.Size, done: Tensor | None = None) -> tuple[Tensor, Tensor]:
     r"""Primal active-set method for a general covariance (module docstring), float64.
 
@@ -483,7 +503,7 @@ def active_set(mu: Tensor, cov, A: Tensor, k: Tensor, lo: Tensor, hi: Tensor, z0
 
 
 # ====================================================================== the dispatcher
-def _operators(con, batch: torch.Size):
+def _operators(con: EqualityConstraint, batch: torch.Size) -> tuple[_Operator, _Operator]:
     """``(matvec, abs_matvec)`` on ``(B, n)`` float64 vectors for the constraint (float64), flattened over
     ``batch``."""
     B = batch.numel()
@@ -500,7 +520,7 @@ def _operators(con, batch: torch.Size):
     return (lambda x: (A @ x.unsqueeze(-1)).squeeze(-1)), (lambda x: (Aabs @ x.unsqueeze(-1)).squeeze(-1))
 
 
-def truncated_mode(dist, lower: Tensor, upper: Tensor) -> Tensor:
+def truncated_mode(dist: ConstrainedNormal, lower: Tensor, upper: Tensor) -> Tensor:
     r"""The mode of ``dist`` (a :class:`~hardeq.ConstrainedNormal`) truncated to ``[lower, upper]``
     (``(*batch, n)`` tensors in the distribution's compute dtype, ``±inf`` where unbounded): module docstring for
     the algorithms. Returns ``(*batch, n)`` in the compute dtype, ``lower <= z <= upper`` exactly, every row within
@@ -535,13 +555,16 @@ def truncated_mode(dist, lower: Tensor, upper: Tensor) -> Tensor:
         kf = k.reshape(B, -1)
         matvec, abs_matvec = _operators(con, batch)
         if con.group_index is not None:
-            z, ok = grouped_box_mode(*flat, con.group_index, con.group_sizes, kf)
+            sizes = con.group_sizes
+            assert sizes is not None  # (a grouped constraint counts its members)
+            z, ok = grouped_box_mode(*flat, con.group_index, sizes, kf)
         else:
             A = con.dense_matrix().detach()
             Af = A.expand(batch + A.shape[-2:]).reshape(B, *A.shape[-2:]) if A.dim() > 2 else A
 
             def rmatvec(lam: Tensor) -> Tensor:
-                return (Af.mT @ lam.unsqueeze(-1)).squeeze(-1)
+                out: Tensor = (Af.mT @ lam.unsqueeze(-1)).squeeze(-1)
+                return out
 
             z, _, ok = dual_newton(*flat, kf, matvec, rmatvec, abs_matvec, _dense_solver(Af, flat[1]))
         _raise_unless(ok, z, matvec, abs_matvec, kf, batch, "the mode's dual Newton iteration")
@@ -560,12 +583,14 @@ def truncated_mode(dist, lower: Tensor, upper: Tensor) -> Tensor:
         return torch.minimum(torch.maximum(out, lower.expand_as(out)), upper.expand_as(out))
 
 
-def _rows_ok(z: Tensor, matvec, abs_matvec, k: Tensor, rtol: float) -> Tensor:
+def _rows_ok(z: Tensor, matvec: _Operator, abs_matvec: _Operator, k: Tensor, rtol: float) -> Tensor:
     r = matvec(z) - k
-    return (r.abs() <= rtol * (abs_matvec(z.abs()) + k.abs())).all(-1)
+    ok: Tensor = (r.abs() <= rtol * (abs_matvec(z.abs()) + k.abs())).all(-1)
+    return ok
 
 
-def _raise_unless(ok: Tensor, z: Tensor, matvec, abs_matvec, k: Tensor, batch: torch.Size, where: str) -> None:
+def _raise_unless(ok: Tensor, z: Tensor, matvec: _Operator, abs_matvec: _Operator, k: Tensor, batch: torch.Size,
+                  where: str) -> None:
     if bool(ok.all()):
         return
     flat = int((~ok).nonzero()[0])

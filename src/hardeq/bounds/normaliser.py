@@ -38,9 +38,14 @@ or treat ``k`` as data.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from ..constraints import EqualityConstraint
+    from ..distributions.normal import ConstrainedNormal
 
 __all__ = ["log_diff_ndtr", "null_direction", "line_interval", "exact_log_normaliser", "mc_log_normaliser",
            "surrogate"]
@@ -72,13 +77,14 @@ def log_diff_ndtr(a: Tensor, b: Tensor) -> Tensor:
     return torch.where(empty, torch.full_like(out, -float("inf")), out)
 
 
-def null_direction(constraint) -> Tensor:
+def null_direction(constraint: EqualityConstraint) -> Tensor:
     """The unit vector spanning :math:`\\mathrm{null}(A)` when ``n - a == 1``, ``(*batch_A, n)`` float64 (from the
     constraint's float64 complete QR; its sign is arbitrary)."""
-    return constraint.orthonormal_decomposition()[2][..., 0]
+    basis: Tensor = constraint.orthonormal_decomposition()[2]
+    return basis[..., 0]
 
 
-def line_interval(dist, lower: Tensor, upper: Tensor, direction: Tensor | None = None
+def line_interval(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, direction: Tensor | None = None
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     r"""For ``n - a == 1``: ``(alpha, beta, mean, w)`` with the box = :math:`\{\bar\mu + \varepsilon w : \alpha \le
     \varepsilon \le \beta\}` (module docstring); ``alpha``, ``beta`` ``(*batch)``, ``mean``, ``w`` ``(*batch, n)``, in
@@ -106,7 +112,8 @@ def line_interval(dist, lower: Tensor, upper: Tensor, direction: Tensor | None =
     return alpha, beta, mean, w
 
 
-def exact_log_normaliser(dist, lower: Tensor, upper: Tensor, direction: Tensor | None = None) -> Tensor:
+def exact_log_normaliser(dist: ConstrainedNormal, lower: Tensor, upper: Tensor,
+                         direction: Tensor | None = None) -> Tensor:
     r""":math:`\log P(\text{box}\mid\text{plane}) = \log(\Phi(\beta) - \Phi(\alpha))` for ``n - a == 1``, ``(*batch)``,
     differentiable (module docstring). ``ValueError`` when the interval is empty or a point (no volume).
 
@@ -153,7 +160,7 @@ def mc_log_normaliser(draws: Tensor, lower: Tensor, upper: Tensor) -> tuple[Tens
     return log_z, stderr, acc
 
 
-def surrogate(dist, draws: Tensor) -> Tensor:
+def surrogate(dist: ConstrainedNormal, draws: Tensor) -> Tensor:
     r""":math:`\frac1S\sum_s \log p(z_s \mid Az = k) - \mathrm{stopgrad}(\cdot)`, ``(*batch)``: zero in value, with
     gradient the Monte Carlo estimate of :math:`\nabla\log Z` w.r.t. ``loc`` and the scales (``draws``
     ``(S, *batch, n)`` of the truncated law, detached; module docstring for its variance). ``k`` is detached here."""
@@ -162,10 +169,11 @@ def surrogate(dist, draws: Tensor) -> Tensor:
     if k.requires_grad:
         base = _with_detached_k(dist)
     lp = base.log_prob(draws.detach()).mean(0)
-    return lp - lp.detach()
+    out: Tensor = lp - lp.detach()
+    return out
 
 
-def _with_detached_k(dist):
+def _with_detached_k(dist: ConstrainedNormal) -> ConstrainedNormal:
     from ..distributions.normal import ConstrainedNormal
 
     con = dist.constraint.with_k(dist.constraint.k.detach())

@@ -22,9 +22,13 @@ then see an acceptance of zero).
 from __future__ import annotations
 
 import numbers
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from ..constraints import EqualityConstraint
 
 __all__ = ["as_bound", "check_bounds", "row_ranges", "check_polytope"]
 
@@ -86,7 +90,7 @@ def check_bounds(lower: Tensor, upper: Tensor) -> None:
                          f"got lower = {lo:.6g}, upper = {hi:.6g}: {what}.")
 
 
-def row_ranges(constraint, lower: Tensor, upper: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def row_ranges(constraint: EqualityConstraint, lower: Tensor, upper: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     r"""The range of each :math:`(Az)_i` over the box: ``(low, high, size)``, each ``(*batch, a)`` float64, with
     ``size`` :math:`= \sum_j |a_{ij}|\max(|l_j|, |u_j|)` over the finite bounds (the scale of the row's terms, for
     tolerances). A zero coefficient contributes nothing, whatever the bound. Cost O(n) grouped, O(a n) otherwise.
@@ -118,7 +122,7 @@ def row_ranges(constraint, lower: Tensor, upper: Tensor) -> tuple[Tensor, Tensor
     return low, high, size
 
 
-def check_polytope(constraint, lower: Tensor, upper: Tensor, rtol: float) -> None:
+def check_polytope(constraint: EqualityConstraint, lower: Tensor, upper: Tensor, rtol: float) -> None:
     r"""``ValueError`` unless every row of :math:`Az = k` can be met strictly inside the box (module docstring):
     names the batch element and the row (the group, for a grouped sum), the interval it must lie in, and ``k``.
     ``rtol``: the untruncated distribution's per-row tolerance (1e-5 float32, 1e-12 float64); a ``k`` within it of an
@@ -145,7 +149,7 @@ def check_polytope(constraint, lower: Tensor, upper: Tensor, rtol: float) -> Non
     if bool(out.any()):
         idx = tuple(int(i) for i in out.nonzero()[0])
         b, i = idx[:-1], idx[-1]
-        what = (f"its {int(constraint.group_sizes[i])} members in their bounds sum to" if grouped else
+        what = (f"its {int(cast(Tensor, constraint.group_sizes)[i])} members in their bounds sum to" if grouped else
                 "(A z) over the box ranges over")
         raise ValueError(f"the polytope {{A z = k}} ∩ [lower, upper] is empty: {kind} {i} of batch element {b} cannot "
                          f"be met; {what} [{float(low[idx]):.6g}, {float(high[idx]):.6g}], but k = "

@@ -15,9 +15,13 @@ Cost: :math:`\text{num}/p` untruncated draws per batch element for an acceptance
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from ..distributions.normal import ConstrainedNormal
 
 __all__ = ["AUTO_THRESHOLD", "DEFAULT_MAX_DRAWS", "rejection_sample", "RejectionBudgetExceeded"]
 
@@ -46,7 +50,7 @@ class RejectionBudgetExceeded(RuntimeError):
 
 
 @torch.no_grad()
-def rejection_sample(dist, lower: Tensor, upper: Tensor, num: int, *, max_draws: int | None = None,
+def rejection_sample(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, num: int, *, max_draws: int | None = None,
                      generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
     r"""``num`` exact iid draws of ``dist`` (a :class:`~hardeq.ConstrainedNormal`) truncated to ``[lower, upper]``.
 

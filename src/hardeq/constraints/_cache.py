@@ -52,7 +52,7 @@ class PerTensorCache:
     an in-place operation on it or through ``.data``; see the module docstring)."""
 
     def __init__(self) -> None:
-        self._entries: dict[int, tuple[weakref.ref, int, tuple[Tensor, ...], Any]] = {}
+        self._entries: dict[int, tuple[weakref.ref[Tensor], int, tuple[Tensor, ...], Any]] = {}
 
     def __contains__(self, key: int) -> bool:
         """Is there an entry for the tensor with this ``id``?"""
@@ -81,7 +81,8 @@ class PerTensorCache:
             return
         key, entries = id(A), self._entries
 
-        def forget(ref: weakref.ref, key: int = key, entries: dict = entries) -> None:  # entries: alive at exit
+        def forget(ref: weakref.ref[Tensor], key: int = key,  # entries: alive at exit
+                   entries: dict[int, tuple[weakref.ref[Tensor], int, tuple[Tensor, ...], Any]] = entries) -> None:
             if key in entries and entries[key][0] is ref:
                 del entries[key]
 

@@ -42,11 +42,11 @@ class RowSpaceFactors:
             A64 = A.detach().to(torch.float64)
             d = torch.linalg.vector_norm(A64, dim=-1)  # shape: (*batch_A, a)
             self.row_norms = d
-            self.R = torch.linalg.qr(_normalised_t(A64, d), mode="r")[1]  # (*batch_A, a, a)
+            self.R: Tensor = torch.linalg.qr(_normalised_t(A64, d), mode="r")[1]  # (*batch_A, a, a)
             pivots = self.R.diagonal(dim1=-2, dim2=-1).abs()
             # smallest |R_jj| over rows and batch (0 for a zero row), read on the host only when asked (min_pivot)
-            self._min_pivot = torch.where(d > 0, pivots, 0.0).amin() if d.numel() else None
-            self.logdet = 2 * (d.log().sum(-1) + pivots.log().sum(-1))  # float64, (*batch_A)
+            self._min_pivot: Tensor | float | None = torch.where(d > 0, pivots, 0.0).amin() if d.numel() else None
+            self.logdet: Tensor = 2 * (d.log().sum(-1) + pivots.log().sum(-1))  # float64, (*batch_A)
         self.shape = A.shape
         self._Q: Tensor | None = None
 
@@ -80,7 +80,8 @@ def _normalised_t(A64: Tensor, d: Tensor) -> Tensor:
 def min_norm_coefficients(R: Tensor, d: Tensor, k: Tensor) -> Tensor:
     r""":math:`u = R^{-\top} D^{-1} k` (``(*batch, a)``), so that :math:`Qu` is the minimum-norm solution."""
     rhs = (k / d).unsqueeze(-1)  # solve_triangular broadcasts the batch dimensions of R and rhs
-    return torch.linalg.solve_triangular(R.mT, rhs, upper=False).squeeze(-1)
+    u: Tensor = torch.linalg.solve_triangular(R.mT, rhs, upper=False)
+    return u.squeeze(-1)
 
 
 def project_dense(A: Tensor, k: Tensor, z: Tensor, factors: RowSpaceFactors | None = None) -> Tensor:

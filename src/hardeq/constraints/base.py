@@ -18,7 +18,7 @@ for its type; a structured subclass overrides the defaults below with cheaper al
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, cast
 
 import torch
 from torch import Tensor
@@ -34,6 +34,12 @@ __all__ = ["EqualityConstraint", "RowSpaceFactors", "register_constraint_kind", 
 
 #: kind name -> constraint class (what EqualityConstraint.from_config looks up)
 _KINDS: dict[str, type] = {}
+
+
+class _ConfigReader(Protocol):
+    """A registered constraint class: its classmethod ``_from_config(config)`` builds the instance."""
+
+    def _from_config(self, config: dict[str, Any]) -> EqualityConstraint: ...
 
 #: dtypes a config may name
 CONFIG_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -71,7 +77,8 @@ def config_dtype(config: dict[str, Any]) -> torch.dtype:
     name = config.get("dtype", "float32")
     if name not in CONFIG_DTYPES:
         raise ValueError(f"constraint config dtype must be one of {CONFIG_DTYPES}, got {name!r}.")
-    return getattr(torch, name)
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -183,7 +190,8 @@ class EqualityConstraint(ABC):
         factors = self.__dict__.get("_default_row_space")
         if factors is None:
             factors = self.__dict__["_default_row_space"] = RowSpaceFactors(self.dense_matrix())
-        return factors.logdet.to(self.dtype)
+        logdet: Tensor = factors.logdet.to(self.dtype)
+        return logdet
 
     @property
     def has_diagonal_gram(self) -> bool:
@@ -346,12 +354,12 @@ class EqualityConstraint(ABC):
         """
         if not isinstance(config, dict):
             raise TypeError(f"config must be a dict from EqualityConstraint.to_config(), got {type(config).__name__}.")
-        kind = config.get("kind")
+        kind: Any = config.get("kind")  # (any JSON value; only a registered name finds a class)
         target = _KINDS.get(kind)
         if target is None:
             raise ValueError(f"unknown constraint spec kind {kind!r} in the config; registered kinds: "
                              f"{constraint_kinds()}.")
-        out = target._from_config(config)
+        out = cast(_ConfigReader, target)._from_config(config)  # (register_constraint_kind: it defines one)
         if not isinstance(out, cls):
             raise TypeError(f"{cls.__name__}.from_config: the config describes a {type(out).__name__} (kind {kind!r}), "
                             f"not a {cls.__name__}; call EqualityConstraint.from_config.")

@@ -10,7 +10,7 @@ per-step pattern ``LinearConstraint(A, k_step)`` therefore validates ``A`` once,
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -107,7 +107,7 @@ class LinearConstraint(EqualityConstraint):
         self._batch_shape = batch_shape
         self._factors = factors
         self._abs_A: Tensor | None = None
-        self._derived: dict | None = None  # the _DERIVED entry of the source A, looked up once per instance
+        self._derived: dict[str, Any] | None = None  # the _DERIVED entry of the source A, looked up once per instance
 
     def _validate_A(self) -> None:
         hit = _lookup(self._source)
@@ -179,7 +179,7 @@ class LinearConstraint(EqualityConstraint):
             A64 = self.A.to(torch.float64)
             d = torch.linalg.vector_norm(A64, dim=-1)
             R = torch.linalg.qr((A64 / d.unsqueeze(-1)).mT, mode="reduced")[1]  # "r" has no derivative
-            logdet = 2 * (d.log().sum(-1) + R.diagonal(dim1=-2, dim2=-1).abs().log().sum(-1))
+            logdet: Tensor = 2 * (d.log().sum(-1) + R.diagonal(dim1=-2, dim2=-1).abs().log().sum(-1))
             return logdet.to(self.A.dtype)
         return factors.logdet.to(self.A.dtype).expand(self.A.shape[:-2])
 
@@ -191,7 +191,7 @@ class LinearConstraint(EqualityConstraint):
     def operator_requires_grad(self) -> bool:
         return self.A.requires_grad or self._source.requires_grad
 
-    def derived(self) -> dict | None:
+    def derived(self) -> dict[str, Any] | None:
         """The constants derived from ``A`` alone, shared by every constraint built on the same unchanged ``A``
         tensor (one lookup per instance, whose cost is one comparison of ``A`` with its snapshot); ``None`` when
         ``A`` requires grad or under tracing (then nothing is cached)."""
@@ -231,7 +231,8 @@ class LinearConstraint(EqualityConstraint):
             return self.A.mT.contiguous(), self.abs_A().mT.contiguous()
         if "columns" not in derived:
             derived["columns"] = (self.A.mT.contiguous(), self.abs_A().mT.contiguous())
-        return derived["columns"]
+        columns: tuple[Tensor, Tensor] = derived["columns"]
+        return columns
 
     def pinned_values(self) -> tuple[Tensor, Tensor] | None:
         """As :meth:`EqualityConstraint.pinned_values`; the singleton rows of ``A`` are found once per ``A`` tensor
@@ -287,14 +288,14 @@ class LinearConstraint(EqualityConstraint):
             return self
         return LinearConstraint(A, k, validate_args=False)
 
-    def to_config(self) -> dict:
+    def to_config(self) -> dict[str, Any]:
         """``{"kind": "linear", "A": [[...]], "k": [...], "dtype": ...}``: dense nested lists (about ``20 a n``
         bytes of JSON; meant for small constraints), floats written exactly."""
         return {"kind": "linear", "A": self.A.detach().cpu().tolist(), "k": self.k.detach().cpu().tolist(),
                 "dtype": dtype_name(self.dtype)}
 
     @classmethod
-    def _from_config(cls, config: dict) -> LinearConstraint:
+    def _from_config(cls, config: dict[str, Any]) -> LinearConstraint:
         require_keys(config, "A", "k")
         dtype = config_dtype(config)
         return cls(torch.tensor(config["A"], dtype=dtype), torch.tensor(config["k"], dtype=dtype))
@@ -330,4 +331,5 @@ def shared_row_pairs(constraint: LinearConstraint) -> Tensor | None:
     if "pairs" not in derived:  # stored column-major: the GEMM v @ P^T reads a contiguous P^T (4x faster)
         pairs_ = row_pairs(A)
         derived["pairs"] = None if pairs_ is None else pairs_.mT.contiguous().mT
-    return derived["pairs"]
+    shared: Tensor | None = derived["pairs"]
+    return shared

@@ -36,7 +36,7 @@ serve (:mod:`~hardeq.constraints.linear`, :mod:`~hardeq.constraints.sparse`,
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, TypeVar
 
 from torch import Tensor
 
@@ -55,7 +55,11 @@ OPERATIONS = ("gram", "cross_covariance", "sqrt_gram_factor", "grouped")
 #: specific and wins.)
 ANY_COVARIANCE: type = object
 
-_REGISTRY: dict[str, dict[tuple[type, type], Callable]] = {op: {} for op in OPERATIONS}
+#: a registered pair function ``fn(constraint, covariance)``: its result type depends on the operation
+PairFn = Callable[..., Any]
+_F = TypeVar("_F", bound=PairFn)
+
+_REGISTRY: dict[str, dict[tuple[type, type], PairFn]] = {op: {} for op in OPERATIONS}
 
 
 class Grouped(NamedTuple):
@@ -68,7 +72,7 @@ class Grouped(NamedTuple):
     gram_diagonal: Tensor
 
 
-def register_pair(operation: str, constraint_type: type, covariance_type: type) -> Callable:
+def register_pair(operation: str, constraint_type: type, covariance_type: type) -> Callable[[_F], _F]:
     """Decorator registering ``fn(constraint, covariance)`` for one of :data:`OPERATIONS` and a pair of types
     (subclasses inherit it; the most specific registration wins, as in :func:`torch.distributions.register_kl`).
 
@@ -89,7 +93,7 @@ def register_pair(operation: str, constraint_type: type, covariance_type: type) 
         raise TypeError(f"register_pair needs two classes (a constraint type and a covariance type), got "
                         f"{constraint_type!r} and {covariance_type!r}.")
 
-    def decorator(fn: Callable) -> Callable:
+    def decorator(fn: _F) -> _F:
         _REGISTRY[operation][constraint_type, covariance_type] = fn
         _dispatch.cache_clear()
         return fn
@@ -98,7 +102,7 @@ def register_pair(operation: str, constraint_type: type, covariance_type: type) 
 
 
 @lru_cache(maxsize=None)
-def _dispatch(operation: str, type_c: type, type_v: type) -> Callable:
+def _dispatch(operation: str, type_c: type, type_v: type) -> PairFn:
     table = _REGISTRY[operation]
     matches = [(tc, tv) for tc, tv in table if issubclass(type_c, tc) and issubclass(type_v, tv)]
     if not matches:
@@ -111,19 +115,23 @@ def _dispatch(operation: str, type_c: type, type_v: type) -> Callable:
 
 def gram(constraint: EqualityConstraint, covariance: Covariance) -> Tensor:
     r""":math:`A\Sigma A^\top`, ``(*batch, a, a)``."""
-    return _dispatch("gram", type(constraint), type(covariance))(constraint, covariance)
+    out: Tensor = _dispatch("gram", type(constraint), type(covariance))(constraint, covariance)
+    return out
 
 
 def cross_covariance(constraint: EqualityConstraint, covariance: Covariance) -> Tensor:
     r""":math:`\Sigma A^\top`, ``(*batch, n, a)``."""
-    return _dispatch("cross_covariance", type(constraint), type(covariance))(constraint, covariance)
+    out: Tensor = _dispatch("cross_covariance", type(constraint), type(covariance))(constraint, covariance)
+    return out
 
 
 def sqrt_gram_factor(constraint: EqualityConstraint, covariance: Covariance) -> Tensor:
     r""":math:`B^\top = F^\top A^\top` with :math:`\Sigma = FF^\top`, ``(*batch, m, a)``."""
-    return _dispatch("sqrt_gram_factor", type(constraint), type(covariance))(constraint, covariance)
+    out: Tensor = _dispatch("sqrt_gram_factor", type(constraint), type(covariance))(constraint, covariance)
+    return out
 
 
 def grouped_structure(constraint: EqualityConstraint, covariance: Covariance) -> Grouped | None:
     r""":class:`Grouped` ``(w, s)`` when the O(n) grouped path applies to the pair, else ``None``."""
-    return _dispatch("grouped", type(constraint), type(covariance))(constraint, covariance)
+    out: Grouped | None = _dispatch("grouped", type(constraint), type(covariance))(constraint, covariance)
+    return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, TypeVar, TypeVarTuple
 
 import torch
 from torch import Tensor
@@ -34,29 +34,34 @@ MAX_GRAM_PAIRS = 64_000_000
 #: SparseConstraint(A, k_step) converts and validates A once
 _PREPARED = PerTensorCache()
 
+_T = TypeVar("_T")
+_Ts = TypeVarTuple("_Ts")
 
-def _prepared(A: Tensor) -> list | None:
-    return _PREPARED.get(A)
+
+def _prepared(A: Tensor) -> list[Any] | None:
+    prepared: list[Any] | None = _PREPARED.get(A)
+    return prepared
 
 
-def _remember(A: Tensor, value: list) -> None:
+def _remember(A: Tensor, value: list[Any]) -> None:
     _PREPARED.put(A, value)
 
 
-def _quiet(fn, *args):
+def _quiet(fn: Callable[[*_Ts], _T], *args: *_Ts) -> _T:
     """Call ``fn`` without torch's one-time "sparse CSR support is in beta" notice."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
         return fn(*args)
 
 
-def _csr(crow: Tensor, col: Tensor, values: Tensor, shape: tuple[int, int]) -> Tensor:
+def _csr(crow: Tensor, col: Tensor, values: Tensor, shape: tuple[int, ...]) -> Tensor:
     return _quiet(lambda: torch.sparse_csr_tensor(crow, col, values, shape, check_invariants=False))
 
 
 def _transpose_csr(A: Tensor) -> Tensor:
     """``A^T`` as CSR (via a coalesced COO transpose), O(nnz log nnz) once."""
-    return _quiet(lambda: A.to_sparse_coo().t().coalesce().to_sparse_csr())
+    At: Tensor = _quiet(lambda: A.to_sparse_coo().t().coalesce().to_sparse_csr())
+    return At
 
 
 def _spmm(A: Tensor, z: Tensor) -> Tensor:
@@ -236,17 +241,18 @@ class SparseConstraint(EqualityConstraint):
         return pinned_from_rows(single, A.col_indices()[first], A.values()[first], self.k, self.event_size)
 
     # ------------------------------------------------------------------ caches on A
-    def _cached(self, name: str, make):
+    def _cached(self, name: str, make: Callable[[], _T]) -> _T:
         if name not in self._shared:
             self._shared[name] = make()
-        return self._shared[name]
+        value: _T = self._shared[name]
+        return value
 
     def _abs(self) -> Tensor:
         A = self._A
         return self._cached("abs", lambda: _csr(A.crow_indices(), A.col_indices(), A.values().abs(), A.shape))
 
     def _float64(self) -> tuple[Tensor, Tensor]:
-        def make():
+        def make() -> tuple[Tensor, Tensor]:
             if self._A.dtype == torch.float64:
                 return self._A.detach(), self._At.detach()
             return _quiet(lambda: (self._A.detach().to(torch.float64), self._At.detach().to(torch.float64)))
@@ -297,7 +303,7 @@ class SparseConstraint(EqualityConstraint):
         :math:`\mathrm{vec}(A\,\mathrm{diag}(v)A^\top) = Mv`. Built once, in O(P log P) for the
         ``P = sum_c c_c^2`` pairs of nonzeros sharing a column (memory about 16 P bytes); ``None`` when ``P``
         exceeds :data:`MAX_GRAM_PAIRS` (then :meth:`gram` runs a sparse-sparse product per batch element)."""
-        def make():
+        def make() -> Tensor | None:
             m = self._column_counts()
             P = int(m.square().sum())
             if P > MAX_GRAM_PAIRS:
@@ -364,7 +370,7 @@ class SparseConstraint(EqualityConstraint):
         return super().same_row_space(other)
 
     # ------------------------------------------------------------------ copies
-    def _with(self, A: Tensor, At: Tensor, k: Tensor, shared: dict) -> SparseConstraint:
+    def _with(self, A: Tensor, At: Tensor, k: Tensor, shared: dict[str, Any]) -> SparseConstraint:
         new = object.__new__(SparseConstraint)
         new._A, new._At, new.k, new._shared, new._validate_args = A, At, k, shared, False
         return new
@@ -387,7 +393,7 @@ class SparseConstraint(EqualityConstraint):
         return self._with(A, At, k, {})
 
     # ------------------------------------------------------------------ configs, copies and pickling
-    def to_config(self) -> dict:
+    def to_config(self) -> dict[str, Any]:
         """``{"kind": "sparse", "shape": [a, n], "crow_indices": [...], "col_indices": [...], "values": [...],
         "k": [...], "dtype": ...}``: the CSR arrays of ``A`` (O(nnz) JSON), floats written exactly."""
         A = self._A
@@ -396,7 +402,7 @@ class SparseConstraint(EqualityConstraint):
                 "k": self.k.detach().cpu().tolist(), "dtype": dtype_name(self.dtype)}
 
     @classmethod
-    def _from_config(cls, config: dict) -> SparseConstraint:
+    def _from_config(cls, config: dict[str, Any]) -> SparseConstraint:
         require_keys(config, "shape", "crow_indices", "col_indices", "values", "k")
         dtype = config_dtype(config)
         shape = tuple(int(x) for x in config["shape"])
@@ -412,7 +418,7 @@ class SparseConstraint(EqualityConstraint):
         A = _quiet(lambda: torch.sparse_csr_tensor(crow, col, values, shape, check_invariants=True))
         return cls(A, torch.tensor(config["k"], dtype=dtype))
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         """Sparse CSR tensors have no storage to copy: the state holds ``A`` and ``A^T`` as their index and value
         arrays (``copy.deepcopy`` and ``pickle`` work on any constraint), and drops the caches (rebuilt on use)."""
         state = dict(self.__dict__)
@@ -420,7 +426,7 @@ class SparseConstraint(EqualityConstraint):
         state["_shared"] = {}
         return state
 
-    def __setstate__(self, state: dict) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
         state["_A"], state["_At"] = _csr(*state["_A"]), _csr(*state["_At"])
         self.__dict__.update(state)
@@ -430,7 +436,7 @@ class SparseConstraint(EqualityConstraint):
                 f"batch_shape={tuple(self.batch_shape)})")
 
 
-def _components(A: Tensor) -> tuple:
+def _components(A: Tensor) -> tuple[Tensor, Tensor, Tensor, tuple[int, ...]]:
     return (A.crow_indices(), A.col_indices(), A.values(), tuple(A.shape))
 
 

@@ -2,6 +2,8 @@ r""":class:`SumConstraint`: grouped sums, every operation a scatter or a gather 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -224,7 +226,7 @@ class SumConstraint(EqualityConstraint):
             return self.with_k(k)
         return SumConstraint(index, k, validate_args=False)
 
-    def to_config(self) -> dict:
+    def to_config(self) -> dict[str, Any]:
         """``{"kind": "channel_sum", "channels": a, "event_size": n, "totals": [...], "dtype": ...}`` when the groups
         are equal consecutive blocks (the channels of an image), else ``{"kind": "sum", "index": [n ints],
         "totals": [...], "dtype": ...}``; ``totals`` of shape ``(*batch, a)`` as nested lists, floats exact."""
@@ -235,7 +237,7 @@ class SumConstraint(EqualityConstraint):
         return {"kind": "sum", "index": self.index.cpu().tolist(), "totals": totals, "dtype": dtype}
 
     @classmethod
-    def _from_config(cls, config: dict) -> SumConstraint:
+    def _from_config(cls, config: dict[str, Any]) -> SumConstraint:
         dtype = config_dtype(config)
         if config.get("kind") == "channel_sum":
             require_keys(config, "channels", "event_size", "totals")

@@ -32,6 +32,10 @@ the factorisation of the conditioner where the parameters are shared.
 
 from __future__ import annotations
 
+from typing import Any
+
+from torch import Tensor
+
 try:
     from pyro.distributions.torch_distribution import TorchDistributionMixin
 except ImportError as error:  # pragma: no cover - exercised only without Pyro
@@ -59,7 +63,8 @@ class ConstrainedNormal(_distributions.ConstrainedNormal, TorchDistributionMixin
         (True, torch.Size([3, 4]), True)
     """
 
-    def truncate(self, lower=None, upper=None, **kwargs) -> TruncatedConstrainedNormal:
+    def truncate(self, lower: Tensor | float | None = None, upper: Tensor | float | None = None,
+                 **kwargs: Any) -> TruncatedConstrainedNormal:
         return TruncatedConstrainedNormal(self, lower, upper, **kwargs)
 
 

@@ -23,6 +23,8 @@ to round-off.
 
 from __future__ import annotations
 
+from typing import Any
+
 import importlib
 
 from .box import box_project
@@ -71,7 +73,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     """``ConstrainedScheduler`` / ``ConstrainedSchedulerOutput`` load on first access: their module subclasses
     diffusers' ``SchedulerMixin`` and imports diffusers (``ImportError`` naming the extra when it is missing)."""
     if name in ("ConstrainedScheduler", "ConstrainedSchedulerOutput"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import TypeVar
 from dataclasses import dataclass
 
 import torch
@@ -102,11 +103,15 @@ def setup_loop(model: object, shape: object, constraint: EqualityConstraint | No
                      box=check_final(options.final, options.box, con), final=options.final)
 
 
-def iterate(timesteps: tuple[int, ...], progress: bool, desc: str) -> Iterable[tuple[int, int]]:
+_T = TypeVar("_T", int, float)
+
+
+def iterate(timesteps: tuple[_T, ...], progress: bool, desc: str) -> Iterable[tuple[int, _T]]:
     """``enumerate(timesteps)``, with a tqdm progress bar when ``progress``."""
     it = enumerate(timesteps)
     if progress:
         from ._optional import require_tqdm
 
-        return require_tqdm().tqdm(it, total=len(timesteps), desc=desc)
+        bar: Iterable[tuple[int, _T]] = require_tqdm().tqdm(it, total=len(timesteps), desc=desc)
+        return bar
     return it

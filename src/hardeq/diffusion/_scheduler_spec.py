@@ -23,15 +23,21 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ..constraints import EqualityConstraint
 from .schedules import EndSpaced, Schedule, StartEnd, StartSpaced, Steps, Uniform
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+    from .conditioning import ScaleLike
+
 __all__ = ["constraint_spec", "constraint_from_spec", "schedule_spec", "schedule_from_spec", "scale_spec",
            "scale_from_spec", "unsaved", "unsaved_entries"]
 
-_SCHEDULES = {cls.__name__: cls for cls in (Uniform, StartEnd, StartSpaced, EndSpaced, Steps)}
+_SCHEDULES: dict[str, type[Schedule]] = {cls.__name__: cls
+                                         for cls in (Uniform, StartEnd, StartSpaced, EndSpaced, Steps)}
 
 
 def unsaved(obj: object) -> dict[str, str]:
@@ -82,7 +88,8 @@ def schedule_spec(schedule: Schedule | None) -> dict[str, Any] | None:
     if schedule is None:
         return None
     if type(schedule) in _SCHEDULES.values():
-        fields = {f.name: getattr(schedule, f.name) for f in dataclasses.fields(schedule)}
+        # (the built-in schedules are dataclasses)
+        fields = {f.name: getattr(schedule, f.name) for f in dataclasses.fields(cast("DataclassInstance", schedule))}
         return {"kind": type(schedule).__name__, **{k: list(v) if isinstance(v, tuple) else v
                                                     for k, v in fields.items()}}
     return unsaved(schedule)
@@ -104,7 +111,7 @@ def schedule_from_spec(spec: object) -> Schedule | None:
         if kind not in _SCHEDULES:
             raise ValueError(f"ConstrainedScheduler: unknown schedule kind {kind!r}; expected one of "
                              f"{sorted(_SCHEDULES)}.")
-        fields = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.items() if k != "kind"}
+        fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.items() if k != "kind"}
         return _SCHEDULES[kind](**fields)
     if isinstance(spec, (str, bytes)) or not isinstance(spec, Iterable):
         raise TypeError("schedule must be a hardeq.diffusion Schedule, a sequence of step indices, a schedule spec "
@@ -122,11 +129,11 @@ def scale_spec(scale: object) -> float | dict[str, str] | None:
     return unsaved(scale)
 
 
-def scale_from_spec(spec: object) -> object:
+def scale_from_spec(spec: object) -> ScaleLike:
     """The inverse of :func:`scale_spec` (a runtime tensor or callable passes through)."""
     if isinstance(spec, dict):
         if _is_unsaved(spec):
             raise ValueError(f"ConstrainedScheduler: this config holds a {spec['type']} scale that was not saved; pass "
                              "it: ConstrainedScheduler.from_pretrained(..., scale=...).")
         raise ValueError(f"ConstrainedScheduler: scale must be None, a float, a tensor or a callable, got {spec!r}.")
-    return spec
+    return cast("ScaleLike", spec)  # (a runtime tensor or callable passes through; resolve_scale uses it)

@@ -52,6 +52,7 @@ Either output quantises to 8 bits with the channel totals kept exactly by
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -79,7 +80,8 @@ def _as_sum_constraint(constraint: object, x: Tensor) -> SumConstraint:
                         f"channel_sum_constraint) or a "
                         f"tensor of channel totals (C,) / (B, C), got {type(constraint).__name__}; a general "
                         f"LinearConstraint has no O(n log n) box projection (use a QP solver).")
-    return check_image_constraint(constraint, x, owner="box_project")
+    # (a grouped-sum constraint: group_index and group_sizes are set, as on a SumConstraint)
+    return cast(SumConstraint, check_image_constraint(constraint, x, owner="box_project"))
 
 
 def _flat_variance(variance: float | Tensor, x: Tensor) -> Tensor:
@@ -90,6 +92,7 @@ def _flat_variance(variance: float | Tensor, x: Tensor) -> Tensor:
                         f"{type(variance).__name__}.")
     if not isinstance(variance, Tensor):
         variance = torch.tensor(float(variance))
+    v: Tensor | None
     v = variance.to(device=x.device, dtype=torch.float64)
     try:
         v = torch.broadcast_to(v, x.shape) if v.dim() <= x.dim() else None
@@ -167,10 +170,10 @@ def box_project(x: Tensor, constraint: SumConstraint | Tensor, variance: float |
     ok = box_feasible(con, lo, hi, rtol=tol).expand(B, con.num_constraints)
     if not bool(ok.all()):
         b, c = (int(i) for i in (~ok).nonzero()[0])
-        k = float(con.k.expand(B, -1)[b, c])
+        k_bc = float(con.k.expand(B, -1)[b, c])
         m = int(con.group_sizes[c])
         raise ValueError(f"box_project: group {c} of image {b} has {m} pixels in [{lo}, {hi}], so its total must lie "
-                         f"in [{m * lo}, {m * hi}], got {k}. Rescale the totals to the box's space (for [0, 1] "
+                         f"in [{m * lo}, {m * hi}], got {k_bc}. Rescale the totals to the box's space (for [0, 1] "
                          f"pixels: k01 = (k + m) / 2 from [-1, 1]) or widen the box.")
     mu = x.detach().reshape(B, n).to(torch.float64)
     v = _flat_variance(variance, x)
@@ -193,7 +196,8 @@ def box_project(x: Tensor, constraint: SumConstraint | Tensor, variance: float |
 FINAL_OPTIONS = (None, "box", "sample_box")
 
 
-def boxed_last_step(x0: Tensor, constraint, std, box: tuple[float, float]) -> Tensor:
+def boxed_last_step(x0: Tensor, constraint: SumConstraint | Tensor, std: float | Tensor,
+                    box: tuple[float, float]) -> Tensor:
     r"""The samplers' ``final="box"`` step: :func:`box_project` of the last step's prediction ``x0`` in the metric of
     its Gaussian, :math:`\mathrm{diag}(\mathrm{std}^2)`: the conditional mode in the box, not a sample."""
     return box_project(x0, constraint, std * std, *box)
@@ -226,7 +230,8 @@ def sampled_last_step(x0: Tensor, constraint: SumConstraint, std: float | Tensor
     Cost: O(pixels) per HMC bounce for grouped sums (docs/bounds.md), plus the mode's sort to start the chains.
     """
     lo, hi = _check_box(*box)
-    con = check_image_constraint(constraint, x0, owner="final='sample_box'")
+    # (check_final: a grouped-sum constraint, group_sizes set as on a SumConstraint)
+    con = cast(SumConstraint, check_image_constraint(constraint, x0, owner="final='sample_box'"))
     B = x0.shape[0]
     flat = x0.detach().reshape(B, -1)
     v = _flat_variance(std * std if isinstance(std, Tensor) else float(std) ** 2, x0)  # checks std > 0
@@ -249,13 +254,14 @@ def sampled_last_step(x0: Tensor, constraint: SumConstraint, std: float | Tensor
     return y.to(x0.dtype).clamp(lo, hi).reshape(x0.shape)
 
 
-def final_step(final: str, x0: Tensor, constraint, std, box: tuple[float, float],
+def final_step(final: str, x0: Tensor, constraint: EqualityConstraint, std: float | Tensor, box: tuple[float, float],
                generator: torch.Generator | None = None) -> Tensor:
     """The last step of ``final="box"`` (:func:`boxed_last_step`, the mode) or ``"sample_box"``
     (:func:`sampled_last_step`, a sample)."""
+    grouped = cast(SumConstraint, constraint)  # (check_final: a grouped-sum constraint)
     if final == "sample_box":
-        return sampled_last_step(x0, constraint, std, box, generator)
-    return boxed_last_step(x0, constraint, std, box)
+        return sampled_last_step(x0, grouped, std, box, generator)
+    return boxed_last_step(x0, grouped, std, box)
 
 
 def check_final(final: object, box: object, constraint: object) -> tuple[float, float] | None:

@@ -127,12 +127,14 @@ def ddpm_sample(
         beta_t = 1 - ab_t / ab_prev
         x0 = (x - math.sqrt(1 - ab_t) * eps) / math.sqrt(ab_t)
         if s.box is not None and i == last:
+            assert s.final is not None and s.constraint is not None  # (check_final: a box has both)
             x = final_step(s.final, x0, s.constraint, resolve_scale(scale, t, b), s.box, s.condition_generator)
             if callback is not None:
                 callback(i, t, x, x)
             break
         conditioned = i in s.steps
         if conditioned:
+            assert s.constraint is not None  # (setup_loop: conditioned steps have a constraint)
             x0 = constrained_x0(x0, s.constraint, resolve_scale(scale, t, b), s.condition_generator, deterministic)
         if conditioned and i == last:
             x = x0  # the conditioned sample itself: exact (mu's coefficients are 1 and 0 only up to round-off)

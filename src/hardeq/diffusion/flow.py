@@ -124,12 +124,14 @@ def flow_sample(
         std = (t - t_next) if scale is None else (scale(t) if callable(scale) and not isinstance(scale, Tensor)
                                                   else scale)
         if s.box is not None and i == last:
+            assert s.final is not None and s.constraint is not None  # (check_final: a box has both)
             x = final_step(s.final, x0, s.constraint, std, s.box, s.condition_generator)
             if callback is not None:
                 callback(i, t, x, x)
             break
         conditioned = i in s.steps
         if conditioned:
+            assert s.constraint is not None  # (setup_loop: conditioned steps have a constraint)
             x0 = constrained_x0(x0, s.constraint, std, s.condition_generator, deterministic)
             v = (x - x0) / t
         x = x0 if conditioned and i == last else x + (t_next - t) * v

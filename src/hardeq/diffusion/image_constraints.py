@@ -11,6 +11,7 @@ as an O(n) :class:`~hardeq.SumConstraint` (never a dense ``A``).
 from __future__ import annotations
 
 import math
+from typing import cast
 from collections.abc import Sequence
 
 import torch
@@ -95,7 +96,8 @@ def check_image_constraint(constraint: object, x: Tensor, *, owner: str = "harde
     """Check that ``constraint`` applies to the flattened batch ``x`` ``(B, *image_shape)``; return it converted
     to ``x``'s dtype and device (see :func:`validate_image_constraint`)."""
     validate_image_constraint(constraint, tuple(x.shape), owner=owner)
-    return constraint.to(device=x.device, dtype=x.dtype)
+    checked = cast(EqualityConstraint, constraint)  # (validate_image_constraint: an EqualityConstraint)
+    return checked.to(device=x.device, dtype=x.dtype)
 
 
 def validate_image_constraint(constraint: object, shape: tuple[int, ...], *,

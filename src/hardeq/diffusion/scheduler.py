@@ -37,8 +37,9 @@ specs of ``hardeq.diffusion._scheduler_spec``). ``config`` refuses to be consume
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -56,9 +57,9 @@ from .schedules import Schedule, resolve_steps
 diffusers = require_diffusers()  # ImportError naming the extra; hardeq.diffusion imports this module lazily
 # A saved pipeline records this component as ["hardeq.diffusion.scheduler", "ConstrainedScheduler"] (the class's
 # module); diffusers' loader then looks the base classes (SchedulerMixin) up in that module's namespace.
-from diffusers import ConfigMixin, SchedulerMixin  # noqa: E402
-from diffusers.configuration_utils import FrozenDict  # noqa: E402
-from diffusers.utils import BaseOutput  # noqa: E402
+from diffusers.configuration_utils import ConfigMixin, FrozenDict  # noqa: E402
+from diffusers.schedulers.scheduling_utils import SchedulerMixin  # noqa: E402
+from diffusers.utils.outputs import BaseOutput  # noqa: E402
 
 __all__ = ["ConstrainedScheduler", "ConstrainedSchedulerOutput"]
 
@@ -77,12 +78,30 @@ _FOREIGN_FROM_CONFIG = (
     "ConstrainedScheduler(NewScheduler.from_config(cs.scheduler.config), cs.constraint, cs.schedule).")
 
 
+class _BaseScheduler(Protocol):
+    """What is used of the wrapped ``diffusers.DDPMScheduler`` / ``DDIMScheduler``."""
+
+    config: Any  # diffusers' FrozenDict (keys also as attributes)
+    timesteps: Tensor
+    num_inference_steps: int | None
+    init_noise_sigma: float
+    betas: Tensor
+    alphas_cumprod: Tensor
+
+    def __len__(self) -> int: ...
+    def scale_model_input(self, sample: Tensor, timestep: int | None = None) -> Tensor: ...
+    def add_noise(self, original_samples: Tensor, noise: Tensor, timesteps: Tensor) -> Tensor: ...
+    def get_velocity(self, sample: Tensor, noise: Tensor, timesteps: Tensor) -> Tensor: ...
+    def set_timesteps(self, *args: Any, **kwargs: Any) -> None: ...
+    def step(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
 class _ConstrainedConfig(FrozenDict):
     """The config of a :class:`ConstrainedScheduler` as diffusers' ``FrozenDict``, except that diffusers'
     ``extract_init_dict`` (the first thing any ``SomeScheduler.from_config(config)`` does) raises: only
     :meth:`ConstrainedScheduler.from_config` may consume it (it hands diffusers a plain ``dict`` copy)."""
 
-    def get(self, key, default=None):
+    def get(self, key: str, default: Any = None) -> Any:
         if key == "_use_default_values":  # diffusers.ConfigMixin.extract_init_dict's first read
             raise TypeError(_FOREIGN_FROM_CONFIG)
         return super().get(key, default)
@@ -115,29 +134,30 @@ def _json_value(value: Any) -> Any:
     return value
 
 
-def _base_spec(scheduler: object) -> dict[str, Any]:
+def _base_spec(scheduler: _BaseScheduler) -> dict[str, Any]:
     return {"class_name": type(scheduler).__name__,
             "config": {k: _json_value(v) for k, v in scheduler.config.items() if not k.startswith("_")}}
 
 
-def _base_from_spec(base: object) -> object:
+def _base_from_spec(base: object) -> _BaseScheduler:
     """The base scheduler: an instance as is, or built from ``{"class_name": ..., "config": {...}}``."""
     if isinstance(base, dict):
         name = base.get("class_name")
         if name not in BASE_SCHEDULERS or not isinstance(base.get("config"), dict):
             raise ValueError(f"ConstrainedScheduler: base_scheduler must be {{'class_name': one of {BASE_SCHEDULERS}, "
                              f"'config': {{...}}}}, got {base!r}.")
-        return getattr(diffusers, name).from_config(base["config"])
+        built: _BaseScheduler = getattr(diffusers, name).from_config(base["config"])
+        return built
     if base is None:
         raise TypeError("ConstrainedScheduler needs a base scheduler: ConstrainedScheduler(DDIMScheduler(..., "
                         "clip_sample=False), constraint, schedule).")
     if not isinstance(base, (diffusers.DDPMScheduler, diffusers.DDIMScheduler)):
         raise TypeError("ConstrainedScheduler wraps a diffusers.DDPMScheduler or diffusers.DDIMScheduler, got "
                         f"{type(base).__name__}.")
-    return base
+    return cast(_BaseScheduler, base)  # (checked: a DDPMScheduler or DDIMScheduler)
 
 
-def _check_base(scheduler: object) -> None:
+def _check_base(scheduler: _BaseScheduler) -> None:
     cfg = scheduler.config
     name = type(scheduler).__name__
     if getattr(cfg, "thresholding", False):
@@ -217,20 +237,22 @@ class ConstrainedScheduler(SchedulerMixin, ConfigMixin):
         ((4,), True)
     """
 
-    config_name = "scheduler_config.json"
+    config_name = "scheduler_config.json"  # type: ignore[assignment]  # diffusers: ConfigMixin declares it None
     ignore_for_config = ["condition_generator"]
+    _internal_dict: FrozenDict  # set by diffusers' register_to_config
     order = 1
 
     # The config is registered by hand, not by @register_to_config: the decorator would record the arguments as
     # given (a scheduler object, a constraint object); the config records their JSON specs.
-    def __init__(self, base_scheduler: object = None, constraint: EqualityConstraint | dict | None = None,
-                 schedule: Schedule | list[int] | dict | None = None, scale: ScaleLike | dict = None,
+    def __init__(self, base_scheduler: object = None, constraint: EqualityConstraint | dict[str, Any] | None = None,
+                 schedule: Schedule | list[int] | dict[str, Any] | None = None,
+                 scale: ScaleLike | dict[str, Any] = None,
                  deterministic: bool = False, condition_generator: torch.Generator | None = None,
                  final: str | None = None, box: tuple[float, float] | list[float] = (-1.0, 1.0)) -> None:
         base = _base_from_spec(base_scheduler)
         _check_base(base)
         check_generator("condition_generator", condition_generator)
-        self.scheduler = base
+        self.scheduler: _BaseScheduler = base
         self.register_to_config(base_scheduler=_base_spec(base))
         self.constraint = constraint
         self.schedule = schedule
@@ -248,13 +270,17 @@ class ConstrainedScheduler(SchedulerMixin, ConfigMixin):
         return _ConstrainedConfig(self._internal_dict)
 
     @classmethod
-    def from_config(cls, config=None, return_unused_kwargs=False, **kwargs):
+    def from_config(cls, config: FrozenDict | dict[str, Any] | None = None, return_unused_kwargs: bool = False,
+                    **kwargs: Any) -> ConstrainedScheduler | tuple[ConstrainedScheduler, dict[str, Any]]:
         """diffusers' ``from_config`` (a :class:`ConstrainedScheduler`'s own config is accepted)."""
         if isinstance(config, _ConstrainedConfig):
             config = dict(config)
-        return super().from_config(config, return_unused_kwargs=return_unused_kwargs, **kwargs)
+        out: ConstrainedScheduler | tuple[ConstrainedScheduler, dict[str, Any]] = super().from_config(
+            config,  # type: ignore[arg-type]  # diffusers: its default None, typed as not None
+            return_unused_kwargs=return_unused_kwargs, **kwargs)
+        return out
 
-    def save_config(self, save_directory, push_to_hub: bool = False, **kwargs) -> None:
+    def save_config(self, save_directory: str | os.PathLike[str], push_to_hub: bool = False, **kwargs: Any) -> None:
         """diffusers' ``save_config`` (``save_pretrained`` calls it); refuses a config with unsaved entries.
 
         Raises:
@@ -275,7 +301,7 @@ class ConstrainedScheduler(SchedulerMixin, ConfigMixin):
         return self._constraint
 
     @constraint.setter
-    def constraint(self, value: EqualityConstraint | dict | None) -> None:
+    def constraint(self, value: EqualityConstraint | dict[str, Any] | None) -> None:
         if value is not None and not isinstance(value, (EqualityConstraint, dict)):
             raise TypeError("constraint must be a hardeq.EqualityConstraint (e.g. from channel_sum_constraint), a "
                             f"config dict from its to_config() or None, got {type(value).__name__}.")
@@ -299,7 +325,7 @@ class ConstrainedScheduler(SchedulerMixin, ConfigMixin):
         return self._scale
 
     @scale.setter
-    def scale(self, value: ScaleLike) -> None:
+    def scale(self, value: ScaleLike | dict[str, Any]) -> None:
         self._scale = spec.scale_from_spec(value)
         self.register_to_config(scale=spec.scale_spec(self._scale))
 
@@ -373,7 +399,7 @@ class ConstrainedScheduler(SchedulerMixin, ConfigMixin):
     def __len__(self) -> int:
         return len(self.scheduler)
 
-    def set_timesteps(self, *args, **kwargs) -> None:
+    def set_timesteps(self, *args: Any, **kwargs: Any) -> None:
         """``scheduler.set_timesteps(...)``; also restarts the derived conditioning stream."""
         self.scheduler.set_timesteps(*args, **kwargs)
         self._condition_generator = self._user_condition_generator
@@ -402,23 +428,28 @@ class ConstrainedScheduler(SchedulerMixin, ConfigMixin):
         ab = self.scheduler.alphas_cumprod[t].to(torch.float64).item()
         kind = self.scheduler.config.prediction_type
         if kind == "epsilon":
-            return (sample - (1 - ab) ** 0.5 * model_output) / ab**0.5
+            x0: Tensor = (sample - (1 - ab) ** 0.5 * model_output) / ab**0.5
+            return x0
         if kind == "sample":
             return model_output
-        return ab**0.5 * sample - (1 - ab) ** 0.5 * model_output
+        x0 = ab**0.5 * sample - (1 - ab) ** 0.5 * model_output
+        return x0
 
     def _output_for(self, x0: Tensor, t: int, sample: Tensor) -> Tensor:
         """The model output that makes the wrapped scheduler's :math:`\\hat x_0` equal ``x0``."""
         ab = self.scheduler.alphas_cumprod[t].to(torch.float64).item()
         kind = self.scheduler.config.prediction_type
         if kind == "epsilon":
-            return (sample - ab**0.5 * x0) / (1 - ab) ** 0.5
+            out: Tensor = (sample - ab**0.5 * x0) / (1 - ab) ** 0.5
+            return out
         if kind == "sample":
             return x0
-        return (ab**0.5 * sample - x0) / (1 - ab) ** 0.5
+        out = (ab**0.5 * sample - x0) / (1 - ab) ** 0.5
+        return out
 
-    def step(self, model_output: Tensor, timestep: int | Tensor, sample: Tensor, *args,
-             generator: torch.Generator | None = None, return_dict: bool = True, **kwargs):
+    def step(self, model_output: Tensor, timestep: int | Tensor, sample: Tensor, *args: Any,
+             generator: torch.Generator | None = None, return_dict: bool = True,
+             **kwargs: Any) -> ConstrainedSchedulerOutput | tuple[Tensor, Tensor]:
         r"""diffusers' ``step`` with the :math:`\hat x_0`-prediction conditioned at the scheduled steps.
 
         Args:
@@ -467,6 +498,7 @@ class ConstrainedScheduler(SchedulerMixin, ConfigMixin):
         only rescale :math:`\hat x_0`)."""
         con = check_image_constraint(self.constraint, sample, owner="ConstrainedScheduler.step")
         box = check_final(self.final, self.box, con)
+        assert self.final is not None and box is not None  # (called for final="box" / "sample_box" only)
         if self._condition_generator is None and self.final == "sample_box":
             self._condition_generator = derive_generator(generator, sample.device)
         scale = resolve_scale(self.scale, t, self.scheduler.betas.to(torch.float64))

@@ -15,6 +15,9 @@ are mutually singular: their KL is ``inf``. When ``q`` and ``p`` describe the sa
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 from torch import Tensor
 from torch.distributions import register_kl
@@ -22,10 +25,18 @@ from torch.distributions import register_kl
 from ..linalg.covariance import trace_inv_mul
 from .normal import ConstrainedNormal
 
+_K = TypeVar("_K", bound=Callable[..., Tensor])
+
+
+def _register_kl(type_p: type, type_q: type) -> Callable[[_K], _K]:
+    """torch's ``register_kl``, typed (torch leaves it unannotated)."""
+    decorator: Callable[[_K], _K] = register_kl(type_p, type_q)
+    return decorator
+
 __all__ = ["kl_constrained_normal"]
 
 
-@register_kl(ConstrainedNormal, ConstrainedNormal)
+@_register_kl(ConstrainedNormal, ConstrainedNormal)
 def kl_constrained_normal(q: ConstrainedNormal, p: ConstrainedNormal) -> Tensor:
     """``KL(q || p)``, shape ``broadcast(q.batch_shape, p.batch_shape)``; ``inf`` across subspaces."""
     if q.event_shape != p.event_shape:

@@ -6,6 +6,8 @@ import contextlib
 import functools
 import math
 import numbers
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Self, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -21,6 +23,18 @@ from ..linalg.conditioning.grouped import grouped_rsample
 from ..linalg.covariance import Covariance, DiagonalCovariance, FullCovariance, LowRankCovariance
 from .losses import gaussian_expected_abs, gaussian_expected_square
 
+if TYPE_CHECKING:
+    from .truncated import TruncatedConstrainedNormal
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+class _OnDevice(Protocol):
+    """A distribution whose methods run under :func:`_full_precision` (its parameters' device)."""
+
+    @property
+    def _unbroadcasted_loc(self) -> Tensor: ...
+
 __all__ = ["ConstrainedNormal", "affine_subspace"]
 
 #: dtypes accepted and computed in float32 (results are returned in the input dtype)
@@ -30,19 +44,19 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 HALF_SUPPORT_RTOL_EPS = 8.0
 
 
-def _full_precision(method):
+def _full_precision(method: _F) -> _F:
     """Run ``method`` with autocast disabled on the parameters' device: under ``torch.autocast`` a float32
     matmul would otherwise run in bfloat16 / float16 and lose the per-row accuracy of the conditioner."""
 
     @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
+    def wrapper(self: _OnDevice, *args: Any, **kwargs: Any) -> Any:
         device_type = self._unbroadcasted_loc.device.type
         guard = (torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type)
                  else contextlib.nullcontext())
         with guard:
             return method(self, *args, **kwargs)
 
-    return wrapper
+    return cast(_F, wrapper)  # (functools.wraps keeps the signature)
 
 
 class _AffineSubspace(constraints.Constraint):
@@ -207,7 +221,7 @@ class ConstrainedNormal(Distribution):
 
     # ------------------------------------------------------------------ parameters
     @property
-    def arg_constraints(self) -> dict:  # type: ignore[override]
+    def arg_constraints(self) -> dict[str, constraints.Constraint]:
         return {"loc": constraints.real_vector, **self.covariance.arg_constraints}
 
     @property
@@ -272,7 +286,7 @@ class ConstrainedNormal(Distribution):
         return (con.k - con.matvec(self._unbroadcasted_loc.to(wide))).to(self.loc.dtype)
 
     @property
-    def mean(self) -> Tensor:  # type: ignore[override]
+    def mean(self) -> Tensor:
         r"""Conditional mean :math:`\bar\mu = \mu + K(k - A\mu)`, ``(*batch, n)``."""
         return self._out(self._mean).expand(self.batch_shape + self.event_shape)
 
@@ -286,7 +300,7 @@ class ConstrainedNormal(Distribution):
         return self.conditioner.variance()
 
     @property
-    def variance(self) -> Tensor:  # type: ignore[override]
+    def variance(self) -> Tensor:
         r"""Conditional marginal variances :math:`\bar\sigma^2_i`, ``(*batch, n)``; 0 where the constraint
         pins a coordinate."""
         return self._out(self._variance).expand(self.batch_shape + self.event_shape)
@@ -303,7 +317,7 @@ class ConstrainedNormal(Distribution):
         return self._out(self.conditioner.covariance_matrix()).expand(self.batch_shape + self.event_shape * 2)
 
     # ------------------------------------------------------------------ sampling
-    def _noise(self, sample_shape: torch.Size | tuple, noise: Tensor | None) -> Tensor:
+    def _noise(self, sample_shape: torch.Size | list[int] | tuple[int, ...], noise: Tensor | None) -> Tensor:
         shape = _sample_shape(sample_shape) + self.batch_shape + (self.noise_size,)
         loc = self._unbroadcasted_loc
         if noise is None:
@@ -319,8 +333,8 @@ class ConstrainedNormal(Distribution):
 
     @_full_precision
     def rsample(
-        self, sample_shape: torch.Size | tuple = (), estimator: str = "pathwise", *,
-        noise: Tensor | None = None, **estimator_kwargs,
+        self, sample_shape: torch.Size | list[int] | tuple[int, ...] = (), estimator: str = "pathwise", *,
+        noise: Tensor | None = None, **estimator_kwargs: Any,
     ) -> Tensor:
         r"""Exact sample of shape ``sample_shape + batch_shape + (n,)``, differentiable.
 
@@ -345,7 +359,7 @@ class ConstrainedNormal(Distribution):
         return z if z.shape == shape else z.expand(shape)
 
     @_full_precision
-    def sample(self, sample_shape: torch.Size | tuple = ()) -> Tensor:
+    def sample(self, sample_shape: torch.Size | list[int] | tuple[int, ...] = ()) -> Tensor:
         """Exact sample without gradient; uses the cached factorisation."""
         sample_shape = _sample_shape(sample_shape)
         cond = self.conditioner
@@ -367,12 +381,13 @@ class ConstrainedNormal(Distribution):
                     "non-positive scale is rejected at construction."
                 )
             self._logdet_checked = True
-        return -0.5 * ((n - a) * LOG_2PI + plane_logdet)
+        out: Tensor = -0.5 * ((n - a) * LOG_2PI + plane_logdet)
+        return out
 
     def _as_event(self, name: str, value: object) -> Tensor:
         """``value`` checked as a floating tensor ``(..., n)`` that broadcasts with ``batch_shape + (n,)``, on the
         parameters' device, in the compute dtype; raises ``TypeError``/``ValueError`` naming ``name``."""
-        check_tensor(name, value, min_dim=1)
+        value = check_tensor(name, value, min_dim=1)
         if not value.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got dtype {value.dtype}; cast it first "
                             f"(e.g. {name}.to({self.result_dtype})).")
@@ -469,7 +484,7 @@ class ConstrainedNormal(Distribution):
 
     # ------------------------------------------------------------------ bounds
     def truncate(self, lower: Tensor | float | None = None, upper: Tensor | float | None = None,
-                 **kwargs) -> "TruncatedConstrainedNormal":  # noqa: F821
+                 **kwargs: Any) -> TruncatedConstrainedNormal:
         r"""This law restricted to the box ``lower <= z <= upper``: a :class:`~hardeq.TruncatedConstrainedNormal`
         (exactly feasible samples, the mode in the box, the restricted density).
 
@@ -487,7 +502,7 @@ class ConstrainedNormal(Distribution):
         return TruncatedConstrainedNormal(self, lower, upper, **kwargs)
 
     # ------------------------------------------------------------------ plumbing
-    def expand(self, batch_shape: torch.Size | tuple, _instance=None) -> "ConstrainedNormal":
+    def expand(self, batch_shape: torch.Size | list[int] | tuple[int, ...], _instance: Self | None = None) -> Self:
         batch_shape = _sample_shape(batch_shape, "batch_shape")
         try:
             ok = torch.broadcast_shapes(batch_shape, self.batch_shape) == batch_shape
@@ -497,7 +512,8 @@ class ConstrainedNormal(Distribution):
             raise ValueError(f"batch_shape must be a shape that {tuple(self.batch_shape)} (this batch_shape) expands "
                              f"to, got {tuple(batch_shape)}.")
         n = self.event_shape[0]
-        new = self._get_checked_instance(ConstrainedNormal, _instance)
+        new: Self = self._get_checked_instance(  # type: ignore[no-untyped-call]  # torch: unannotated helper
+            ConstrainedNormal, _instance)
         new.constraint = self.constraint.expand(batch_shape)
         new.covariance = self.covariance
         new._unbroadcasted_loc = self._unbroadcasted_loc.expand(batch_shape + (n,))
@@ -519,13 +535,14 @@ def _broadcast_shapes(*shapes: torch.Size) -> torch.Size:
     first = shapes[0]
     if all(s == first or not s for s in shapes[1:]):
         return torch.Size(first)
-    return torch.broadcast_shapes(*shapes)
+    shape: torch.Size = torch.broadcast_shapes(*shapes)
+    return shape
 
 
 def _sample_shape(sample_shape: object, name: str = "sample_shape") -> torch.Size:
     """``sample_shape`` as a ``torch.Size`` of non-negative ints, or ``TypeError`` / ``ValueError`` naming it."""
     try:
-        shape = torch.Size(sample_shape)
+        shape = torch.Size(cast("Iterable[int]", sample_shape))  # (anything else: TypeError, reported below)
     except (TypeError, ValueError):
         raise TypeError(f"{name} must be a tuple (or torch.Size) of ints, got {sample_shape!r}.") from None
     if any(s < 0 for s in shape):
@@ -599,7 +616,7 @@ def _scale_tril_from(n: int, covariance_matrix: Tensor | None, precision_matrix:
     that is not positive definite."""
     name, M = ("covariance_matrix", covariance_matrix) if covariance_matrix is not None else \
         ("precision_matrix", precision_matrix)
-    check_tensor(name, M, min_dim=2)
+    M = check_tensor(name, M, min_dim=2)
     if M.shape[-2:] != (n, n):
         raise ValueError(f"{name} must have shape (..., n, n) with n = loc.shape[-1] = {n}, got {tuple(M.shape)}.")
     if validate:
@@ -610,6 +627,7 @@ def _scale_tril_from(n: int, covariance_matrix: Tensor | None, precision_matrix:
     if M.dtype in HALF_DTYPES:  # factorised in float32, the precision half-precision distributions compute in
         M = M.to(torch.float32)
     flipped = M if name == "covariance_matrix" else M.flip(-2, -1)
+    factor: Tensor
     factor, info = torch.linalg.cholesky_ex(flipped)
     if not is_tracing() and bool((info != 0).any()):
         where = tuple(int(i) for i in (info != 0).nonzero()[0]) if info.dim() else ()
@@ -621,4 +639,5 @@ def _scale_tril_from(n: int, covariance_matrix: Tensor | None, precision_matrix:
         return factor
     lower_t = factor.flip(-2, -1).mT  # U^T, lower triangular
     eye = torch.eye(n, dtype=M.dtype, device=M.device)
-    return torch.linalg.solve_triangular(lower_t, eye, upper=False)  # (U^T)^{-1} = U^{-T}
+    inverse: Tensor = torch.linalg.solve_triangular(lower_t, eye, upper=False)  # (U^T)^{-1} = U^{-T}
+    return inverse

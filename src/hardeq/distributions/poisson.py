@@ -3,7 +3,7 @@ r"""Independent Poissons conditioned on their (grouped) sums: products of multin
 from __future__ import annotations
 
 import numbers
-from typing import NamedTuple
+from typing import Any, NamedTuple, Self
 
 import torch
 from torch import Tensor
@@ -19,7 +19,7 @@ from ..ops.binomial import _bd0, _stirlerr, binomial_log_pmf  # entropy: Loader'
 
 __all__ = ["ENTROPY_MAX_TERMS", "ConstrainedPoisson", "grouped_multinomial"]
 
-_size = torch.Size | tuple[int, ...]
+_size = torch.Size | list[int] | tuple[int, ...]
 
 #: Largest number of binomial pmf terms :meth:`ConstrainedPoisson.entropy` sums in one call (over all
 #: coordinates and batch elements); beyond, ``ValueError``.
@@ -220,8 +220,9 @@ class ConstrainedPoisson(Distribution):
             check_finite("rate", rate)
 
     # ------------------------------------------------------------------------------------------ shapes
-    def expand(self, batch_shape: _size, _instance=None) -> ConstrainedPoisson:
-        new = self._get_checked_instance(ConstrainedPoisson, _instance)
+    def expand(self, batch_shape: _size, _instance: Self | None = None) -> Self:
+        new: Self = self._get_checked_instance(  # type: ignore[no-untyped-call]  # torch: unannotated helper
+            ConstrainedPoisson, _instance)
         batch_shape = torch.Size(batch_shape)
         n = self.event_shape[0]
         new.index = self.index
@@ -476,7 +477,8 @@ class ConstrainedPoisson(Distribution):
         p = group_probs(rate.to(torch.float64), self.index, self.num_groups)
         k = gather(total.to(torch.float64), self.index)
         p, k = torch.broadcast_tensors(p, k)  # shape: (*batch, n)
-        expected = _ExpectedNegLogPoisson.apply(k.detach(), p)
+        expected: Tensor = _ExpectedNegLogPoisson.apply(  # type: ignore[no-untyped-call]  # torch: apply unannotated
+            k.detach(), p)
         k_group = total.to(torch.float64).detach()
         ks = k_group.clamp(min=1)
         log_poi_kk = torch.where(k_group >= 1, -_stirlerr(ks) - 0.5 * torch.log(2 * torch.pi * ks), 0.0)
@@ -667,7 +669,7 @@ class _ExpectedNegLogPoisson(torch.autograd.Function):
     :math:`\mathrm{Cov}(T(Z), Z) / (p(1 - p))`, 0 where :math:`p \in \{0, 1\}` (a point mass)."""
 
     @staticmethod
-    def forward(ctx, k: Tensor, p: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, k: Tensor, p: Tensor) -> Tensor:
         shape = p.shape
         k, p = k.reshape(-1), p.detach().reshape(-1)
         lo, hi = _entropy_window(k, p)
@@ -703,6 +705,6 @@ class _ExpectedNegLogPoisson(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_output: Tensor):  # type: ignore[override]
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[None, Tensor]:
         (slope,) = ctx.saved_tensors
         return None, grad_output * slope

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Any, Self
 
 import torch
 from torch import Tensor
@@ -37,7 +38,8 @@ class _BoxOnPlane(constraints.Constraint):
 
     def check(self, value: Tensor) -> Tensor:
         v = value.to(self.lower.dtype)
-        return ((v >= self.lower) & (v <= self.upper)).all(-1) & self.plane.check(value)
+        on_plane: Tensor = self.plane.check(value)
+        return ((v >= self.lower) & (v <= self.upper)).all(-1) & on_plane
 
     def __repr__(self) -> str:
         return f"BoxOnPlane({self.plane!r})"
@@ -105,7 +107,7 @@ class TruncatedConstrainedNormal(Distribution):
         (True, True)
     """
 
-    arg_constraints: dict = {}  # noqa: RUF012
+    arg_constraints: dict[str, constraints.Constraint] = {}  # noqa: RUF012
     has_rsample = False
 
     def __init__(self, base: ConstrainedNormal, lower: Tensor | float | None = None,
@@ -135,7 +137,7 @@ class TruncatedConstrainedNormal(Distribution):
         self.normaliser_samples = normaliser_samples
         self.grad_samples = grad_samples
         self.pilot_samples = pilot_samples
-        self._cache: dict = {}
+        self._cache: dict[str, Any] = {}  # "direction", "mc", "pilot", ...: computed once
         super().__init__(base.batch_shape, base.event_shape, validate_args=False)
         self._validate_args = base._validate_args if validate_args is None else bool(validate_args)
         if self.free_dim == 1:
@@ -188,7 +190,8 @@ class TruncatedConstrainedNormal(Distribution):
         """The unit null vector of ``A`` (``n - a == 1``), computed once."""
         if "direction" not in self._cache:
             self._cache["direction"] = null_direction(self.base.constraint).detach()
-        return self._cache["direction"]
+        direction: Tensor = self._cache["direction"]
+        return direction
 
     @torch.no_grad()
     def _count_in_box(self, num: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -211,7 +214,8 @@ class TruncatedConstrainedNormal(Distribution):
     def _mc(self) -> tuple[Tensor, Tensor, Tensor]:
         if "mc" not in self._cache:
             self._cache["mc"] = self._count_in_box(self.normaliser_samples)
-        return self._cache["mc"]
+        mc: tuple[Tensor, Tensor, Tensor] = self._cache["mc"]
+        return mc
 
     @property
     @_full_precision
@@ -241,7 +245,8 @@ class TruncatedConstrainedNormal(Distribution):
                 return self.log_normaliser.detach().to(torch.float64).exp()
         if "pilot" not in self._cache:
             self._cache["pilot"] = self._count_in_box(self.pilot_samples)[2]
-        return self._cache["pilot"]
+        pilot: Tensor = self._cache["pilot"]
+        return pilot
 
     def _needs_grad(self) -> bool:
         base = self.base
@@ -293,13 +298,14 @@ class TruncatedConstrainedNormal(Distribution):
         return torch.where(inside, out, torch.full_like(out, -float("inf")))
 
     # ------------------------------------------------------------------ sampling
-    def sample(self, sample_shape: torch.Size | tuple = (), method: str = "auto", **kwargs) -> Tensor:
+    def sample(self, sample_shape: torch.Size | list[int] | tuple[int, ...] = (), method: str = "auto",
+               **kwargs: Any) -> Tensor:
         """Draws of shape ``sample_shape + batch_shape + (n,)``, every one feasible exactly (class docstring);
         :meth:`sample_with_info` for the arguments and for the method used and its diagnostics."""
         return self.sample_with_info(sample_shape, method, **kwargs).samples
 
     @_full_precision
-    def sample_with_info(self, sample_shape: torch.Size | tuple = (), method: str = "auto", *,
+    def sample_with_info(self, sample_shape: torch.Size | list[int] | tuple[int, ...] = (), method: str = "auto", *,
                          chains: int | None = None, burn_in: int = 100, thin: int = 1,
                          travel_time: tuple[float, float] | None = None, threshold: float = AUTO_THRESHOLD,
                          max_draws: int | None = None, generator: torch.Generator | None = None) -> TruncatedSamples:
@@ -342,8 +348,9 @@ class TruncatedConstrainedNormal(Distribution):
         return out
 
     @torch.no_grad()
-    def _sample_compute(self, sample_shape, method: str, *, chains: int | None = None, burn_in: int = 100,
-                        thin: int = 1, travel_time=None, threshold: float = AUTO_THRESHOLD,
+    def _sample_compute(self, sample_shape: object, method: str, *, chains: int | None = None, burn_in: int = 100,
+                        thin: int = 1, travel_time: tuple[float, float] | None = None,
+                        threshold: float = AUTO_THRESHOLD,
                         max_draws: int | None = None, generator: torch.Generator | None = None) -> TruncatedSamples:
         sample_shape = _sample_shape(sample_shape)
         if method not in METHODS:
@@ -365,7 +372,7 @@ class TruncatedConstrainedNormal(Distribution):
             raise ValueError(f"chains must be a positive int, got {chains!r}.")
         per_chain = max(1, math.ceil(num / chains))
         start = self.mode.to(self._lo.dtype).expand((chains,) + batch + (n,))
-        kwargs = {} if travel_time is None else {"travel_time": travel_time}
+        kwargs: dict[str, Any] = {} if travel_time is None else {"travel_time": travel_time}
         res = exact_hmc(self.base, self._lo, self._hi, start, num_samples=per_chain, burn_in=burn_in, thin=thin,
                         generator=generator, **kwargs)
         z = res.samples.reshape((per_chain * chains,) + batch + (n,))[:num]
@@ -373,7 +380,7 @@ class TruncatedConstrainedNormal(Distribution):
         return TruncatedSamples(z.reshape(sample_shape + batch + (n,)), "hmc", None, res.ess, res.rhat)
 
     # ------------------------------------------------------------------ plumbing
-    def expand(self, batch_shape: torch.Size | tuple, _instance=None) -> "TruncatedConstrainedNormal":
+    def expand(self, batch_shape: torch.Size | list[int] | tuple[int, ...], _instance: Self | None = None) -> Self:
         """The same law with ``batch_shape`` expanded (the base's :meth:`~ConstrainedNormal.expand` and the bounds
         expanded; the feasibility checks are repeated, O(n a)); a subclass expands to its own class."""
         batch_shape = _sample_shape(batch_shape, "batch_shape")

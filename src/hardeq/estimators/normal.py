@@ -26,6 +26,7 @@ Returns a tensor of shape ``(*sample, *batch, n)``. The ``constrained_layer`` es
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -179,13 +180,13 @@ class _RandomGradient(torch.autograd.Function):
     """Identity on the detached sample; the backward returns N(0, I) for every parameter needing grad."""
 
     @staticmethod
-    def forward(ctx, z, *params):
+    def forward(ctx: Any, z: Tensor, *params: Tensor | None) -> Tensor:
         ctx.shapes = [None if p is None else (p.shape, p.dtype, p.device) for p in params]
         return z.clone()
 
     @staticmethod
-    def backward(ctx, grad_out):
-        grads = [None]
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        grads: list[Tensor | None] = [None]
         for needs, spec in zip(ctx.needs_input_grad[1:], ctx.shapes):
             if needs and spec is not None:
                 shape, dtype, device = spec
@@ -202,4 +203,6 @@ def random(cond: Conditioner, loc: Tensor, noise: Tensor) -> Tensor:
     estimator in any sense; its expected cosine with the true gradient is 0.
     """
     z = _detached_sample(cond, loc, noise)
-    return _RandomGradient.apply(z, loc, *cond.cov.tensors())
+    out: Tensor = _RandomGradient.apply(  # type: ignore[no-untyped-call]  # torch: Function.apply unannotated
+        z, loc, *cond.cov.tensors())
+    return out

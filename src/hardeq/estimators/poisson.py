@@ -31,6 +31,8 @@ distribution validates them); only shapes are checked here.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
@@ -156,13 +158,13 @@ class _RandomGradient(torch.autograd.Function):
     """Identity on the (detached) sample; the backward returns N(0, I) noise of ``rate``'s shape."""
 
     @staticmethod
-    def forward(ctx, rate: Tensor, sample: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, rate: Tensor, sample: Tensor) -> Tensor:
         ctx.rate_spec = (rate.shape, rate.dtype, rate.device)
         return sample.clone()
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_output: Tensor):  # type: ignore[override]
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, None]:
         shape, dtype, device = ctx.rate_spec
         grad_rate = torch.randn(shape, dtype=dtype, device=device) if ctx.needs_input_grad[0] else None
         return grad_rate, None
@@ -179,4 +181,6 @@ def poisson_random(rate: Tensor, total: Tensor, sample: Tensor, *, index: Tensor
         sample: ``(*sample, *batch, n)``; returns ``(*sample, *batch, n)``; ``rate.grad``: ``rate.shape``.
     """
     _check_shapes(rate, total, sample, index)
-    return _RandomGradient.apply(rate, sample.detach())
+    out: Tensor = _RandomGradient.apply(  # type: ignore[no-untyped-call]  # torch: Function.apply unannotated
+        rate, sample.detach())
+    return out

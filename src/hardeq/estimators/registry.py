@@ -8,7 +8,12 @@ sample in the forward pass; estimators differ only in their backward pass. Two f
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, TypeVar
+
+from torch import Tensor
+
+#: an estimator function: plain tensors in, the sample out
+_E = TypeVar("_E", bound=Callable[..., Tensor])
 
 __all__ = ["Estimator", "register_estimator", "get_estimator", "available_estimators", "ESTIMATORS"]
 
@@ -26,10 +31,10 @@ class Estimator:
 
     name: str
     family: str
-    fn: Callable
+    fn: Callable[..., Tensor]
     exact: bool
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
         return self.fn(*args, **kwargs)
 
 
@@ -44,7 +49,7 @@ def _family(family: object) -> dict[str, Estimator]:
     return ESTIMATORS[family]
 
 
-def register_estimator(name: str, *, family: str = "normal", exact: bool = False) -> Callable:
+def register_estimator(name: str, *, family: str = "normal", exact: bool = False) -> Callable[[_E], _E]:
     """Decorator registering ``fn`` under ``name`` in ``family`` (``"normal"`` or ``"poisson"``).
 
     Examples:
@@ -62,7 +67,7 @@ def register_estimator(name: str, *, family: str = "normal", exact: bool = False
     """
     registry = _family(family)
 
-    def decorator(fn: Callable) -> Callable:
+    def decorator(fn: _E) -> _E:
         if name in registry:
             raise ValueError(f"estimator {name!r} is already registered for family {family!r}.")
         registry[name] = Estimator(name, family, fn, exact)

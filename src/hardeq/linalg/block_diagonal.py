@@ -116,6 +116,7 @@ class BlockDiagonalCovariance(Covariance):
             Dinv_W = W / self.scale.square().unsqueeze(-1)
             cap = self._sum_rows(Dinv_W.unsqueeze(-1) * W.unsqueeze(-2))
             self._cap_tril = torch.linalg.cholesky(cap + torch.eye(self.rank, dtype=W.dtype, device=W.device))
+        assert self._cap_tril is not None  # (set just above when missing)
         return self._cap_tril
 
     # ------------------------------------------------------------------ the six methods
@@ -155,7 +156,8 @@ class BlockDiagonalCovariance(Covariance):
         var = self.scale.square()
         M = torch.linalg.solve_triangular(self._gather_rows(self.capacitance_tril),
                                           (self.cov_factor / var.unsqueeze(-1)).unsqueeze(-1), upper=False)
-        return 1 / var - M.square().sum((-2, -1))
+        out: Tensor = 1 / var - M.square().sum((-2, -1))
+        return out
 
     def diag_part(self) -> Tensor | None:
         return self.scale.square()
@@ -181,6 +183,7 @@ def _trace_block_pair(p: BlockDiagonalCovariance, q: BlockDiagonalCovariance) ->
     with :math:`\Sigma_p^{-1}` applied to the compact (group-local) columns of :math:`W_q`: O(n r^2)."""
     if p.index is not q.index and not torch.equal(p.index, q.index):
         d, V = q.diag_part(), q.factor_part()
+        assert d is not None and V is not None  # (a block-diagonal covariance has both parts)
         return (p.inv_diagonal() * d).sum(-1) + p.inv_quad_matrix(V)
     return (p.inv_diagonal() * q.scale.square()).sum(-1) + (q.cov_factor * p.inv_matmul(q.cov_factor)).sum((-2, -1))
 

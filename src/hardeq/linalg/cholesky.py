@@ -24,6 +24,7 @@ def psd_cholesky(matrix: Tensor, *, name: str = "A Sigma A^T") -> Tensor:
     """
     if not bool(torch.isfinite(matrix).all()):
         raise NotPSDError(f"{name} has NaN/inf entries (shape {tuple(matrix.shape)}); check the inputs.")
+    factor: Tensor
     factor, info = torch.linalg.cholesky_ex(matrix)
     if bool((info > 0).any()):
         flat = info.reshape(-1)

@@ -30,7 +30,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 import math
 from functools import lru_cache
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 from torch import Tensor
@@ -94,7 +94,7 @@ class Covariance(ABC):
     batch_shape: torch.Size
     #: the parameters' names and their ``torch.distributions.constraints``, in the order of :meth:`tensors`
     #: (what ``arg_constraints`` reports; ``event_dim`` of each says how many trailing dimensions are not batch)
-    arg_constraints: dict = {}  # noqa: RUF012
+    arg_constraints: dict[str, constraints.Constraint] = {}  # noqa: RUF012
 
     # ------------------------------------------------------------------ the six abstract methods
     @abstractmethod
@@ -335,6 +335,7 @@ class DiagonalCovariance(Covariance):
         ``no_grad`` and a gradient is needed now)."""
         if stale_without_graph(self._variance, self.scale):
             self._variance = self.scale * self.scale
+        assert self._variance is not None  # (set just above when missing)
         return self._variance
 
     def tensors(self) -> tuple[Tensor, ...]:
@@ -355,7 +356,8 @@ class DiagonalCovariance(Covariance):
     def sqrt_matmul(self, X: Tensor) -> Tensor:
         return self.scale.unsqueeze(-1) * X
 
-    sqrt_t_matmul = sqrt_matmul
+    def sqrt_t_matmul(self, Y: Tensor) -> Tensor:  # F = diag(sigma) is symmetric
+        return self.sqrt_matmul(Y)
 
     def dense(self) -> Tensor:
         return torch.diag_embed(self.variance)
@@ -477,17 +479,20 @@ class FullCovariance(Covariance):
 
     def inv_matmul(self, X: Tensor) -> Tensor:
         Y = torch.linalg.solve_triangular(self.scale_tril, X, upper=False)
-        return torch.linalg.solve_triangular(self.scale_tril.mT, Y, upper=True)
+        out: Tensor = torch.linalg.solve_triangular(self.scale_tril.mT, Y, upper=True)
+        return out
 
     def inv_quad(self, x: Tensor) -> Tensor:
         return self._whiten(x).square().sum(-1)
 
     def inv_quad_matrix(self, X: Tensor) -> Tensor:
-        return torch.linalg.solve_triangular(self.scale_tril, X, upper=False).square().sum((-2, -1))
+        W: Tensor = torch.linalg.solve_triangular(self.scale_tril, X, upper=False)
+        return W.square().sum((-2, -1))
 
     def inv_diagonal(self) -> Tensor:
         eye = torch.eye(self.event_size, dtype=self.scale_tril.dtype, device=self.scale_tril.device)
-        return torch.linalg.solve_triangular(self.scale_tril, eye, upper=False).square().sum(-2)
+        W: Tensor = torch.linalg.solve_triangular(self.scale_tril, eye, upper=False)
+        return W.square().sum(-2)
 
     def logdet(self) -> Tensor:
         return 2 * self.scale_tril.diagonal(dim1=-2, dim2=-1).abs().log().sum(-1)  # LL^T: only |L_ii| enters
@@ -560,6 +565,7 @@ class LowRankCovariance(Covariance):
             cap = (W.mT / self.cov_diag.unsqueeze(-2)) @ W
             cap = cap + torch.eye(self.rank, dtype=W.dtype, device=W.device)
             self._cap_tril = torch.linalg.cholesky_ex(cap).L if is_tracing() else torch.linalg.cholesky(cap)
+        assert self._cap_tril is not None  # (set just above when missing)
         return self._cap_tril
 
     def diagonal(self) -> Tensor:
@@ -613,14 +619,15 @@ class LowRankCovariance(Covariance):
 
     def inv_quad_matrix(self, X: Tensor) -> Tensor:
         Dinv_X = X / self.cov_diag.unsqueeze(-1)
-        M = torch.linalg.solve_triangular(self.capacitance_tril, self.cov_factor.mT @ Dinv_X, upper=False)
+        M: Tensor = torch.linalg.solve_triangular(self.capacitance_tril, self.cov_factor.mT @ Dinv_X, upper=False)
         return (X * Dinv_X).sum((-2, -1)) - M.square().sum((-2, -1))
 
     def inv_diagonal(self) -> Tensor:
         # diag(D^{-1} W C^{-1} W^T D^{-1}) = column norms of L_C^{-1} W^T D^{-1}
         Dinv_W = self.cov_factor / self.cov_diag.unsqueeze(-1)
         M = torch.linalg.solve_triangular(self.capacitance_tril, Dinv_W.mT, upper=False)  # (r, n)
-        return 1 / self.cov_diag - M.square().sum(-2)
+        out: Tensor = 1 / self.cov_diag - M.square().sum(-2)
+        return out
 
     def logdet(self) -> Tensor:
         cap_logdet = 2 * self.capacitance_tril.diagonal(dim1=-2, dim2=-1).log().sum(-1)
@@ -665,9 +672,11 @@ def _diag_sandwich(A: Tensor, scale: Tensor, variance: Callable[[], Tensor]) -> 
 # ---------------------------------------------------------------------------------------- pairwise dispatch
 
 _TRACE_REGISTRY: dict[tuple[type, type], Callable[[Covariance, Covariance], Tensor]] = {}
+#: a registered trace function (its parameters may be narrower Covariance subclasses)
+_TraceFn = TypeVar("_TraceFn", bound=Callable[..., Tensor])
 
 
-def register_trace_inv_mul(type_p: type, type_q: type) -> Callable:
+def register_trace_inv_mul(type_p: type, type_q: type) -> Callable[[_TraceFn], _TraceFn]:
     r"""Decorator registering ``fn(p, q)`` computing :math:`\mathrm{tr}(\Sigma_p^{-1}\Sigma_q)` for a pair of
     covariance types (most specific match wins, as in :func:`torch.distributions.register_kl`).
 
@@ -682,7 +691,7 @@ def register_trace_inv_mul(type_p: type, type_q: type) -> Callable:
         tensor(3.)
     """
 
-    def decorator(fn: Callable[[Covariance, Covariance], Tensor]) -> Callable:
+    def decorator(fn: _TraceFn) -> _TraceFn:
         _TRACE_REGISTRY[type_p, type_q] = fn
         _dispatch_trace.cache_clear()
         return fn
@@ -710,10 +719,10 @@ def trace_inv_mul(p: Covariance, q: Covariance) -> Tensor:
 def _trace_generic(p: Covariance, q: Covariance) -> Tensor:
     # Sigma_q = diag(d) + V V^T  =>  tr(Sigma_p^-1 Sigma_q) = <diag Sigma_p^-1, d> + tr(V^T Sigma_p^-1 V)
     d, V = q.diag_part(), q.factor_part()
-    out = (p.inv_diagonal() * d).sum(-1) if d is not None else 0
+    out: Tensor | int = (p.inv_diagonal() * d).sum(-1) if d is not None else 0
     if V is not None:
         out = out + p.inv_quad_matrix(V)
-    return out
+    return torch.as_tensor(out) if isinstance(out, int) else out
 
 
 @register_trace_inv_mul(DiagonalCovariance, Covariance)

@@ -17,8 +17,9 @@ def tri_solve_vec(tri: Tensor, rhs: Tensor, *, upper: bool) -> Tensor:
     num_batch = tri.dim() - 2
     extra = rhs.dim() - 1 - num_batch
     if extra <= 0:
-        return torch.linalg.solve_triangular(tri, rhs.unsqueeze(-1), upper=upper).squeeze(-1)
+        solved: Tensor = torch.linalg.solve_triangular(tri, rhs.unsqueeze(-1), upper=upper)
+        return solved.squeeze(-1)
     sample_shape = rhs.shape[:extra]
     cols = rhs.reshape((sample_shape.numel(),) + rhs.shape[extra:]).movedim(0, -1)  # (*batch, a, s); a may be 0
-    out = torch.linalg.solve_triangular(tri, cols, upper=upper).movedim(-1, 0)
+    out: Tensor = torch.linalg.solve_triangular(tri, cols, upper=upper).movedim(-1, 0)
     return out.reshape(sample_shape + out.shape[1:])

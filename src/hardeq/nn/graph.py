@@ -27,6 +27,8 @@ PyG is not needed here: any GNN that yields node features and a ``batch`` vector
 from __future__ import annotations
 
 import math
+from types import EllipsisType
+from typing import TYPE_CHECKING, Self
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +40,9 @@ from .._utils import LOG_2PI, is_tracing
 from ..constraints import SumConstraint
 from ..distributions.normal import HALF_DTYPES, ConstrainedNormal
 from .heads import check_bound, check_bounds, truncate
+
+if TYPE_CHECKING:
+    from ..distributions.truncated import TruncatedConstrainedNormal
 
 __all__ = ["GraphGaussianHead", "GraphNormal", "graph_normal", "per_graph_log_prob", "variance_weighted_correction"]
 
@@ -120,8 +125,9 @@ class GraphNormal(ConstrainedNormal):
         self.graph_index, self.num_graphs = batch, G
         self._node_variance = variance.to(torch.float32) if variance.dtype in HALF_DTYPES else variance
 
-    def expand(self, batch_shape: torch.Size | tuple, _instance=None) -> GraphNormal:
-        new = self._get_checked_instance(GraphNormal, _instance)
+    def expand(self, batch_shape: torch.Size | list[int] | tuple[int, ...], _instance: Self | None = None) -> Self:
+        new: Self = self._get_checked_instance(  # type: ignore[no-untyped-call]  # torch: unannotated helper
+            GraphNormal, _instance)
         new = super().expand(batch_shape, _instance=new)
         new.graph_index, new.num_graphs, new._node_variance = self.graph_index, self.num_graphs, self._node_variance
         return new
@@ -338,6 +344,9 @@ class GraphGaussianHead(nn.Module):
                 raise ValueError(f"total must have shape (), (1,) or (num_graphs,), got {tuple(total.shape)}.")
             else:
                 total = total.detach().clone()
+        self.total: Tensor | None  # buffers (typed here: nn.Module's attribute lookup says Tensor | Module)
+        self.lower: Tensor | None
+        self.upper: Tensor | None
         self.register_buffer("total", total)
         lower = check_bound(lower, "lower", None, "GraphGaussianHead")
         upper = check_bound(upper, "upper", None, "GraphGaussianHead")
@@ -365,8 +374,8 @@ class GraphGaussianHead(nn.Module):
         return loc, F.softplus(raw) + self.min_variance
 
     def forward(self, h: Tensor, batch: Tensor, total: Tensor | float | None = None, *,
-                num_graphs: int | None = None, lower: Tensor | float | None = ...,
-                upper: Tensor | float | None = ...):
+                num_graphs: int | None = None, lower: Tensor | float | EllipsisType | None = ...,
+                upper: Tensor | float | EllipsisType | None = ...) -> GraphNormal | TruncatedConstrainedNormal:
         """The :class:`GraphNormal` of the nodes ``h`` ``(N, in_features)`` of the graphs ``batch`` ``(N,)`` with
         totals ``total`` (default: the head's, else 0); truncated to ``[lower, upper]`` when a bound is in force
         (``lower`` / ``upper``: a number or ``(N,)``, replacing the head's for this call; ``None``: no such

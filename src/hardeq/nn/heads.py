@@ -4,6 +4,8 @@ r"""Regression heads that return a :class:`~hardeq.ConstrainedNormal`, or with b
 from __future__ import annotations
 
 import numbers
+from types import EllipsisType
+from typing import TYPE_CHECKING, SupportsFloat, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +13,11 @@ from torch import Tensor, nn
 
 from ..constraints import EqualityConstraint, LinearConstraint, SumConstraint
 from ..distributions.normal import ConstrainedNormal
+
+if TYPE_CHECKING:
+    from ..distributions.truncated import TruncatedConstrainedNormal
+
+_N = TypeVar("_N", bound=ConstrainedNormal)
 
 __all__ = ["ConstrainedGaussianHead"]
 
@@ -56,7 +63,7 @@ def check_bounds(lower: Tensor | None, upper: Tensor | None, owner: str) -> None
                          f"{list(i)}.")
 
 
-def truncate(dist: ConstrainedNormal, lower: Tensor | None, upper: Tensor | None):
+def truncate(dist: _N, lower: Tensor | None, upper: Tensor | None) -> _N | TruncatedConstrainedNormal:
     """``dist`` itself when neither bound is given, else ``dist.truncate(lower, upper)`` with the bounds in the
     distribution's dtype and device."""
     if lower is None and upper is None:
@@ -144,6 +151,11 @@ class ConstrainedGaussianHead(nn.Module):
                  min_scale: float = 1e-4, lower: Tensor | float | None = None,
                  upper: Tensor | float | None = None) -> None:
         super().__init__()
+        self.constraint_matrix: Tensor | None  # buffers (typed here: nn.Module's attribute lookup says Tensor | Module)
+        self.index: Tensor | None
+        self.constraint_value: Tensor | None
+        self.lower: Tensor | None
+        self.upper: Tensor | None
         if (constraint_matrix is None) == (index is None):
             raise ValueError("pass exactly one of constraint_matrix (dense A) and index (group sums).")
         if not min_scale > 0:
@@ -158,6 +170,7 @@ class ConstrainedGaussianHead(nn.Module):
             self.register_buffer("constraint_matrix", constraint_matrix.clone())
             self.index = None
         else:
+            assert index is not None  # (exactly one of the two was checked above)
             groups = int(index.max()) + 1 if isinstance(index, Tensor) and index.numel() else 0
             SumConstraint(index, torch.zeros(groups))  # validates index
             if index.shape[0] != out_features:
@@ -182,6 +195,7 @@ class ConstrainedGaussianHead(nn.Module):
     def num_constraints(self) -> int:
         if self.constraint_matrix is not None:
             return self.constraint_matrix.shape[-2]
+        assert self.index is not None  # (a head has a constraint_matrix or an index)
         return int(self.index.max()) + 1
 
     def constraint(self, constraint_value: Tensor | float | None = None) -> EqualityConstraint:
@@ -190,6 +204,7 @@ class ConstrainedGaussianHead(nn.Module):
         k = self._resolve(constraint_value, torch.Size())
         if self.constraint_matrix is not None:
             return LinearConstraint(self.constraint_matrix.to(k.dtype), k, validate_args=False)
+        assert self.index is not None  # (a head has a constraint_matrix or an index)
         return SumConstraint(self.index, k, validate_args=False)
 
     def _resolve(self, constraint_value: Tensor | float | None, batch: torch.Size,
@@ -207,7 +222,8 @@ class ConstrainedGaussianHead(nn.Module):
         return _right_hand_side(constraint_value, self.num_constraints, batch, dtype, device, "")
 
     def forward(self, features: Tensor, constraint_value: Tensor | float | None = None, *,
-                lower: Tensor | float | None = ..., upper: Tensor | float | None = ...):
+                lower: Tensor | float | EllipsisType | None = ..., upper: Tensor | float | EllipsisType | None = ...
+                ) -> ConstrainedNormal | TruncatedConstrainedNormal:
         """The distribution of the outputs given ``features`` ``(*batch, in_features)`` and the right-hand side
         (default: the fixed one). ``lower`` / ``upper`` replace the head's bounds for this call (``None``: no such
         bound; omitted: the head's). Returns a :class:`~hardeq.ConstrainedNormal`, or a
@@ -247,7 +263,7 @@ def _right_hand_side(value: object, a: int, batch: torch.Size, dtype: torch.dtyp
     a number, ``()`` or a last dimension of 1 is repeated over the ``a`` rows; its batch dimensions must
     broadcast with ``batch``. ``TypeError`` / ``ValueError`` naming ``constraint_value`` and the shapes."""
     if isinstance(value, numbers.Number) and not isinstance(value, bool):
-        return torch.full((a,), float(value), dtype=dtype, device=device)
+        return torch.full((a,), float(cast(SupportsFloat, value)), dtype=dtype, device=device)  # (complex: TypeError)
     if not isinstance(value, Tensor) or value.dtype == torch.bool or value.is_complex():
         what = value.dtype if isinstance(value, Tensor) else type(value).__name__
         raise TypeError(f"constraint_value must be a Python number or a floating / integer torch.Tensor, got {what}.")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import SupportsFloat, cast
 
 import torch
 from torch import Tensor, nn
@@ -237,7 +238,8 @@ def _as_right_hand_side(value: object, a: int, like: Tensor) -> Tensor:
     """``constraint_value`` (a number or a floating / integer tensor) as ``(..., a)`` in ``like``'s dtype / device;
     a number, ``()`` or a last dimension of 1 is shared by the ``a`` rows."""
     if isinstance(value, numbers.Number) and not isinstance(value, bool):
-        return torch.full((a,), float(value), dtype=like.dtype, device=like.device)
+        return torch.full((a,), float(cast(SupportsFloat, value)), dtype=like.dtype,  # (complex: TypeError)
+                          device=like.device)
     if not isinstance(value, Tensor) or value.dtype == torch.bool or value.is_complex():
         what = value.dtype if isinstance(value, Tensor) else type(value).__name__
         raise TypeError(f"constraint_value must be a Python number or a floating / integer torch.Tensor, got {what}.")

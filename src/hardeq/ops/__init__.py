@@ -17,7 +17,7 @@ from .binomial import (
     BINOMIAL_CHUNK,
     CDF_MAX_TERMS,
     MAX_EXACT_COUNT,
-    _cdf_with_edges,  # noqa: F401  (hardeq.distributions.poisson_losses imports it from here)
+    _cdf_with_edges as _cdf_with_edges,  # noqa: F401  (re-exported for hardeq.distributions.poisson_losses)
     binomial_cdf,
     binomial_log_pmf,
     binomial_sample,

@@ -5,6 +5,7 @@ probability, and exact binomial draws at any count up to :math:`2^{53}` (:func:`
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -239,12 +240,12 @@ class _BinomialCDF(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, value: Tensor, total_count: Tensor, probs: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, value: Tensor, total_count: Tensor, probs: Tensor) -> Tensor:
         ctx.save_for_backward(value, total_count, probs)
         return _binomial_cdf_forward(value, total_count, probs)
 
     @staticmethod
-    def backward(ctx, grad_output: Tensor):  # type: ignore[override]
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[None, None, Tensor | None]:
         value, total_count, probs = ctx.saved_tensors
         grad_probs = None
         if ctx.needs_input_grad[2]:
@@ -288,7 +289,7 @@ def _cdf_with_edges(j: Tensor, k: Tensor, p: Tensor) -> Tensor:
     j_s = torch.where(inside, j, torch.zeros_like(j))
     k_s = torch.where(inside, k, one)
     p_s = torch.where(inside, p, 0.5 * one)
-    F = _BinomialCDF.apply(j_s, k_s, p_s)
+    F: Tensor = _BinomialCDF.apply(j_s, k_s, p_s)  # type: ignore[no-untyped-call]  # torch: apply unannotated
     # outside: j < 0 -> 0; j >= k -> 1; p = 0 (Z = 0) -> [j >= 0]; p = 1 (Z = k) -> [j >= k]
     atom = k * (p >= 1)
     edge = (j >= torch.where(interior, torch.where(j < 0, one, k), atom)).to(p.dtype)

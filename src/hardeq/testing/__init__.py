@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from .constraint_case import ConstraintTestCase
 from .exactness import assert_exact_per_row, exactness_tolerance, row_residual_ratio
 from .oracles import FAILURE_RATE, DenseConditional, dense_conditional, mc_atol, random_spd
@@ -19,7 +21,7 @@ __all__ = ["DenseConditional", "dense_conditional", "mc_atol", "FAILURE_RATE", "
            "ConstraintTestCase"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name == "CovarianceTestCase":  # pytest is a test dependency, not a dependency of the library
         from .covariance_case import CovarianceTestCase
 

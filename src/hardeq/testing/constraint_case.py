@@ -29,6 +29,7 @@ import copy
 import json
 import pickle
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from abc import ABC, abstractmethod
 
@@ -37,6 +38,9 @@ from torch import Tensor
 
 from ..constraints import EqualityConstraint, LinearConstraint
 from ..linalg.covariance import Covariance, DiagonalCovariance, FullCovariance, LowRankCovariance
+
+if TYPE_CHECKING:
+    import pytest
 
 __all__ = ["ConstraintTestCase"]
 
@@ -95,7 +99,7 @@ class ConstraintTestCase(ABC):
         ``(*batch, a, n)``) and its right-hand side ``k`` (``(*batch, a)``), all in ``dtype``."""
 
     # ------------------------------------------------------------------ helpers
-    def pytest_generate_tests(self, metafunc) -> None:
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         """pytest hook (called on the class; no pytest import needed): every test runs for each dtype in
         :attr:`dtypes` and each batch shape in :attr:`batch_shapes`."""
         if "dtype" in metafunc.fixturenames:
@@ -120,12 +124,12 @@ class ConstraintTestCase(ABC):
         r = _mv(A, z) - k
         return z - _mv(A.mT, torch.linalg.solve(A @ A.mT, r.unsqueeze(-1)).squeeze(-1))
 
-    def _covariances(self, n: int, batch_shape: torch.Size, dtype: torch.dtype
+    def _covariances(self, n: int, batch_shape: tuple[int, ...], dtype: torch.dtype
                      ) -> Iterator[tuple[str, Covariance, Tensor]]:
         """Each covariance structure with its dense square root ``F`` (``Sigma = F F^T``), float64."""
         g = torch.Generator().manual_seed(self.seed + 7)
 
-        def rand(*shape):
+        def rand(*shape: int) -> Tensor:
             return torch.randn(batch_shape + shape, generator=g, dtype=torch.float64).to(self._device)
 
         scale = rand(n).abs() + 0.5

@@ -26,6 +26,7 @@ arithmetic.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -37,7 +38,8 @@ from ..linalg.covariance import (Covariance, DiagonalCovariance, FullCovariance,
 __all__ = ["CovarianceTestCase", "TOLERANCES"]
 
 #: ``assert_close`` tolerances against the float64 dense oracle, per dtype (justified in the module docstring)
-TOLERANCES = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.float64: dict(rtol=1e-10, atol=1e-12)}
+TOLERANCES: dict[torch.dtype, dict[str, float]] = {torch.float32: dict(rtol=1e-4, atol=1e-5),
+                                                   torch.float64: dict(rtol=1e-10, atol=1e-12)}
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 
@@ -52,29 +54,33 @@ def _randn(*shape: int, seed: int) -> Tensor:
 
 def _close(actual: Tensor, expected: Tensor, dtype: torch.dtype, what: str) -> None:
     assert actual.dtype == dtype, f"{what}: dtype {actual.dtype}, expected {dtype}"
-    torch.testing.assert_close(actual.double(), expected.double(), **TOLERANCES[dtype], msg=lambda m: f"{what}: {m}")
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=tol["rtol"], atol=tol["atol"],
+                               msg=lambda m: f"{what}: {m}")
 
 
 # the built-in structures, as partners for the pairwise trace (well-conditioned, like `create` should be)
-def _diagonal(batch, n, dtype, seed):
+def _diagonal(batch: tuple[int, ...], n: int, dtype: torch.dtype, seed: int) -> tuple[Covariance, Tensor]:
     scale = (0.5 + torch.rand(batch + (n,), dtype=torch.float64, generator=_gen(seed))).to(dtype)
     return DiagonalCovariance(scale), torch.diag_embed(scale.double() ** 2)
 
 
-def _full(batch, n, dtype, seed):
+def _full(batch: tuple[int, ...], n: int, dtype: torch.dtype, seed: int) -> tuple[Covariance, Tensor]:
     X = torch.randn(batch + (n, n), dtype=torch.float64, generator=_gen(seed))
-    L = torch.linalg.cholesky(X @ X.mT / n + 0.5 * torch.eye(n, dtype=torch.float64)).to(dtype)
+    L: Tensor = torch.linalg.cholesky(X @ X.mT / n + 0.5 * torch.eye(n, dtype=torch.float64)).to(dtype)
     return FullCovariance(L), L.double() @ L.double().mT
 
 
-def _lowrank(batch, n, dtype, seed):
+def _lowrank(batch: tuple[int, ...], n: int, dtype: torch.dtype, seed: int) -> tuple[Covariance, Tensor]:
     g = _gen(seed)
     W = (0.7 * torch.randn(batch + (n, 2), dtype=torch.float64, generator=g)).to(dtype)
     scale = (0.5 + torch.rand(batch + (n,), dtype=torch.float64, generator=g)).to(dtype)
     return LowRankCovariance(W, scale), W.double() @ W.double().mT + torch.diag_embed(scale.double() ** 2)
 
 
-_PARTNERS = {"diagonal": _diagonal, "full": _full, "lowrank": _lowrank}
+#: a structure of the partner covariances: (batch, n, dtype, seed) -> (the covariance, its dense Sigma)
+_Make = Callable[[tuple[int, ...], int, torch.dtype, int], tuple[Covariance, Tensor]]
+_PARTNERS: dict[str, _Make] = {"diagonal": _diagonal, "full": _full, "lowrank": _lowrank}
 
 
 class CovarianceTestCase(ABC):
@@ -106,7 +112,7 @@ class CovarianceTestCase(ABC):
         float64 and without the structure's own methods). Different seeds give different parameters."""
 
     # ------------------------------------------------------------------ helpers
-    def _case(self, dtype, seed=0):
+    def _case(self, dtype: torch.dtype, seed: int = 0) -> tuple[Covariance, Tensor]:
         cov, S = self.create(self.batch_shape, dtype, seed)
         return cov, S.double()
 
@@ -119,7 +125,7 @@ class CovarianceTestCase(ABC):
         return (M @ x.unsqueeze(-1)).squeeze(-1)
 
     # ------------------------------------------------------------------ identity
-    def test_declared_interface(self):
+    def test_declared_interface(self) -> None:
         """At most six abstract methods on the base class; the attributes callers read exist on every structure."""
         assert len(Covariance.__abstractmethods__) <= 6, sorted(Covariance.__abstractmethods__)
         cov, S = self._case(torch.float64)
@@ -127,7 +133,7 @@ class CovarianceTestCase(ABC):
         assert isinstance(cov.is_diagonal, bool)
 
     @DTYPES
-    def test_identity(self, dtype):
+    def test_identity(self, dtype: torch.dtype) -> None:
         cov, S = self._case(dtype)
         n, batch = self.event_size, torch.Size(self.batch_shape)
         assert isinstance(cov, Covariance)
@@ -142,7 +148,7 @@ class CovarianceTestCase(ABC):
         _close(cov.dense(), S, dtype, "dense")
 
     @DTYPES
-    def test_is_diagonal(self, dtype):
+    def test_is_diagonal(self, dtype: torch.dtype) -> None:
         cov, S = self._case(dtype)
         off = S - torch.diag_embed(S.diagonal(dim1=-2, dim2=-1))
         assert cov.is_diagonal == bool((off == 0).all()), "is_diagonal must say whether Sigma is diagonal"
@@ -151,7 +157,7 @@ class CovarianceTestCase(ABC):
             _close(cov.variance, S.diagonal(dim1=-2, dim2=-1), dtype, "variance")
 
     @DTYPES
-    def test_to(self, dtype):
+    def test_to(self, dtype: torch.dtype) -> None:
         cov, S = self._case(dtype)
         assert cov.to(dtype=dtype) is cov and cov.to(device=cov.device) is cov
         other = torch.float64 if dtype == torch.float32 else torch.float32
@@ -159,7 +165,7 @@ class CovarianceTestCase(ABC):
         assert type(moved) is type(cov) and moved.dtype == other and moved.batch_shape == cov.batch_shape
         _close(moved.dense(), S, other, "to(dtype).dense")
 
-    def test_check_values_rejects_non_finite(self):
+    def test_check_values_rejects_non_finite(self) -> None:
         cov, _ = self.create((), torch.float64, 0)
         cov.check_values()
         for i in range(len(cov.tensors())):
@@ -170,7 +176,7 @@ class CovarianceTestCase(ABC):
 
     # ------------------------------------------------------------------ Sigma and its square root
     @DTYPES
-    def test_diagonal_and_decomposition(self, dtype):
+    def test_diagonal_and_decomposition(self, dtype: torch.dtype) -> None:
         cov, S = self._case(dtype)
         _close(cov.diagonal(), S.diagonal(dim1=-2, dim2=-1), dtype, "diagonal")
         d, V = cov.diag_part(), cov.factor_part()
@@ -182,7 +188,7 @@ class CovarianceTestCase(ABC):
         _close(rebuilt.to(dtype), S, dtype, "diag(diag_part) + factor_part factor_part^T")
 
     @DTYPES
-    def test_square_root(self, dtype):
+    def test_square_root(self, dtype: torch.dtype) -> None:
         cov, S = self._case(dtype)
         F = self._dense_sqrt(cov).double()
         assert F.shape == cov.batch_shape + (self.event_size, cov.noise_size)
@@ -195,7 +201,7 @@ class CovarianceTestCase(ABC):
         _close(cov.sqrt_matvec(noise.to(dtype)), self._mv(F, noise), dtype, "sqrt_matvec")
 
     @DTYPES
-    def test_max_abs_sqrt(self, dtype):
+    def test_max_abs_sqrt(self, dtype: torch.dtype) -> None:
         cov, _ = self._case(dtype)
         F = self._dense_sqrt(cov)
         got = cov.with_tensors(*(t.detach().requires_grad_() for t in cov.tensors())).max_abs_sqrt()
@@ -206,7 +212,7 @@ class CovarianceTestCase(ABC):
         assert bool((got.double() * slack >= largest).all()), "max_abs_sqrt below the largest entry of F"
 
     @DTYPES
-    def test_scaled(self, dtype):
+    def test_scaled(self, dtype: torch.dtype) -> None:
         cov, S = self._case(dtype)
         c = (2.0 + torch.rand(self.batch_shape + (1,), dtype=torch.float64, generator=_gen(4))).to(dtype)
         sc = cov.scaled(c)
@@ -216,7 +222,7 @@ class CovarianceTestCase(ABC):
         _close(unit, torch.ones_like(unit, dtype=torch.float64), dtype, "scaled(max_abs_sqrt()).max_abs_sqrt()")
 
     @DTYPES
-    def test_matvec_and_matmul(self, dtype):
+    def test_matvec_and_matmul(self, dtype: torch.dtype) -> None:
         cov, S = self._case(dtype)
         x = _randn(4, *self.batch_shape, self.event_size, seed=5)  # with a sample dimension
         _close(cov.matvec(x.to(dtype)), self._mv(S, x), dtype, "matvec")
@@ -226,7 +232,7 @@ class CovarianceTestCase(ABC):
         _close(cov.matmul(X.to(dtype)), S @ X, dtype, "matmul")
 
     @DTYPES
-    def test_sandwich(self, dtype):
+    def test_sandwich(self, dtype: torch.dtype) -> None:
         cov, S = self._case(dtype)
         A = _randn(3, self.event_size, seed=8)  # shared by the batch
         _close(cov.sandwich(A.to(dtype)), A @ S @ A.mT, dtype, "sandwich (2-D A)")
@@ -234,7 +240,7 @@ class CovarianceTestCase(ABC):
         _close(cov.sandwich(Ab.to(dtype)), Ab @ S @ Ab.mT, dtype, "sandwich (batched A)")
 
     @DTYPES
-    def test_reparameterize(self, dtype):
+    def test_reparameterize(self, dtype: torch.dtype) -> None:
         cov, S = self._case(dtype)
         F = self._dense_sqrt(cov).double()
         loc = _randn(*self.batch_shape, self.event_size, seed=10)
@@ -254,7 +260,7 @@ class CovarianceTestCase(ABC):
 
     # ------------------------------------------------------------------ inverse and determinant
     @DTYPES
-    def test_inverse_and_logdet(self, dtype):
+    def test_inverse_and_logdet(self, dtype: torch.dtype) -> None:
         cov, S = self._case(dtype)
         Sinv = torch.linalg.inv(S)
         x = _randn(4, *self.batch_shape, self.event_size, seed=12)
@@ -269,7 +275,7 @@ class CovarianceTestCase(ABC):
     # ------------------------------------------------------------------ pairwise
     @DTYPES
     @pytest.mark.parametrize("partner", list(_PARTNERS))
-    def test_trace_inv_mul_against_every_structure(self, dtype, partner):
+    def test_trace_inv_mul_against_every_structure(self, dtype: torch.dtype, partner: str) -> None:
         cov, S = self._case(dtype, seed=14)
         other, So = _PARTNERS[partner](self.batch_shape, self.event_size, dtype, 15)
         _close(trace_inv_mul(cov, other), torch.linalg.solve(S, So).diagonal(dim1=-2, dim2=-1).sum(-1), dtype,
@@ -277,48 +283,48 @@ class CovarianceTestCase(ABC):
         _close(trace_inv_mul(other, cov), torch.linalg.solve(So, S).diagonal(dim1=-2, dim2=-1).sum(-1), dtype,
                f"trace_inv_mul({partner}, self)")
 
-    def test_register_trace_inv_mul_dispatch(self):
+    def test_register_trace_inv_mul_dispatch(self) -> None:
         cov, S = self._case(torch.float64)
         other, So = _diagonal(self.batch_shape, self.event_size, torch.float64, 16)
         sub = type(f"Sub{type(cov).__name__}", (type(cov),), {})  # a fresh subclass inherits the registration
-        p = object.__new__(sub)  # the same parameters, as the subclass
+        p: Covariance = object.__new__(sub)  # the same parameters, as the subclass
         p.__dict__.update(vars(cov))
         expected = torch.linalg.solve(S, So).diagonal(dim1=-2, dim2=-1).sum(-1)
         _close(trace_inv_mul(p, other), expected, torch.float64, "inherited trace_inv_mul")
-        calls = []
+        calls: list[int] = []
 
         @register_trace_inv_mul(sub, DiagonalCovariance)
-        def _special(p_, q_):  # the most specific registration wins
+        def _special(p_: Covariance, q_: Covariance) -> Tensor:  # the most specific registration wins
             calls.append(1)
             return torch.zeros(p_.batch_shape, dtype=p_.dtype)
 
         assert bool((trace_inv_mul(p, other) == 0).all()) and calls == [1]
         _close(trace_inv_mul(cov, other), expected, torch.float64, "registration of a subclass leaks to its base")
         with pytest.raises(TypeError, match=f"p: Tensor, q: {type(cov).__name__}"):
-            trace_inv_mul(S, cov)
+            trace_inv_mul(S, cov)  # type: ignore[arg-type]  # (the wrong type is the case under test)
 
     # ------------------------------------------------------------------ gradients
-    def _gradcheck(self, fn) -> None:
+    def _gradcheck(self, fn: Callable[[Covariance], Tensor]) -> None:
         cov, _ = self.create((2,), torch.float64, 17)
         params = tuple(t.detach().clone().requires_grad_() for t in cov.tensors())
         assert torch.autograd.gradcheck(lambda *ts: fn(cov.with_tensors(*ts)), params)
 
-    def test_gradcheck_matvec(self):
+    def test_gradcheck_matvec(self) -> None:
         x = _randn(3, 2, self.event_size, seed=18)
         self._gradcheck(lambda c: c.matvec(x))
 
-    def test_gradcheck_inv_quad(self):
+    def test_gradcheck_inv_quad(self) -> None:
         x = _randn(3, 2, self.event_size, seed=19)
         self._gradcheck(lambda c: c.inv_quad(x))
 
-    def test_gradcheck_logdet(self):
+    def test_gradcheck_logdet(self) -> None:
         self._gradcheck(lambda c: c.logdet())
 
-    def test_gradcheck_sandwich(self):
+    def test_gradcheck_sandwich(self) -> None:
         A = _randn(3, self.event_size, seed=20)
         self._gradcheck(lambda c: c.sandwich(A))
 
-    def test_float32_gradients_match_float64(self):
+    def test_float32_gradients_match_float64(self) -> None:
         """The float32 gradient of a scalar through every differentiable method equals the float64 one."""
         x = _randn(2, *self.batch_shape, self.event_size, seed=21)
         A = _randn(3, self.event_size, seed=22)
@@ -336,7 +342,7 @@ class CovarianceTestCase(ABC):
 
     # ------------------------------------------------------------------ in a distribution
     @DTYPES
-    def test_conditioned_on_a_plane(self, dtype):
+    def test_conditioned_on_a_plane(self, dtype: torch.dtype) -> None:
         """``ConstrainedNormal(covariance=cov)``: its samples lie on the plane and its covariance matrix is
         :math:`\\Sigma - \\Sigma A^\\top (A\\Sigma A^\\top)^{-1} A\\Sigma` (``A``: 2 x n, well conditioned)."""
         from ..constraints import LinearConstraint

@@ -70,10 +70,12 @@ class DenseConditional:
         return (z - self.z0) @ self.basis
 
     def log_prob(self, z: Tensor) -> Tensor:
-        return self.t_distribution.log_prob(self.coordinates(z))
+        log_p: Tensor = self.t_distribution.log_prob(self.coordinates(z))
+        return log_p
 
     def entropy(self) -> Tensor:
-        return self.t_distribution.entropy()
+        h: Tensor = self.t_distribution.entropy()
+        return h
 
 
 def dense_conditional(loc: Tensor, covariance: Tensor, A: Tensor, k: Tensor) -> DenseConditional:
@@ -104,7 +106,7 @@ def dense_conditional(loc: Tensor, covariance: Tensor, A: Tensor, k: Tensor) -> 
     return DenseConditional(z0, basis, -t_cov @ b, t_cov)
 
 
-def random_spd(n: int, *, dtype=torch.float64, generator: torch.Generator | None = None) -> Tensor:
+def random_spd(n: int, *, dtype: torch.dtype = torch.float64, generator: torch.Generator | None = None) -> Tensor:
     """A random, well-conditioned SPD matrix (``n x n``).
 
     Examples:

@@ -124,6 +124,7 @@ def build_factor(step: PlanStep, cov: "Covariance", con: "EqualityConstraint", c
     if kind == "grouped":  # (every grouped pair has a diagonal Gram; asking first skips preparing it for a dense A)
         return GroupedFactor.build(cov, con, c, checked=not static) if con.has_diagonal_gram else None
     if kind == "cholesky":
+        assert precision is not None  # (every Cholesky step names its precision)
         if kappa_max is None:
             return CholeskyFactor(cov, con, c, precision, checked=not static)
         return CholeskyFactor.build(cov, con, c, precision, kappa_max)
@@ -262,7 +263,7 @@ class Conditioner:
             self.factor = self._next_factor()
 
     @torch.no_grad()
-    def sample(self, loc: Tensor, sample_shape: torch.Size | tuple = (), noise: Tensor | None = None,
+    def sample(self, loc: Tensor, sample_shape: torch.Size | tuple[int, ...] = (), noise: Tensor | None = None,
                generator: torch.Generator | None = None) -> Tensor:
         r"""Exact conditional samples ``condition(loc + F eps)`` without gradient, on one ``(*sample, *batch, n)``
         buffer. ``noise`` (shape ``(*sample_shape, *batch, noise_size)``) defaults to fresh ``randn``."""

@@ -32,7 +32,7 @@ Cost: factorisation O(batch n a^2 + batch a^3) at GEMM speed; a gain O(n a) (O(n
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, cast, overload
 
 import torch
 from torch import Tensor
@@ -46,6 +46,13 @@ from .factor import Factor
 
 if TYPE_CHECKING:
     from ...constraints import EqualityConstraint
+    from ...constraints.linear import LinearConstraint
+
+
+class _Scaled(Protocol):
+    """A diagonal covariance's per-coordinate standard deviations (``scale``, ``(*batch, n)``)."""
+
+    scale: Tensor
 
 __all__ = ["CholeskyFactor"]
 
@@ -105,11 +112,12 @@ def _pairs_operand(con: "EqualityConstraint", cov: "Covariance") -> Tensor | Non
     else ``None``."""
     from ...constraints.linear import shared_row_pairs
 
-    if _dense_2d(con) is None or not isinstance(cov, DiagonalCovariance) or cov.scale.dim() != 2:
+    A = _dense_2d(con)
+    if A is None or not isinstance(cov, DiagonalCovariance) or cov.scale.dim() != 2:
         return None
-    if torch.is_grad_enabled() and (con.A.requires_grad or cov.scale.requires_grad):
+    if torch.is_grad_enabled() and (A.requires_grad or cov.scale.requires_grad):
         return None
-    return shared_row_pairs(con)
+    return shared_row_pairs(cast("LinearConstraint", con))  # (_dense_2d: it keeps its per-A constants)
 
 
 def _pivot_ratio(pivots: Tensor) -> float:
@@ -138,6 +146,8 @@ class CholeskyFactor(Factor):
         self._con = constraint if precision == constraint.dtype else constraint.to(dtype=precision)
         self._scaled_cov: Covariance | None = None  # Sigma' in the factor's precision, made on first use (_cov)
         self.kappa = math.inf
+        self.L: Tensor  # the (lower) Cholesky factor, (*batch, a, a)
+        self.d: Tensor | None  # the equilibration D, (*batch, a); None when S' was factorised as it is
         A = _blocked_operand(self._con, cov)
         pairs = _pairs_operand(self._con, cov)
         if A is not None:  # no S, no equilibration pass: the pivot ratio is taken against diag(S') below
@@ -159,7 +169,8 @@ class CholeskyFactor(Factor):
                     self.kappa = _pivot_ratio(L.diagonal(dim1=-2, dim2=-1))
         self._W = self._shared_product()
         self._wide_factor: CholeskyFactor | None = None  # float64 twin for logdet, made on first use
-        self._wide_cross: tuple | None = None  # float64 copies of Sigma' and A for gain_wide, made on first use
+        # float64 copies of Sigma' and A for gain_wide, made on first use
+        self._wide_cross: tuple[Covariance, EqualityConstraint] | None = None
 
     @classmethod
     def build(cls, cov: "Covariance", constraint: "EqualityConstraint", c: Tensor, precision: torch.dtype,
@@ -183,14 +194,14 @@ class CholeskyFactor(Factor):
         reused chunk buffer) as :attr:`_cov` would compute them (a per-sample diagonal covariance)."""
         if self._scaled_cov is not None:
             return self._scaled_cov.variance[r0:r1]
-        scale = self.cov.scale[r0:r1].to(self.precision)
+        scale = cast(_Scaled, self.cov).scale[r0:r1].to(self.precision)
         return torch.div(scale, self.c[r0:r1].to(self.precision), out=out).square_()
 
     def _pairs_gram(self, pairs: Tensor) -> Tensor:
         r""":math:`S' = A\,\mathrm{diag}((\sigma/c)^2)A^\top` for a shared 2-D ``A`` and per-sample scales
         ``(B, n)``: the row-pair GEMM of :func:`~hardeq.ops.gram_pairs.gram_from_pairs`, over chunks of rows whose
         normalised variances are computed into one reused buffer (no ``B x n`` temporary)."""
-        count, n = self.cov.scale.shape
+        count, n = cast(_Scaled, self.cov).scale.shape
         step = _rows_per_chunk(count, n, pairs.shape[0], pairs.device)  # P streamed once per chunk
         buffer = torch.empty((step, n), dtype=self.precision, device=pairs.device)
         flat = torch.empty((count, pairs.shape[0]), dtype=self.precision, device=pairs.device)
@@ -289,18 +300,24 @@ class CholeskyFactor(Factor):
         if len(batch) > 1 or (len(batch) == 1 and len(sample_shape) > 0) or not loc.is_contiguous():
             return None
         count = batch.numel() if batch else torch.Size(sample_shape).numel()
-        A = con.A
-        A_t, abs_A_t = con.columns()
+        dense = cast("LinearConstraint", con)  # (_dense_2d: a shared dense 2-D A with its per-A constants)
+        A = dense.A
+        A_t, abs_A_t = dense.columns()
         out = torch.empty(torch.Size(sample_shape) + batch + (n,), dtype=self.dtype, device=loc.device)
         flat = out.view(count, n)
         # at least a rows per chunk: each chunk's products stream A once, which must not cost more than the chunk
         step = _rows_per_chunk(count, n, con.num_constraints, loc.device)
         buffer = torch.empty((2, step, n), dtype=self.dtype, device=loc.device)
         failed = torch.zeros((), dtype=torch.bool, device=loc.device)
-        scale, k_all, L, d = cov.scale, con.k, self.L, self.d
+        scale, k_all, L, d = cast(_Scaled, cov).scale, con.k, self.L, self.d
         per_row_scale = bool(batch) and scale.dim() > 1 and scale.shape[0] == count
         if not per_row_scale:
             variance = self._cov.variance
+
+        @overload
+        def rows(t: Tensor, r0: int, r1: int, event_dims: int) -> Tensor: ...
+        @overload
+        def rows(t: None, r0: int, r1: int, event_dims: int) -> None: ...
 
         def rows(t: Tensor | None, r0: int, r1: int, event_dims: int) -> Tensor | None:
             """The rows ``r0:r1`` of a per-batch-element tensor; a shared one as it is."""
@@ -352,7 +369,7 @@ class CholeskyFactor(Factor):
     def _whitening(self) -> Tensor:
         r""":math:`Y = D^{-1}L^{-\top}` (``(*batch, a, a)``), so that :math:`G = c\,\Sigma'A^\top Y`."""
         eye = torch.eye(self.L.shape[-1], dtype=self.precision, device=self.L.device)
-        Y = torch.linalg.solve_triangular(self.L.mT, eye.expand_as(self.L), upper=True)
+        Y: Tensor = torch.linalg.solve_triangular(self.L.mT, eye.expand_as(self.L), upper=True)
         return Y if self.d is None else Y / self.d.unsqueeze(-1)
 
     def gain_factor(self) -> Tensor:
@@ -394,7 +411,8 @@ class CholeskyFactor(Factor):
             batch = torch.broadcast_shapes(Y.shape[:-2], self._con.batch_shape, self._cov.batch_shape)
             step = max(1, _CHUNK_ELEMS // max(1, math.prod(batch) * n))
             cols = Y.movedim(-1, 0)  # (a, *batch, a): column j of Y as a "sample"
-            reduction = sum(self._apply_cross(cols[j:j + step]).square().sum(0) for j in range(0, a, step))
+            reduction = sum((self._apply_cross(cols[j:j + step]).square().sum(0) for j in range(0, a, step)),
+                            torch.zeros((), dtype=self.precision, device=Y.device))
         reduction = reduction * self.c.to(self.precision).square()
         # the difference in the factor's precision: it cancels for a coordinate the constraint nearly determines
         return (self.cov.diagonal().to(self.precision) - reduction).clamp_min(0).to(self.dtype)

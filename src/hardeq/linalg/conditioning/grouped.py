@@ -40,7 +40,7 @@ writes the step out).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -77,7 +77,8 @@ class _GroupedStep(torch.autograd.Function):
     determined coordinates (``(mask, values)`` or None) are constants. ``(*sample, *batch, n)``."""
 
     @staticmethod
-    def forward(ctx, z_hat, scale, k, v, s, c, con, col, pinned):
+    def forward(ctx: Any, z_hat: Tensor, scale: Tensor, k: Tensor, v: Tensor, s: Tensor, c: Tensor,
+                con: EqualityConstraint, col: Tensor | None, pinned: tuple[Tensor, Tensor] | None) -> Tensor:
         u = (k - con.matvec(z_hat)) / s
         Atu = con.rmatvec(u)
         z = torch.addcmul(z_hat, v, Atu)
@@ -90,7 +91,7 @@ class _GroupedStep(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, g):
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         scale, v, s, c, u, Atu = ctx.saved_tensors
         con, col, mask = ctx.con, ctx.col, ctx.mask
         z_shape, scale_shape, k_shape = ctx.shapes
@@ -126,7 +127,8 @@ class _GroupedSample(torch.autograd.Function):
     :math:`\bar v`, :math:`\bar k` of the module docstring."""
 
     @staticmethod
-    def forward(ctx, loc, scale, k, eps, con, col, pinned, rtol, verdict):
+    def forward(ctx: Any, loc: Tensor, scale: Tensor, k: Tensor, eps: Tensor, con: EqualityConstraint,
+                col: Tensor | None, pinned: tuple[Tensor, Tensor] | None, rtol: float, verdict: list[Tensor]) -> Tensor:
         # the normalising scale (s and u neither under- nor overflow): any nonzero c gives the same step; the largest
         # scale is max |scale| unless a sign got in (validate_args=False), and a c that makes v overflow or vanish
         # (c <= 0, or negative scales far larger than the positive ones) shows as a failing row (the general path)
@@ -134,6 +136,7 @@ class _GroupedSample(torch.autograd.Function):
         sc = scale / c
         v = sc * sc
         s = con.diagonal_gram(v)
+        assert s is not None  # (grouped_rsample runs only when constraint.has_diagonal_gram)
         z_hat = torch.addcmul(loc, scale, eps)
         u = (k - con.matvec(z_hat)).div_(s)
         Atu = con.rmatvec(u)
@@ -151,7 +154,7 @@ class _GroupedSample(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, g):
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         eps, sc, c, v, s, u, Atu = ctx.saved_tensors
         con, col, mask = ctx.con, ctx.col, ctx.mask
         loc_shape, scale_shape, k_shape, z_shape = ctx.shapes
@@ -195,7 +198,7 @@ def grouped_rsample(cov: "Covariance", constraint: "EqualityConstraint", loc: Te
         return None
     if not _generic_diagonal(constraint, cov) or not constraint.has_diagonal_gram:
         return None
-    scale, k = cov.scale, constraint.k
+    scale, k = cast(DiagonalCovariance, cov).scale, constraint.k  # (_generic_diagonal: exactly that type)
     col = None
     if constraint.group_index is None:
         with torch.no_grad():
@@ -206,7 +209,8 @@ def grouped_rsample(cov: "Covariance", constraint: "EqualityConstraint", loc: Te
             pinned = (pinned[0], pinned[1].detach())
     rtol = check_rtol(eps.dtype, eps.shape[-1])
     verdict: list[Tensor] = []
-    z = _GroupedSample.apply(loc, scale, k, eps, constraint, col, pinned, rtol, verdict)
+    z: Tensor = _GroupedSample.apply(  # type: ignore[no-untyped-call]  # torch: Function.apply is unannotated
+        loc, scale, k, eps, constraint, col, pinned, rtol, verdict)
     return z if bool(verdict[0]) else None
 
 
@@ -239,7 +243,7 @@ class GroupedFactor(Factor):
         """The factor, or ``None`` when the pair has no grouped structure (see the module docstring)."""
         if _generic_diagonal(constraint, cov) and constraint.has_diagonal_gram:
             # the generic registration's (v, s), without building the scaled covariance: v = (scale / c)^2
-            v = (cov.scale / c).square()
+            v = (cast(DiagonalCovariance, cov).scale / c).square()  # (_generic_diagonal: exactly that type)
             s = constraint.diagonal_gram(v)
             return None if s is None else cls(cov, constraint, c, v, s, checked=checked)
         grouped = pairs.grouped_structure(constraint, cov.scaled(c))
@@ -259,10 +263,12 @@ class GroupedFactor(Factor):
     def step(self, z: Tensor) -> Tensor:
         con = self.constraint
         if self._fused and torch.is_grad_enabled() and not is_tracing():
-            scale = self.cov.scale
+            scale = cast(DiagonalCovariance, self.cov).scale  # (_fused: a plain diagonal covariance)
             if z.requires_grad or scale.requires_grad or con.k.requires_grad:
-                return _GroupedStep.apply(z, scale, con.k, self.v.detach(), self.s.detach(), self.c, con,
-                                          self._column_weights(), self._pinned)
+                out: Tensor = _GroupedStep.apply(  # type: ignore[no-untyped-call]  # torch: Function.apply unannotated
+                    z, scale, con.k, self.v.detach(), self.s.detach(), self.c, con, self._column_weights(),
+                    self._pinned)
+                return out
         return self._pin(torch.addcmul(z, self.v, con.rmatvec((con.k - con.matvec(z)) / self.s)))
 
     def _column_weights(self) -> Tensor | None:

@@ -64,7 +64,7 @@ class QRFactor(Factor):
 
     def logdet(self) -> Tensor:
         d = self.L.diagonal(dim1=-2, dim2=-1).abs()
-        out = 2 * d.log().sum(-1) + 2 * d.shape[-1] * self.c.squeeze(-1).to(d.dtype).log()
+        out: Tensor = 2 * d.log().sum(-1) + 2 * d.shape[-1] * self.c.squeeze(-1).to(d.dtype).log()
         return out.to(self.dtype)
 
     def gain_factor(self) -> Tensor:
