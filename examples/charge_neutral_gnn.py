@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     train, test = dataset(g, 128, with_ion=True), dataset(g, 64, with_ion=True)
 
     net = ChargeNet()
-    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    opt = torch.optim.Adam(net.parameters(), lr=3e-3)
     losses = []
     for _ in range(args.steps):
         dist = net(train)

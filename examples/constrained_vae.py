@@ -1,7 +1,8 @@
 """A VAE whose latent lies on a plane and whose reconstructions keep the data's total, exactly.
 
-Generated data: 24-dimensional non-negative "spectra" (mixtures of three Gaussian bumps whose positions and
-weights vary), each normalised to total intensity 10, so every data vector lies on the plane ``sum x = 10``.
+Generated data: 24-dimensional non-negative "spectra" (mixtures of three Gaussian bumps at nearly fixed
+positions whose weights vary: about two degrees of freedom, as many as the latent plane has), each normalised
+to total intensity 10, so every data vector lies on the plane ``sum x = 10``.
 The VAE uses the ``hardeq.nn`` pieces:
 
 * ``ConstrainedGaussianLatent``: the posterior ``q(z|x) = N(mu, diag sigma^2 | sum z = 0)`` on a plane in a
@@ -37,7 +38,7 @@ DIM, LATENT, TOTAL = 24, 3, 10.0
 def spectra(n: int, generator: torch.Generator) -> torch.Tensor:
     """``(n, DIM)`` non-negative vectors, each a sum of three bumps, scaled to total ``TOTAL``."""
     grid = torch.linspace(0, 1, DIM)
-    centres = torch.tensor([0.2, 0.5, 0.8]) + 0.08 * torch.randn(n, 3, generator=generator)
+    centres = torch.tensor([0.2, 0.5, 0.8]) + 0.02 * torch.randn(n, 3, generator=generator)
     weights = torch.softmax(torch.randn(n, 3, generator=generator), -1)
     x = (weights.unsqueeze(-1) * torch.exp(-((grid - centres.unsqueeze(-1)) / 0.07) ** 2 / 2)).sum(1)
     x = x + 0.01 * torch.rand(n, DIM, generator=generator)
@@ -67,14 +68,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for the figure")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=10)
     args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
     g = torch.Generator().manual_seed(args.seed)
     x_train, x_test = spectra(4096, g), spectra(512, g)
 
     vae = VAE()
-    opt = torch.optim.Adam(vae.parameters(), lr=3e-3)
+    opt = torch.optim.Adam(vae.parameters(), lr=5e-3)
     history = []
     for epoch in range(args.epochs):
         perm = torch.randperm(x_train.shape[0], generator=g)
