@@ -103,8 +103,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for the figure")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (these models are tiny: one is fastest, and a busy machine's "
+                             "cores are not oversubscribed)")
     parser.add_argument("--steps", type=int, default=300)
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     g = torch.Generator().manual_seed(args.seed)
     train, test = dataset(g, 128, with_ion=True), dataset(g, 64, with_ion=True)

@@ -68,8 +68,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for the figure")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (these models are tiny: one is fastest, and a busy machine's "
+                             "cores are not oversubscribed)")
     parser.add_argument("--epochs", type=int, default=10)
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     g = torch.Generator().manual_seed(args.seed)
     x_train, x_test = spectra(4096, g), spectra(512, g)

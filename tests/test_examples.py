@@ -29,7 +29,7 @@ def run_example(name: str, out: Path, *args: str, needs: tuple[str, ...] = ()) -
     pytest.importorskip("matplotlib")
     for module in needs:
         pytest.importorskip(module)
-    # one thread: on a loaded machine OpenMP worker threads spin and can multiply the wall time
+    # the scripts default to --threads 1; OMP_NUM_THREADS=1 also keeps any other OpenMP pool from spinning
     env = dict(os.environ, PYTHONWARNINGS="ignore", MPLBACKEND="Agg", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, str(EXAMPLES / f"{name}.py"), "--out", str(out), *args],
                           capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
