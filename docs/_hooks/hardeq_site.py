@@ -18,6 +18,10 @@ their own (on GitHub, in an editor) and the built site has no broken link:
   source page, and its headings are shifted so that the section's heading would sit at ``level`` (default 2):
   ``<!-- include: math.md "### Scaling and equilibration" level=3 -->``. A missing file or section is an error
   that names them, so the build fails rather than publishing an empty page.
+* **Source files included whole.** ``<!-- include-source: ../../examples/poisson_fixed_total.py -->`` (a path
+  relative to the page, anywhere in the repository) is replaced by a fenced code block holding the file, so an
+  example's page shows the script as it is in the repository. A missing file, or one outside the repository, is
+  an error that names it.
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ SKIPPED_RESULTS = ("quick", ".last")
 
 INCLUDE = re.compile(r'^<!--\s*include:\s*(?P<path>[\w./-]+\.md)\s+"(?P<heading>#+ [^"]+)"'
                      r'(?:\s+level=(?P<level>[1-6]))?\s*-->\s*$', re.MULTILINE)
+INCLUDE_SOURCE = re.compile(r"^<!--\s*include-source:\s*(?P<path>[\w./-]+)\s*-->\s*$", re.MULTILINE)
+#: fence language by suffix for include-source
+SOURCE_LANGUAGES = {".py": "python", ".yml": "yaml", ".yaml": "yaml", ".toml": "toml", ".sh": "bash"}
 # a Markdown inline link or image: [text](target) / ![alt](target "title"); the target is group "target"
 LINK = re.compile(r'(?P<head>!?\[[^\]\n]*\]\()(?P<target>[^)\s]+)(?P<tail>(?:\s+"[^"]*")?\))')
 FENCE = re.compile(r"^\s*(```|~~~)")
@@ -155,11 +162,23 @@ def _include(match: re.Match, page_uri: str, docs_dir: Path) -> str:
     return _shift_headings(body, int(match["level"] or 2) - level)
 
 
+def _include_source(match: re.Match, page_uri: str, docs_dir: Path, root: Path) -> str:
+    source = match["path"]
+    path = (docs_dir / posixpath.dirname(page_uri) / source).resolve()
+    if not path.is_relative_to(root) or not path.is_file():
+        raise ValueError(f"include-source in {page_uri}: no file {source!r} in the repository (resolved to {path})")
+    text = path.read_text(encoding="utf-8").rstrip("\n")
+    fence = "`" * max(3, 1 + max((len(m) for m in re.findall(r"`+", text)), default=0))
+    language = SOURCE_LANGUAGES.get(path.suffix, "")
+    return f"{fence}{language} title=\"{path.relative_to(root).as_posix()}\"\n{text}\n{fence}"
+
+
 def on_page_markdown(markdown, page, config, files):
     """Expand the include lines, then point links that leave docs/ for a results/ figure at the site's copy."""
     page_uri = page.file.src_uri
     docs_dir = Path(config["docs_dir"])
     markdown = INCLUDE.sub(lambda m: _include(m, page_uri, docs_dir), markdown)
+    markdown = INCLUDE_SOURCE.sub(lambda m: _include_source(m, page_uri, docs_dir, _repo_root(config)), markdown)
     page_dir = posixpath.dirname(page_uri)
 
     def to_site(target: str) -> str:
