@@ -182,3 +182,33 @@ def test_min_norm_solve_is_the_minimum_norm_least_squares_solution(rank):
     for b in range(3):
         ref = np.linalg.lstsq(J[b].cpu().numpy(), r[b].cpu().numpy(), rcond=None)[0]
         np.testing.assert_allclose(x[b].cpu().numpy(), ref, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_mode_of_a_feasible_problem_with_variances_over_seven_decades(dtype):
+    """Once refused (ModeNotFound, the dual Newton iteration stalled at 4e-13 relative): variances from 1.2e-6 to
+    10, float32. Inside the box the mode is the conditional mean; with a bound active it is the exact solution on
+    the active set, checked against scipy's SLSQP on the same objective."""
+    from scipy.optimize import minimize
+
+    from hardeq.testing import assert_exact_per_row
+
+    A = torch.tensor([[1.0, 0, 0, -1, 0], [1, -1, -1, -1, -1]], dtype=dtype)
+    loc = torch.tensor([2.576887845993042, 1.8151273727416992, 1.0173542499542236, 2.656212329864502,
+                        0.42564070224761963], dtype=dtype)
+    var = torch.tensor([10.264089584350586, 1.6898313333513215e-05, 4.013386569567956e-05, 7.656031812075526e-06,
+                        1.2344386277618469e-06], dtype=dtype)
+    k = torch.tensor([2.895969867706299, 0.0], dtype=dtype)
+    loc2 = torch.stack([loc, loc - torch.tensor([0, 3.0, 0, 0, 0], dtype=dtype)])  # the second: z_1 >= 0 active
+    d = hardeq.ConstrainedNormal(loc2, var.sqrt(), constraint=hardeq.LinearConstraint(A, k))
+    mode = d.truncate(0.0, None).mode
+    assert bool((mode >= 0).all())
+    assert_exact_per_row(hardeq.LinearConstraint(A, k.expand(2, 2)), mode)
+    torch.testing.assert_close(mode[0], d.mean[0], rtol=0, atol=0)
+    assert float(mode[1, 1]) == 0.0
+    mu, v, A64, k64 = (t.double().cpu().numpy() for t in (loc2[1], var, A, k))
+    start = mode[1].double().cpu().numpy()
+    ref = minimize(lambda z: 0.5 * ((z - mu) ** 2 / v).sum(), start, jac=lambda z: (z - mu) / v, method="SLSQP",
+                   bounds=[(0, None)] * 5, options={"ftol": 1e-15, "maxiter": 500},
+                   constraints=[{"type": "eq", "fun": lambda z: A64 @ z - k64, "jac": lambda z: A64}])
+    np.testing.assert_allclose(mode[1].double().cpu().numpy(), ref.x, rtol=1e-5, atol=1e-6)

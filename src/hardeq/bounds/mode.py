@@ -554,11 +554,20 @@ def truncated_mode(dist: ConstrainedNormal, lower: Tensor, upper: Tensor) -> Ten
         flat = (mu.reshape(B, n), v.reshape(B, n), lo.reshape(B, n), hi.reshape(B, n))
         kf = k.reshape(B, -1)
         matvec, abs_matvec = _operators(con, batch)
+        inside = torch.zeros(B, dtype=torch.bool, device=mu.device)
+        mean = mu  # replaced by the conditional mean below where it is used
         if con.group_index is not None:
             sizes = con.group_sizes
             assert sizes is not None  # (a grouped constraint counts its members)
             z, ok = grouped_box_mode(*flat, con.group_index, sizes, kf)
         else:
+            # where the untruncated mode (the conditional mean, exact per row) lies in the box it is the answer:
+            # no iteration needs to reach it (the dual Newton method can stall at its acceptance level when the
+            # variances span many decades, and then refused a feasible problem)
+            mean = dist.mean.detach()
+            inside = ((mean >= lower) & (mean <= upper)).all(-1).reshape(B)
+            if bool(inside.all()):
+                return mean.clone()
             A = con.dense_matrix().detach()
             Af = A.expand(batch + A.shape[-2:]).reshape(B, *A.shape[-2:]) if A.dim() > 2 else A
 
@@ -567,6 +576,10 @@ def truncated_mode(dist: ConstrainedNormal, lower: Tensor, upper: Tensor) -> Ten
                 return out
 
             z, _, ok = dual_newton(*flat, kf, matvec, rmatvec, abs_matvec, _dense_solver(Af, flat[1]))
+            z = torch.where(inside.unsqueeze(-1), mean.to(f64).reshape(B, n), z)
+            ok = ok | inside
+            if cov.is_diagonal and not bool(ok.all()):
+                z, ok = _finish_on_active_set(z, ok, *flat, Af, kf)
         _raise_unless(ok, z, matvec, abs_matvec, kf, batch, "the mode's dual Newton iteration")
         z = z.reshape(batch + (n,))
         if not cov.is_diagonal:
@@ -577,10 +590,41 @@ def truncated_mode(dist: ConstrainedNormal, lower: Tensor, upper: Tensor) -> Ten
             z, ok = active_set(mu, cov, A, k, lo, hi, z, batch, done=settled)
             zf = z.reshape(B, n)
             res_ok = _rows_ok(zf, matvec, abs_matvec, kf, ACCEPT_RTOL)
-            _raise_unless(ok.reshape(B) & res_ok, zf, matvec, abs_matvec, kf, batch, "the mode's active-set method")
+            _raise_unless(ok.reshape(B) & res_ok | inside, zf, matvec, abs_matvec, kf, batch,
+                          "the mode's active-set method")
+            z = torch.where(inside.reshape(batch).unsqueeze(-1), mean.to(f64), z)
         z = torch.minimum(torch.maximum(z, lo), hi)
         out = z.to(dist._unbroadcasted_loc.dtype)
         return torch.minimum(torch.maximum(out, lower.expand_as(out)), upper.expand_as(out))
+
+
+def _finish_on_active_set(z: Tensor, ok: Tensor, mu: Tensor, v: Tensor, lo: Tensor, hi: Tensor, A: Tensor,
+                          k: Tensor) -> tuple[Tensor, Tensor]:
+    r"""Where the dual Newton iteration stalled short of its acceptance level (variances over many decades), the
+    exact solution on the active set it identified: the coordinates at a bound stay there, and the free ones are
+    the conditional mean of :math:`N(\mu_F, \mathrm{diag}(v_F))` given :math:`A_F z_F = k - A_{\bar F} z_{\bar F}`,
+    by the library's float64 conditioner (exact per row, refined as it needs). Kept where it lies in the box.
+    One small conditioning per element that needs it; ``z``, ``ok`` ``(B, n)``, ``(B,)``."""
+    from ..constraints import LinearConstraint
+    from ..distributions.normal import ConstrainedNormal
+    from ..errors import NotPSDError
+
+    z, ok = z.clone(), ok.clone()
+    for b in (~ok).nonzero().flatten().tolist():
+        Ab = A[b] if A.dim() > 2 else A
+        free = (z[b] > lo[b]) & (z[b] < hi[b])
+        if not bool(free.any()):
+            continue
+        rhs = k[b] - Ab[:, ~free] @ z[b][~free]
+        try:
+            zf = ConstrainedNormal(mu[b][free], v[b][free].sqrt(), constraint=LinearConstraint(
+                Ab[:, free], rhs, validate_args=False), validate_args=False).mean
+        except (NotPSDError, ValueError):
+            continue  # the rows are not independent on the free set: leave the element to the caller's error
+        if bool(((zf >= lo[b][free]) & (zf <= hi[b][free])).all()):
+            z[b, free] = zf
+            ok[b] = True
+    return z, ok
 
 
 def _rows_ok(z: Tensor, matvec: _Operator, abs_matvec: _Operator, k: Tensor, rtol: float) -> Tensor:
