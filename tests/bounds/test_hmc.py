@@ -334,9 +334,13 @@ def test_errors():
         run(start=torch.full((2, 3), 0.5, dtype=dtype))
     with pytest.raises(ValueError, match="lower contains nan"):
         run(lower=math.nan)
-    with pytest.raises(RuntimeError, match="more than max_bounces = 1 times"):
-        run(lower=torch.tensor([0.3, 0.3, 0.3], dtype=dtype), upper=torch.tensor([0.4, 0.4, 0.4], dtype=dtype),
-            max_bounces=1)
+    with pytest.raises(TypeError, match="max_bounces must be an int"):
+        run(max_bounces=1.5)
+    # a trajectory reaching max_bounces is rejected (not an error): the chain stays, a warning names the fraction
+    with pytest.warns(RuntimeWarning, match=r"reached max_bounces = 1 and were rejected"):
+        res = run(lower=torch.tensor([0.3, 0.3, 0.3], dtype=dtype), upper=torch.tensor([0.4, 0.4, 0.4], dtype=dtype),
+                  max_bounces=1)
+    assert res.capped > 0 and res.capped <= res.trajectories
 
 
 def test_few_draws_give_nan_diagnostics_and_float64_bounds_round_inward():
