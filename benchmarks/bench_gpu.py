@@ -58,8 +58,10 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
+from torch import Tensor
 
 import hardeq
 from hardeq.testing import row_residual_ratio
@@ -135,7 +137,11 @@ def _guarded(name: str, fn) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ cases
-def case_b(dev: torch.device, timer: Timer, n: int, a: int, batch: int, repeats: int, budget_s: float) -> dict:
+# Each ``make_*`` builds a case's inputs on ``dev`` (seeded on the host) and returns its calls: ``hardeq`` (the
+# timed constrained call), its baselines, and what the residual check needs; ``case_*`` times them.
+# ``benchmarks/profile_gpu.py`` profiles the same ``hardeq`` calls.
+def make_b(dev: torch.device, n: int, a: int, batch: int) -> SimpleNamespace:
+    """B: per-sample ``loc``, ``scale``, ``k``, shared ``A``; construct + factor + ``sample()``."""
     g = torch.Generator().manual_seed(1)
     A = torch.randn(a, n, generator=g, dtype=DTYPE).to(dev)
     loc = torch.randn(batch, n, generator=g, dtype=DTYPE).to(dev)
@@ -146,21 +152,26 @@ def case_b(dev: torch.device, timer: Timer, n: int, a: int, batch: int, repeats:
         return hardeq.ConstrainedNormal(loc, scale, constraint=hardeq.LinearConstraint(A, k, validate_args=False),
                                         validate_args=False)
 
-    t = timed(timer, {"unconstrained": lambda: loc + scale * torch.randn(batch, n, device=dev),
-                      "hardeq": lambda: build().sample()}, repeats, budget_s)
-    d = build()
+    return SimpleNamespace(build=build, hardeq=lambda: build().sample(),
+                           unconstrained=lambda: loc + scale * torch.randn(batch, n, device=dev))
+
+
+def case_b(dev: torch.device, timer: Timer, n: int, a: int, batch: int, repeats: int, budget_s: float) -> dict:
+    case = make_b(dev, n, a, batch)
+    t = timed(timer, {"unconstrained": case.unconstrained, "hardeq": case.hardeq}, repeats, budget_s)
+    d = case.build()
     return {"case": "B", "n": n, "a": a, "batch": batch, "method": d.conditioner.method, **t,
             "ratio": t["hardeq"] / t["unconstrained"], "goal": "<= 1.5x unconstrained",
             "met": t["hardeq"] / t["unconstrained"] <= 1.5, "residual": worst_residual(d.constraint, d.sample())}
 
 
-def case_c(dev: torch.device, timer: Timer, n: int, a: int, batch: int, repeats: int, budget_s: float) -> dict:
+def make_c(dev: torch.device, n: int, a: int, batch: int) -> SimpleNamespace:
+    """C, the heavy case: hardeq, the plain code a user would write, and the GEMM-rate reference."""
     g = torch.Generator().manual_seed(3)
     A = (torch.randn(a, n, generator=g, dtype=DTYPE) / n ** 0.5).to(dev)
     loc = torch.randn(batch, n, generator=g, dtype=DTYPE).to(dev)
     scale = (torch.rand(batch, n, generator=g, dtype=DTYPE) + 0.5).to(dev)
     k = torch.randn(batch, a, generator=g, dtype=DTYPE).to(dev)
-    Bm = A * scale.unsqueeze(-2)  # (batch, a, n): the GEMM-rate reference
 
     def plain():  # what a user would type: Gram by one batched GEMM + Cholesky + solve + Matheron
         Bm_ = A * scale.unsqueeze(-2)
@@ -173,25 +184,35 @@ def case_c(dev: torch.device, timer: Timer, n: int, a: int, batch: int, repeats:
         return hardeq.ConstrainedNormal(loc, scale, constraint=hardeq.LinearConstraint(A, k, validate_args=False),
                                         validate_args=False)
 
-    t = timed(timer, {"gemm": lambda: Bm @ Bm.mT, "plain": plain, "hardeq": lambda: build().sample()},
-              repeats, budget_s)
+    def gemm_operand() -> Tensor:  # (batch, a, n): the GEMM-rate reference multiplies it by its transpose
+        return A * scale.unsqueeze(-2)
+
+    return SimpleNamespace(build=build, hardeq=lambda: build().sample(), plain=plain, gemm_operand=gemm_operand,
+                           plain_constraint=lambda: hardeq.LinearConstraint(A, k, validate_args=False))
+
+
+def case_c(dev: torch.device, timer: Timer, n: int, a: int, batch: int, repeats: int, budget_s: float) -> dict:
+    case = make_c(dev, n, a, batch)
+    Bm = case.gemm_operand()
+    t = timed(timer, {"gemm": lambda: Bm @ Bm.mT, "plain": case.plain, "hardeq": case.hardeq}, repeats, budget_s)
     Bm = None  # free the (batch, a, n) copy before the residual checks
     flops = 2 * batch * a * a * n
     rate = flops / t["gemm"]
-    d = build()
+    d = case.build()
     frac = flops / t["hardeq"] / rate
-    plain_con = hardeq.LinearConstraint(A, k, validate_args=False)
     out = {"case": "C", "n": n, "a": a, "batch": batch, "method": d.conditioner.method, **t,
            "gemm_gflops": rate / 1e9, "frac_of_gemm_rate": frac, "frac_plain": flops / t["plain"] / rate,
            "ratio_to_plain": t["hardeq"] / t["plain"], "goal": ">= 80% of the GEMM rate, <= 0.6x plain",
            "met": frac >= 0.8 and t["hardeq"] / t["plain"] <= 0.6, "anchor_a800_s": ANCHOR_A800.get(batch),
-           "residual": worst_residual(d.constraint, d.sample()), "residual_plain": worst_residual(plain_con, plain())}
+           "residual": worst_residual(d.constraint, d.sample()),
+           "residual_plain": worst_residual(case.plain_constraint(), case.plain())}
     if batch == 16 and (n, a) == (2048, 1024):
         out["goal_10ms"] = t["hardeq"] <= 0.010
     return out
 
 
-def case_d(dev: torch.device, timer: Timer, graphs: int, max_nodes: int, repeats: int, budget_s: float) -> dict:
+def make_d(dev: torch.device, graphs: int, max_nodes: int) -> SimpleNamespace:
+    """D: a ragged PyG-style batch; ``rsample`` + squared loss + ``backward`` with default validation."""
     g = torch.Generator().manual_seed(4)
     sizes = torch.randint(1, max_nodes + 1, (graphs,), generator=g)
     batch = torch.repeat_interleave(torch.arange(graphs), sizes).to(dev)
@@ -201,23 +222,30 @@ def case_d(dev: torch.device, timer: Timer, graphs: int, max_nodes: int, repeats
     totals = torch.randn(graphs, generator=g, dtype=DTYPE).to(dev)
     target = torch.randn(n, generator=g, dtype=DTYPE).to(dev)
 
-    def base():
+    def unconstrained():
         ((loc + scale * torch.randn(n, device=dev) - target) ** 2).sum().backward()
 
     def constrained():
         d = hardeq.ConstrainedNormal(loc, scale, constraint=hardeq.SumConstraint(batch, totals))
         ((d.rsample() - target) ** 2).sum().backward()
 
-    t = timed(timer, {"unconstrained": base, "hardeq": constrained}, max(repeats, 50), budget_s)
-    con = hardeq.SumConstraint(batch, totals)
-    z = hardeq.ConstrainedNormal(loc, scale, constraint=con).rsample((8,)).detach()
-    return {"case": "D", "graphs": graphs, "n": n, **t, "ratio": t["hardeq"] / t["unconstrained"],
+    return SimpleNamespace(n=n, hardeq=constrained, unconstrained=unconstrained,
+                           build=lambda: hardeq.ConstrainedNormal(loc, scale,
+                                                                  constraint=hardeq.SumConstraint(batch, totals)))
+
+
+def case_d(dev: torch.device, timer: Timer, graphs: int, max_nodes: int, repeats: int, budget_s: float) -> dict:
+    case = make_d(dev, graphs, max_nodes)
+    t = timed(timer, {"unconstrained": case.unconstrained, "hardeq": case.hardeq}, max(repeats, 50), budget_s)
+    d = case.build()
+    z = d.rsample((8,)).detach()
+    return {"case": "D", "graphs": graphs, "n": case.n, **t, "ratio": t["hardeq"] / t["unconstrained"],
             "goal": "<= 3x unconstrained", "met": t["hardeq"] / t["unconstrained"] <= 3.0,
-            "residual": worst_residual(con, z)}
+            "residual": worst_residual(d.constraint, z)}
 
 
-def case_sparse(dev: torch.device, timer: Timer, n: int, a: int, per_column: int, samples: int, repeats: int,
-                budget_s: float) -> dict:
+def make_sparse(dev: torch.device, n: int, a: int, per_column: int, samples: int) -> SimpleNamespace:
+    """Sparse: ``SparseConstraint`` with a new ``k`` each call, shared diagonal covariance, ``samples`` draws."""
     with warnings.catch_warnings():  # torch's note that sparse invariant checks are off by default
         warnings.simplefilter("ignore", UserWarning)
         A = flow_balance_matrix(a, n, per_column, 0, DTYPE).to(dev)
@@ -232,13 +260,21 @@ def case_sparse(dev: torch.device, timer: Timer, n: int, a: int, per_column: int
         c = hardeq.SparseConstraint(A, k0 + shift[0])
         return hardeq.ConstrainedNormal(loc, scale, constraint=c).sample((samples,))
 
-    t = timed(timer, {"unconstrained": lambda: loc + scale * torch.randn(samples, n, device=dev),
-                      "hardeq": conditioned}, repeats, budget_s)
-    c = hardeq.SparseConstraint(A, k0)
-    z = hardeq.ConstrainedNormal(loc, scale, constraint=c).sample((samples,))
-    return {"case": "sparse", "n": n, "a": a, "nnz": int(A._nnz()), "samples": samples, **t,
+    return SimpleNamespace(nnz=int(A._nnz()), hardeq=conditioned,
+                           unconstrained=lambda: loc + scale * torch.randn(samples, n, device=dev),
+                           build=lambda: hardeq.ConstrainedNormal(loc, scale,
+                                                                  constraint=hardeq.SparseConstraint(A, k0)))
+
+
+def case_sparse(dev: torch.device, timer: Timer, n: int, a: int, per_column: int, samples: int, repeats: int,
+                budget_s: float) -> dict:
+    case = make_sparse(dev, n, a, per_column, samples)
+    t = timed(timer, {"unconstrained": case.unconstrained, "hardeq": case.hardeq}, repeats, budget_s)
+    d = case.build()
+    z = d.sample((samples,))
+    return {"case": "sparse", "n": n, "a": a, "nnz": case.nnz, "samples": samples, **t,
             "ratio": t["hardeq"] / t["unconstrained"], "goal": "<= 2x unconstrained",
-            "met": t["hardeq"] / t["unconstrained"] <= 2.0, "residual": worst_residual(c, z)}
+            "met": t["hardeq"] / t["unconstrained"] <= 2.0, "residual": worst_residual(d.constraint, z)}
 
 
 def run_targets(dev: torch.device, sizes: dict) -> list[dict]:

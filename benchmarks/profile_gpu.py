@@ -2,10 +2,11 @@
 r"""Where the time of the GPU targets goes: ``torch.profiler`` over a few calls of hardeq's side of B, C (batch 16),
 D and sparse (the cases of ``benchmarks/bench_gpu.py``, same sizes), on one CUDA device.
 
-For each case it writes the top operators by self CPU time and by self device time, and counts the calls that
-synchronise the host with the device (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaMemcpy*`` that
-return to the host, ``aten::item``, ``aten::_local_scalar_dense``): on a GPU, a call of a few milliseconds is
-bounded by them and by the number of kernel launches, not by the arithmetic.
+The cases are the ``hardeq`` calls of ``bench_gpu.make_*``. For each case it writes the top operators by self CPU
+time and by self device time, and counts the calls that synchronise the host with the device
+(``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaMemcpy*`` that return to the host, ``aten::item``,
+``aten::_local_scalar_dense``): on a GPU, a call of a few milliseconds is bounded by them and by the number of kernel
+launches, not by the arithmetic.
 
 Usage::
 
@@ -18,75 +19,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import warnings
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import hardeq
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_gpu import SIZES  # noqa: E402
-from bench_sparse import flow_balance_matrix  # noqa: E402
+from bench_gpu import SIZES, make_b, make_c, make_d, make_sparse  # noqa: E402
 
 DTYPE = torch.float32
 SYNC_NAMES = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "aten::item", "aten::_local_scalar_dense",
               "aten::nonzero", "aten::is_nonzero")
-
-
-def case_b(dev, n, a, batch):
-    g = torch.Generator().manual_seed(1)
-    A = torch.randn(a, n, generator=g, dtype=DTYPE).to(dev)
-    loc = torch.randn(batch, n, generator=g, dtype=DTYPE).to(dev)
-    scale = (torch.rand(batch, n, generator=g, dtype=DTYPE) + 0.5).to(dev)
-    k = torch.randn(batch, a, generator=g, dtype=DTYPE).to(dev)
-    return lambda: hardeq.ConstrainedNormal(
-        loc, scale, constraint=hardeq.LinearConstraint(A, k, validate_args=False), validate_args=False).sample()
-
-
-def case_c(dev, n, a, batch):
-    g = torch.Generator().manual_seed(3)
-    A = (torch.randn(a, n, generator=g, dtype=DTYPE) / n ** 0.5).to(dev)
-    loc = torch.randn(batch, n, generator=g, dtype=DTYPE).to(dev)
-    scale = (torch.rand(batch, n, generator=g, dtype=DTYPE) + 0.5).to(dev)
-    k = torch.randn(batch, a, generator=g, dtype=DTYPE).to(dev)
-    return lambda: hardeq.ConstrainedNormal(
-        loc, scale, constraint=hardeq.LinearConstraint(A, k, validate_args=False), validate_args=False).sample()
-
-
-def case_d(dev, graphs, max_nodes):
-    g = torch.Generator().manual_seed(4)
-    sizes = torch.randint(1, max_nodes + 1, (graphs,), generator=g)
-    batch = torch.repeat_interleave(torch.arange(graphs), sizes).to(dev)
-    n = batch.numel()
-    loc = torch.randn(n, generator=g, dtype=DTYPE).to(dev).requires_grad_()
-    scale = (torch.rand(n, generator=g, dtype=DTYPE) + 0.5).to(dev).requires_grad_()
-    totals = torch.randn(graphs, generator=g, dtype=DTYPE).to(dev)
-    target = torch.randn(n, generator=g, dtype=DTYPE).to(dev)
-
-    def step():
-        d = hardeq.ConstrainedNormal(loc, scale, constraint=hardeq.SumConstraint(batch, totals))
-        ((d.rsample() - target) ** 2).sum().backward()
-    return step
-
-
-def case_sparse(dev, n, a, per_column, samples):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        A = flow_balance_matrix(a, n, per_column, 0, DTYPE).to(dev)
-    g = torch.Generator().manual_seed(5)
-    loc = torch.randn(n, generator=g, dtype=DTYPE).to(dev)
-    scale = (torch.rand(n, generator=g, dtype=DTYPE) + 0.5).to(dev)
-    k0 = (torch.randn(a, generator=g, dtype=DTYPE) * 10).to(dev)
-    shift = [0]
-
-    def conditioned():
-        shift[0] += 1
-        c = hardeq.SparseConstraint(A, k0 + shift[0])
-        return hardeq.ConstrainedNormal(loc, scale, constraint=c).sample((samples,))
-    return conditioned
 
 
 def profile_case(name: str, fn, dev: torch.device, calls: int, rows: int) -> dict:
@@ -121,8 +66,8 @@ def main(argv=None):
     dev = torch.device(args.device)
     sizes = SIZES["smoke" if args.smoke else "full"]
     c = sizes["C"]
-    cases = {"B": case_b(dev, **sizes["B"]), "C16": case_c(dev, c["n"], c["a"], c["batches"][0]),
-             "D": case_d(dev, **sizes["D"]), "sparse": case_sparse(dev, **sizes["sparse"])}
+    cases = {"B": make_b(dev, **sizes["B"]).hardeq, "C16": make_c(dev, c["n"], c["a"], c["batches"][0]).hardeq,
+             "D": make_d(dev, **sizes["D"]).hardeq, "sparse": make_sparse(dev, **sizes["sparse"]).hardeq}
     records, text = [], []
     for name, fn in cases.items():
         r = profile_case(name, fn, dev, args.calls, args.rows)
