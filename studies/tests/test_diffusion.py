@@ -361,7 +361,7 @@ def test_quick_preset_end_to_end(quick_run):
     doc = json.loads((out / "diffusion.json").read_text())
     assert doc["study"] == "diffusion" and doc["preset"] == "quick" and doc["environment"]["git"]
     for name in ("diffusion.md", "diffusion-samples-table3.png", "diffusion-samples-table4.png",
-                 "diffusion-samples-table6.png", "diffusion-samples-table7.png", "diffusion-real-vs-constrained.png",
+                 "diffusion-samples-table9.png", "diffusion-samples-table10.png", "diffusion-real-vs-constrained.png",
                  "diffusion-schedules.png", "diffusion-training.png"):
         assert (out / name).stat().st_size > 0, name
     viol = _by(doc, "violation_rate")

@@ -23,7 +23,7 @@ __all__ = ["paper_table", "render_markdown", "protocol_sections", "plot_schedule
 
 #: the sample-grid figures the run writes (table -> file), and the real-vs-constrained grid
 GRID_FILES = {"3": "diffusion-samples-table3.png", "4": "diffusion-samples-table4.png",
-              "6": "diffusion-samples-table6.png", "7": "diffusion-samples-table7.png",
+              "6": "diffusion-samples-table9.png", "7": "diffusion-samples-table10.png",
               "grid": "diffusion-real-vs-constrained.png"}
 #: this study's table keys -> the paper's table numbers in its source order (the schedule tables are 9 and 10)
 PAPER_TABLES = {"3": "3", "4": "4", "6": "9", "7": "10"}
