@@ -33,7 +33,7 @@ class DiffusionStudy(Study):
                             help="denoiser training steps (default: the preset's; --epochs sets it in epochs)")
         parser.add_argument("--n-ddpm", type=positive_int, default=None, help="images per DDPM variant (Table 3)")
         parser.add_argument("--n-ddim", type=positive_int, default=None, help="images per DDIM variant (Table 4)")
-        parser.add_argument("--n-sweep", type=positive_int, default=None, help="images per schedule (Tables 6, 7)")
+        parser.add_argument("--n-sweep", type=positive_int, default=None, help="images per schedule (Tables 9, 10)")
         parser.add_argument("--n-reference", type=positive_int, default=None,
                             help="real images of the Inception reference statistics (default: the preset's)")
         parser.add_argument("--inception", action=argparse.BooleanOptionalAction, default=None,
