@@ -41,20 +41,6 @@ def gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
-def diffusion_names() -> dict:
-    """The public names of ``hardeq.diffusion`` for doctest globals, less those that need a missing optional
-    dependency (``ConstrainedScheduler`` without diffusers)."""
-    import hardeq.diffusion as hd
-
-    names = {}
-    for name in hd.__all__:
-        try:
-            names[name] = getattr(hd, name)
-        except ImportError:
-            continue
-    return names
-
-
 def assert_exact(x, totals, rtol):
     """Per-channel sums of ``x`` ``(B, C, H, W)`` equal ``totals`` (``(C,)`` or ``(B, C)``) to round-off:
     ``|sum - k| <= rtol * (1 + sum|x| + |k|)``, evaluated in float64."""

@@ -2,7 +2,6 @@
 independent oracles (a float64 bisection on the multiplier, and scipy's SLSQP on small n), plus the degenerate
 cases (totals at the box limits, equal variances, tied breakpoints) and the native samplers' final="box"."""
 
-import doctest
 
 import numpy as np
 import pytest
@@ -16,7 +15,6 @@ from hardeq import SumConstraint
 from hardeq.diffusion import box_project, channel_sum_constraint
 from hardeq.testing import assert_exact_per_row
 
-from .conftest import diffusion_names
 
 
 def gen(seed):
@@ -194,12 +192,6 @@ def test_errors():
     assert bool((y[0, 0] == 1).all())
 
 
-def test_doctest():
-    import hardeq.diffusion.box as mod
-
-    globs = {"torch": torch, **diffusion_names()}
-    result = doctest.testmod(mod, extraglobs=globs, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-    assert result.attempted > 0 and result.failed == 0
 
 
 def test_contiguous_unequal_groups_and_a_single_pixel_group():

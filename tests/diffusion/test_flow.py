@@ -2,7 +2,6 @@
 the Euler map is affine and its output distribution is known exactly), with exact conditioned / boxed last steps,
 and parity with diffusers' FlowMatchEulerDiscreteScheduler."""
 
-import doctest
 import math
 from dataclasses import replace
 
@@ -13,7 +12,6 @@ from hardeq.diffusion import (FlowOptions, StartEnd, box_project, channel_sum_co
                               project_onto)
 from hardeq.testing import assert_exact_per_row
 
-from .conftest import diffusion_names
 
 MEAN, STD = 0.3, 0.5  # the data: x0 ~ N(MEAN, STD^2) in every pixel, independently
 
@@ -165,9 +163,3 @@ def test_diffusers_flow_match_euler_parity():
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_doctest():
-    import hardeq.diffusion.flow as mod
-
-    globs = {"torch": torch, **diffusion_names()}
-    result = doctest.testmod(mod, extraglobs=globs, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-    assert result.attempted > 0 and result.failed == 0

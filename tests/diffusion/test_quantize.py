@@ -1,6 +1,5 @@
 """to_uint8_exact: 8-bit images whose channel sums equal the integer totals exactly (largest remainder)."""
 
-import doctest
 import io
 
 import numpy as np
@@ -11,7 +10,6 @@ from hypothesis import strategies as st
 
 from hardeq.diffusion import box_project, to_uint8_exact
 
-from .conftest import diffusion_names
 
 
 def gen(seed):
@@ -107,9 +105,3 @@ def test_errors():
         to_uint8_exact(x, torch.tensor([1.0, 2.0, 3.0]))
 
 
-def test_doctest():
-    import hardeq.diffusion.quantize as mod
-
-    globs = {"torch": torch, **diffusion_names()}
-    result = doctest.testmod(mod, extraglobs=globs, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-    assert result.attempted > 0 and result.failed == 0

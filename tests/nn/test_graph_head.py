@@ -157,10 +157,3 @@ def test_bad_inputs_name_the_argument():
         GraphGaussianHead(3, dtype=torch.long)
 
 
-def test_docstring_example_runs_as_written():
-    import doctest
-
-    import hardeq.nn.graph as module
-
-    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-    assert result.attempted > 0 and result.failed == 0
