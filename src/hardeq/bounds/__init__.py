@@ -17,7 +17,7 @@ from __future__ import annotations
 from .diagnostics import effective_sample_size, split_rhat
 from .hmc import HMCResult, exact_hmc
 from .mode import ModeNotFound, truncated_mode
-from .normaliser import exact_log_normaliser, log_diff_ndtr, mc_log_normaliser
+from .normaliser import exact_log_normaliser, log_diff_ndtr, mc_log_normaliser, subset_log_normaliser
 from .polytope import check_bounds, check_polytope, row_ranges
 from .rejection import AUTO_THRESHOLD, RejectionBudgetExceeded, rejection_sample
 from .result import TruncatedSamples
@@ -35,6 +35,7 @@ __all__ = [
     "exact_log_normaliser",
     "log_diff_ndtr",
     "mc_log_normaliser",
+    "subset_log_normaliser",
     "rejection_sample",
     "row_ranges",
     "split_rhat",

@@ -1,0 +1,91 @@
+"""Subset simulation for log P(box | plane) against exact normalisers that share no code with it: a plane of
+independent two-coordinate groups is a product of lines, each with the exact one-free-dimension normaliser."""
+
+import math
+
+import pytest
+import torch
+
+import hardeq
+from hardeq.bounds import exact_hmc, exact_log_normaliser, subset_log_normaliser
+from hardeq.bounds.normaliser import null_direction
+
+
+def pairs_problem(groups, dtype, shift):
+    """``groups`` independent pairs ``z_{2g} + z_{2g+1} = 0``, unit variances, each coordinate boxed to
+    ``[shift, shift + 0.2]`` for even and ``[-shift - 0.2, -shift]`` for odd coordinates (a box away from the
+    mean, on the plane)."""
+    n = 2 * groups
+    index = torch.arange(n) // 2
+    con = hardeq.SumConstraint(index, torch.zeros(groups, dtype=dtype))
+    d = hardeq.ConstrainedNormal(torch.zeros(n, dtype=dtype), 1.0, constraint=con)
+    sign = torch.tensor([1.0, -1.0], dtype=dtype).repeat(groups)
+    a, b = sign * shift, sign * (shift + 0.2)
+    return d, torch.minimum(a, b), torch.maximum(a, b)
+
+
+def exact_pairs_log_z(dtype, shift):
+    """log P of one pair's box: the exact normaliser of the two-coordinate line (one free dimension)."""
+    con = hardeq.SumConstraint(torch.zeros(2, dtype=torch.long), torch.zeros(1, dtype=torch.float64))
+    d = hardeq.ConstrainedNormal(torch.zeros(2, dtype=torch.float64), 1.0, constraint=con)
+    lo = torch.tensor([shift, -shift - 0.2], dtype=torch.float64)
+    return float(exact_log_normaliser(d, lo, torch.tensor([shift + 0.2, -shift], dtype=torch.float64),
+                                      null_direction(con)))
+
+
+def hmc_kernel(d, seed):
+    g = torch.Generator().manual_seed(seed)
+
+    def kernel(lo, hi, start, steps):
+        return exact_hmc(d, lo, hi, start, num_samples=1, burn_in=steps - 1, generator=g).samples[0]
+
+    return kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_product_of_lines_matches_the_exact_normaliser(dtype):
+    groups, shift = 6, 1.0
+    d, lo, hi = pairs_problem(groups, dtype, shift)
+    exact = groups * exact_pairs_log_z(dtype, shift)               # about 6 x -3.5 = -21
+    torch.manual_seed(0)
+    log_z, stderr, levels = subset_log_normaliser(d, lo, hi, hmc_kernel(d, 1), num=400,
+                                                  generator=torch.Generator().manual_seed(2))
+    assert log_z.dtype == torch.float64 and log_z.shape == ()
+    assert 0.05 < float(stderr) < 0.6
+    assert int(levels) >= 10                                       # log Z / log(1/4) levels, about 15
+    assert abs(float(log_z) - exact) < 4 * float(stderr), (float(log_z), exact, float(stderr))
+
+
+def test_batch_elements_run_their_own_levels():
+    """One element's box holds most of the mass (done at the first level, factor p), the other's is far away."""
+    groups = 3
+    d1, lo1, hi1 = pairs_problem(groups, torch.float64, 1.2)
+    wide_lo, wide_hi = torch.full_like(lo1, -3.0), torch.full_like(hi1, 3.0)
+    d = d1.expand((2,))
+    lo, hi = torch.stack([wide_lo, lo1]), torch.stack([wide_hi, hi1])
+    torch.manual_seed(3)
+    log_z, stderr, levels = subset_log_normaliser(d, lo, hi, hmc_kernel(d, 4), num=400,
+                                                  generator=torch.Generator().manual_seed(5))
+    assert log_z.shape == (2,) and int(levels[0]) == 1 and int(levels[1]) > 3
+    # element 0: P(|z_i| <= 3 on every coordinate of the plane), the sd on the plane is sqrt(1/2)
+    wide = groups * math.log(math.erf(3.0 / math.sqrt(2 * 0.5) / math.sqrt(2)))
+    assert abs(float(log_z[0]) - wide) < 0.01
+    exact = groups * exact_pairs_log_z(torch.float64, 1.2)
+    assert abs(float(log_z[1]) - exact) < 4 * float(stderr[1])
+
+
+def test_it_gives_up_with_a_precise_error(monkeypatch):
+    import hardeq.bounds.normaliser as module
+
+    monkeypatch.setattr(module, "MAX_LEVELS", 2)
+    d, lo, hi = pairs_problem(4, torch.float64, 2.0)
+    with pytest.raises(RuntimeError, match="not reached in 2 levels"):
+        subset_log_normaliser(d, lo, hi, hmc_kernel(d, 0), num=50)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [({"num": 3}, "num"), ({"num": 8, "iterations": 0}, "iterations"),
+                                               ({"num": 8, "keep": 1.0}, "keep"), ({"num": 8, "keep": 1}, "keep")])
+def test_bad_arguments(kwargs, match):
+    d, lo, hi = pairs_problem(2, torch.float64, 0.0)
+    with pytest.raises(ValueError, match=match):
+        subset_log_normaliser(d, lo, hi, hmc_kernel(d, 0), **kwargs)
