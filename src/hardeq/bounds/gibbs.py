@@ -413,8 +413,9 @@ def blocked_gibbs(dist: ConstrainedNormal, lower: Tensor | float | None, upper: 
         >>> total = SumConstraint(torch.zeros(3, dtype=torch.long), torch.tensor([1.0], dtype=torch.float64))
         >>> loc = torch.tensor([-3.0, -3.0, 0.5], dtype=torch.float64)       # two coordinates pressed against 0
         >>> d = ConstrainedNormal(loc, 0.5, constraint=total)
-        >>> start = truncated_mode(d, 0.0, 1.0).expand(4, 3)                 # 4 chains, all at the mode
-        >>> res = blocked_gibbs(d, 0.0, 1.0, start, num_samples=50, burn_in=20,
+        >>> lower, upper = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+        >>> start = truncated_mode(d, lower, upper).expand(4, 3)             # 4 chains, all at the mode
+        >>> res = blocked_gibbs(d, lower, upper, start, num_samples=50, burn_in=20,
         ...                     generator=torch.Generator().manual_seed(0))
         >>> z = res.samples
         >>> z.shape, bool(((z >= 0) & (z <= 1)).all()), bool(total.check(z).all())
