@@ -372,6 +372,18 @@ class _Projector:
         return torch.minimum(torch.maximum(z, lo), hi)
 
 
+def _diagnostics(samples: Tensor) -> tuple[Tensor, Tensor]:
+    """ESS and split R-hat of ``samples`` ``(draws, chains, *event)``, ``(*event)`` each, computed over chunks of the
+    flattened event so that the FFTs of the autocovariances stay near 2^23 numbers (64 MiB) at a time."""
+    flat = samples.flatten(2)
+    step = max(1, (1 << 23) // (samples.shape[0] * samples.shape[1]))
+    parts = [(effective_sample_size(flat[..., i: i + step]), split_rhat(flat[..., i: i + step]))
+             for i in range(0, flat.shape[-1], step)]
+    ess = torch.cat([p[0] for p in parts]).reshape(samples.shape[2:])
+    rhat = torch.cat([p[1] for p in parts]).reshape(samples.shape[2:])
+    return ess, rhat
+
+
 @torch.no_grad()
 def blocked_gibbs(dist: ConstrainedNormal, lower: Tensor | float | None, upper: Tensor | float | None,
                   start: Tensor, *, num_samples: int, burn_in: int = 100, thin: int = 1,
@@ -457,8 +469,8 @@ def blocked_gibbs(dist: ConstrainedNormal, lower: Tensor | float | None, upper: 
     if not bool(torch.isfinite(z).all()):
         raise RuntimeError("blocked_gibbs: the start is not finite after projection onto the plane.")
 
-    draws = []
     sweeps = burn_in + num_samples * thin
+    samples = torch.empty((num_samples,) + z.shape, dtype=dtype, device=device)
     for sweep in range(sweeps):
         blocks, d = blocks_of.draw(generator)                            # (Bk, s), (s,) or (*batch, Bk, s)
         flat = blocks.reshape(-1)
@@ -488,10 +500,9 @@ def blocked_gibbs(dist: ConstrainedNormal, lower: Tensor | float | None, upper: 
                                    "the covariance and the bounds are finite where they matter.")
         if record:
             out = cond.condition(z.to(dtype))
-            draws.append(torch.maximum(torch.minimum(out, hi), lo))
-    samples = torch.stack(draws)
+            samples[(sweep - burn_in) // thin] = torch.maximum(torch.minimum(out, hi), lo)
     if num_samples >= MIN_DRAWS_FOR_DIAGNOSTICS:
-        ess, rhat = effective_sample_size(samples), split_rhat(samples)
+        ess, rhat = _diagnostics(samples)
     else:
         ess = torch.full(shape, math.nan, dtype=torch.float64, device=device)
         rhat = ess.clone()
