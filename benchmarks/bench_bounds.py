@@ -202,8 +202,8 @@ def portfolio_case(args):
                         generator=torch.Generator().manual_seed(1))
     seconds = time.perf_counter() - t
     per_sweep = res.ess / (draws * args.portfolio_draws)
-    print(f"{draws} chains x {args.portfolio_draws} draws after {burn_in} sweeps, all windows at once: {seconds:.2f} s; "
-          f"ESS per draw (min / median over windows and weights) {float(per_sweep.min()):.3f} / "
+    print(f"{draws} chains x {args.portfolio_draws} draws after {burn_in} sweeps, all windows at once: "
+          f"{seconds:.2f} s; ESS per draw (min / median over windows and weights) {float(per_sweep.min()):.3f} / "
           f"{float(per_sweep.median()):.3f}, min ESS {float(res.ess.min()):.0f} of {draws * args.portfolio_draws}, "
           f"max R-hat {float(res.rhat.max()):.3f}")
     exact = torch.tensor(np.stack([_sum_conditioned_means(loc[w].numpy(), np.full(n, sd), 1.0, 0.0, 0.3, 2e-5)

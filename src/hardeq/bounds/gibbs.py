@@ -87,6 +87,8 @@ REPROJECT_EVERY = 64
 DEEP_TAIL = 30.0
 #: ``width * max(|a|, |b|)`` at or below which an interval is drawn by uniform rejection (acceptance >= e^-0.5)
 NARROW = 0.5
+#: jitter of the stratified partitions (odd sweeps), as a fraction of the range of the sorted score
+STRATA_JITTER = 0.1
 #: rounds of the rejection samplers of :func:`truncated_standard_normal` (each accepts with probability >= 0.6)
 MAX_ROUNDS = 200
 _F64 = torch.float64
@@ -275,9 +277,18 @@ def gibbs_unsupported(dist: ConstrainedNormal) -> str | None:
 
 
 class _Blocks:
-    """The random partition of one sweep and the blocks' directions, for one constraint (no n x n matrix)."""
+    """The random partition of one sweep and the blocks' directions, for one constraint (no n x n matrix).
 
-    def __init__(self, constraint: EqualityConstraint, frozen: Tensor | None, device: torch.device) -> None:
+    Even sweeps draw a uniformly random partition; odd sweeps a *stratified* one: the coordinates sorted by a score
+    fixed by the parameters (never by the state), with a random jitter of :data:`STRATA_JITTER` of the range, then
+    cut in blocks, so that coordinates alike in that score share blocks. The score is, for a grouped sum, how far the
+    mean lies outside the box in standard deviations (pressed coordinates pair with pressed ones, free with free:
+    the free ones then meet every other sweep however few they are); for a dense ``A``, the norm of the coordinate's
+    column (a column much larger than its block's moves little along the block's null vector). Either choice is
+    independent of the state, so each sweep still leaves the target invariant."""
+
+    def __init__(self, constraint: EqualityConstraint, frozen: Tensor | None, device: torch.device,
+                 pressure: Tensor) -> None:
         n = constraint.event_size
         self.n, self.device = n, device
         index = constraint.group_index
@@ -295,23 +306,36 @@ class _Blocks:
             self.first = ((pos % 2 == 0) & (pos + 1 < sizes[sorted_groups])).nonzero().squeeze(-1)
             self.size, self.count = 2, int(self.first.numel())
             self.direction: Tensor = torch.tensor([1.0, -1.0], dtype=_F64, device=device)
+            score = pressure
         else:
             self.A = constraint.dense_rows().detach().to(device=device, dtype=_F64)        # (*bA, a, n)
             self.size = constraint.num_constraints + 1
             self.count = n // self.size
             self.frozen = frozen if frozen is not None and bool(frozen.any()) else None
+            score = self.A.norm(dim=-2).reshape(-1, n).mean(0)
+        flat = score.reshape(-1, n)
+        if bool((flat == flat[0]).all()):                               # one partition for the whole batch
+            score = flat[0]
+        rank = torch.argsort(torch.argsort(score, dim=-1, stable=True), dim=-1).to(_F64) / n
+        #: stratified sort key without its jitter, in [0, 1) within a group: ``(n,)`` or ``(*batch, n)``
+        self.rank = rank / (1.0 + STRATA_JITTER)
 
-    def draw(self, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
-        """``(blocks, directions)``: ``(B, s)`` coordinate indices and their directions, ``(s,)`` or
-        ``(*batch, B, s)`` float64 (unit null vectors of ``A[:, S_b]``)."""
+    def draw(self, generator: torch.Generator | None, sweep: int) -> tuple[Tensor, Tensor]:
+        """``(blocks, directions)``: ``(B, s)`` or ``(*batch, B, s)`` coordinate indices (shared or per batch
+        element) and their directions, ``(s,)`` or ``(*batch, B, s)`` float64 (unit null vectors of
+        ``A[:, S_b]``)."""
+        shape = self.rank.shape
+        if sweep % 2 == 1:
+            jitter = torch.rand(shape, dtype=_F64, device=self.device, generator=generator)
+            key = self.rank + jitter * (STRATA_JITTER / (1.0 + STRATA_JITTER))
+            perm = torch.argsort(key + self.key if self.grouped else key, dim=-1)
+        elif self.grouped and not self.single:
+            perm = torch.argsort(self.key + torch.rand(self.n, dtype=_F64, device=self.device, generator=generator))
+        else:
+            perm = torch.randperm(self.n, device=self.device, generator=generator)
         if self.grouped:
-            if self.single:
-                perm = torch.randperm(self.n, device=self.device, generator=generator)
-            else:
-                perm = torch.argsort(self.key + torch.rand(self.n, dtype=_F64, device=self.device, generator=generator))
-            blocks = torch.stack([perm[self.first], perm[self.first + 1]], dim=-1)
+            blocks = torch.stack([perm[..., self.first], perm[..., self.first + 1]], dim=-1)
             return blocks, self.direction
-        perm = torch.randperm(self.n, device=self.device, generator=generator)
         blocks = perm[: self.count * self.size].view(self.count, self.size)
         sub = self.A[..., blocks].movedim(-3, -2)                        # (*bA, B, a, s)
         q = torch.linalg.qr(sub.mT, mode="complete")[0]                  # (*bA, B, s, s)
@@ -463,7 +487,8 @@ def blocked_gibbs(dist: ConstrainedNormal, lower: Tensor | float | None, upper: 
     if constraint.group_index is None:  # coordinates the constraint determines: no motion (d_i = 0)
         eps = torch.finfo(dtype).eps
         frozen = cond.variance().detach().expand(shape) <= 16 * eps * cond.cov.variance.detach().expand(shape)
-    blocks_of = _Blocks(constraint, frozen, device)
+    pressure = (torch.maximum(lo64 - mu, mu - hi64).clamp_min(0.0) / var.sqrt()).nan_to_num(0.0)
+    blocks_of = _Blocks(constraint, frozen, device, pressure)
     project = _Projector(constraint, var, blocks_of)
     z = project(z, lo64, hi64)
     if not bool(torch.isfinite(z).all()):
@@ -472,10 +497,15 @@ def blocked_gibbs(dist: ConstrainedNormal, lower: Tensor | float | None, upper: 
     sweeps = burn_in + num_samples * thin
     samples = torch.empty((num_samples,) + z.shape, dtype=dtype, device=device)
     for sweep in range(sweeps):
-        blocks, d = blocks_of.draw(generator)                            # (Bk, s), (s,) or (*batch, Bk, s)
-        flat = blocks.reshape(-1)
-        x = z[..., blocks]                                               # (C, *batch, Bk, s)
-        m_b, v_b, lo_b, hi_b = mu[..., blocks], var[..., blocks], lo64[..., blocks], hi64[..., blocks]
+        blocks, d = blocks_of.draw(generator, sweep)                     # ([*batch,] Bk, s); (s,) or (*batch, Bk, s)
+        if blocks.dim() == 2:                                            # one partition for the batch
+            x = z[..., blocks]                                           # (C, *batch, Bk, s)
+            m_b, v_b, lo_b, hi_b = mu[..., blocks], var[..., blocks], lo64[..., blocks], hi64[..., blocks]
+        else:                                                            # one per batch element
+            idx = blocks.flatten(-2)
+            wide = idx.expand(z.shape[:-1] + idx.shape[-1:])
+            x = z.gather(-1, wide).view(z.shape[:-1] + blocks.shape[-2:])
+            m_b, v_b, lo_b, hi_b = (t.gather(-1, idx).view(blocks.shape) for t in (mu, var, lo64, hi64))
         dv = d / v_b                                                     # (*batch, Bk, s)
         alpha = (d * dv).sum(-1)                                         # (*batch, Bk)
         beta = ((x - m_b) * dv).sum(-1)                                  # (C, *batch, Bk)
@@ -491,7 +521,8 @@ def blocked_gibbs(dist: ConstrainedNormal, lower: Tensor | float | None, upper: 
         step = centre + _draw(a_std, b_std, generator, MAX_ROUNDS) / root
         step = torch.where(moving, torch.minimum(torch.maximum(step, t_lo), t_hi), 0.0)
         moved = torch.minimum(torch.maximum(x + step.unsqueeze(-1) * d, lo_b), hi_b)
-        z = z.index_copy(-1, flat, moved.flatten(-2))
+        z = z.index_copy(-1, blocks.reshape(-1), moved.flatten(-2)) if blocks.dim() == 2 else z.scatter(
+            -1, wide, moved.flatten(-2))
         record = sweep >= burn_in and (sweep - burn_in) % thin == thin - 1
         if sweep % REPROJECT_EVERY == REPROJECT_EVERY - 1 or record:
             z = project(z, lo64, hi64)
