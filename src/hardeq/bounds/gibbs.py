@@ -22,7 +22,9 @@ evaluates that (:math:`\mu` is the user's ``loc``, in float64: no conditional me
      last column of the complete float64 QR of :math:`A_{:,S_b}^\top`, which lies in the null space whatever the
      rank of the block. A coordinate the constraint determines (zero variance on the plane) gets :math:`d_i = 0`.
 
-   :math:`Ad_b = 0`, so every move stays on the plane.
+   :math:`Ad_b = 0`, so every move stays on the plane. Even sweeps draw the partition uniformly; odd sweeps draw a
+   *stratified* one (the coordinates sorted by a score the parameters fix, jittered, then cut in blocks: pressed
+   coordinates pair with pressed ones, free with free; see ``_Blocks``). Neither looks at the state.
 2. Every block moves along its line, :math:`z \leftarrow z + \sum_b t_b d_b`, with :math:`(t_1, \dots, t_B)` drawn
    from their joint conditional law. Because :math:`\Sigma` is diagonal and the blocks are disjoint, that law
    **factorises**: :math:`t_b \sim \mathcal N(-\beta_b/\alpha_b, 1/\alpha_b)` truncated to the chord
@@ -260,7 +262,17 @@ def _draw(a: Tensor, b: Tensor, generator: torch.Generator | None, max_rounds: i
 def gibbs_unsupported(dist: ConstrainedNormal) -> str | None:
     """Why :func:`blocked_gibbs` cannot sample ``dist`` (a sentence naming ``method="hmc"``), or ``None`` when it
     can: a diagonal covariance and a grouped-sum constraint, or any constraint with at most :data:`GIBBS_MAX_ROWS`
-    rows and :data:`GIBBS_MAX_DENSE_ELEMENTS` entries (per batch element of ``A``) for its dense copy. O(1)."""
+    rows and :data:`GIBBS_MAX_DENSE_ELEMENTS` entries (per batch element of ``A``) for its dense copy. O(1).
+
+    Examples:
+        >>> from hardeq.bounds import gibbs_unsupported
+        >>> total = SumConstraint(torch.zeros(3, dtype=torch.long), torch.tensor([1.0]))
+        >>> print(gibbs_unsupported(ConstrainedNormal(torch.zeros(3), 1.0, constraint=total)))
+        None
+        >>> full = ConstrainedNormal(torch.zeros(3), scale_tril=torch.eye(3), constraint=total)
+        >>> gibbs_unsupported(full)[:56]
+        "method='gibbs' needs a diagonal covariance (the blocks' "
+    """
     cov = dist.covariance
     if not cov.is_diagonal:
         return (f"method='gibbs' needs a diagonal covariance (the blocks' conditional laws factorise only then), got "
