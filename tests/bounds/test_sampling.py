@@ -152,7 +152,7 @@ def test_sample_api_and_reproducibility():
     torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert t.sample((), method="rejection").shape == (3, 6)
     with pytest.raises(ValueError, match="method must be one of"):
-        t.sample((2,), method="gibbs")
+        t.sample((2,), method="slice")
     assert isinstance(t.sample_with_info((2,), method="rejection"), TruncatedSamples)
     assert "TruncatedConstrainedNormal(n=6, batch_shape=(3,), lower=0" in repr(t)
     e = t.expand((2, 3))
@@ -222,14 +222,17 @@ def test_auto_picks_by_pilot_acceptance(hmc_stand_in):
     dist, _, _ = make_case("diag", "sum", torch.float64, seed=0)
     t = dist.truncate(-50.0, 50.0)
     assert t.sample_with_info((5,)).method == "rejection"
-    # narrow box far in the tail: acceptance < 0.1 -> hmc
+    # narrow box far in the tail: acceptance < 0.1 -> gibbs (diagonal covariance), hmc for a full one
     d = hardeq.ConstrainedNormal(torch.zeros(4, dtype=torch.float64), 1.0,
                                  constraint=hardeq.SumConstraint(torch.zeros(4, dtype=torch.long),
                                                                  torch.tensor([4.0], dtype=torch.float64)))
     t = d.truncate(0.8, 1.5)
     assert float(t.acceptance) < 0.1
-    assert t.sample_with_info((5,)).method == "hmc"
+    assert t.sample_with_info((5,)).method == "gibbs"
     assert t.sample_with_info((5,), threshold=0.0).method == "rejection"
+    full = hardeq.ConstrainedNormal(torch.zeros(4, dtype=torch.float64), scale_tril=torch.eye(4, dtype=torch.float64),
+                                    constraint=d.constraint).truncate(0.8, 1.5)
+    assert full.sample_with_info((5,)).method == "hmc"
 
 
 # ---------------------------------------------------------------------- the real HMC sampler through the class

@@ -9,12 +9,15 @@ The user-facing object is :class:`hardeq.TruncatedConstrainedNormal`, made by
 * :mod:`~hardeq.bounds.normaliser` -- :math:`\log P(\text{box}\mid\text{plane})`, exact for one free dimension,
   Monte Carlo otherwise, and the gradient identity :math:`\nabla\log Z = \mathbb E_{\text{trunc}}[\nabla\log p]`;
 * :mod:`~hardeq.bounds.hmc` and :mod:`~hardeq.bounds.diagnostics` -- exact Hamiltonian Monte Carlo on the plane and
-  its effective sample size and split R-hat (``exact_hmc``, ``HMCResult``).
+  its effective sample size and split R-hat (``exact_hmc``, ``HMCResult``);
+* :mod:`~hardeq.bounds.gibbs` -- random-partition blocked Gibbs for a diagonal covariance (``blocked_gibbs``,
+  ``GibbsResult``) and exact 1-D truncated normal draws (``truncated_standard_normal``).
 """
 
 from __future__ import annotations
 
 from .diagnostics import effective_sample_size, split_rhat
+from .gibbs import GibbsResult, blocked_gibbs, gibbs_unsupported, truncated_standard_normal
 from .hmc import HMCResult, exact_hmc
 from .mode import ModeNotFound, truncated_mode
 from .normaliser import exact_log_normaliser, log_diff_ndtr, mc_log_normaliser, subset_log_normaliser
@@ -24,15 +27,18 @@ from .result import TruncatedSamples
 
 __all__ = [
     "AUTO_THRESHOLD",
+    "GibbsResult",
     "HMCResult",
     "ModeNotFound",
     "RejectionBudgetExceeded",
     "TruncatedSamples",
+    "blocked_gibbs",
     "check_bounds",
     "check_polytope",
     "effective_sample_size",
     "exact_hmc",
     "exact_log_normaliser",
+    "gibbs_unsupported",
     "log_diff_ndtr",
     "mc_log_normaliser",
     "subset_log_normaliser",
@@ -40,4 +46,5 @@ __all__ = [
     "row_ranges",
     "split_rhat",
     "truncated_mode",
+    "truncated_standard_normal",
 ]

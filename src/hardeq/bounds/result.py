@@ -16,13 +16,14 @@ class TruncatedSamples:
     Attributes:
         samples (Tensor): ``sample_shape + batch_shape + (n,)``; every entry within its bounds exactly, every row of
             ``A z = k`` within the untruncated per-row tolerance.
-        method (str): ``"rejection"`` (exact iid draws of the truncated law) or ``"hmc"`` (exact Hamiltonian Monte
-            Carlo on the plane: exact in its stationary law; correlated within a chain).
+        method (str): ``"rejection"`` (exact iid draws of the truncated law), ``"gibbs"`` (random-partition blocked
+            Gibbs on the plane, diagonal covariance) or ``"hmc"`` (exact Hamiltonian Monte Carlo on the plane); the
+            last two are exact in their stationary law and correlated within a chain.
         acceptance (Tensor | None): ``(*batch)`` measured acceptance of the rejection sampler (accepted / drawn), or
-            ``None`` for HMC.
+            ``None`` for Gibbs and HMC.
         ess (Tensor | None): ``(*batch, n)`` effective sample size per coordinate (for rejection: the number of
             draws, which are independent), or ``None`` when not measured.
-        rhat (Tensor | None): ``(*batch, n)`` split R-hat across HMC chains; ``None`` for rejection.
+        rhat (Tensor | None): ``(*batch, n)`` split R-hat across the Gibbs or HMC chains; ``None`` for rejection.
 
     Examples:
         >>> total = SumConstraint(torch.zeros(3, dtype=torch.long), torch.tensor([3.0], dtype=torch.float64))

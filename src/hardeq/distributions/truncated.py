@@ -20,7 +20,7 @@ from .normal import ConstrainedNormal, _full_precision, _sample_shape
 __all__ = ["TruncatedConstrainedNormal"]
 
 #: methods of :meth:`TruncatedConstrainedNormal.sample_with_info`
-METHODS = ("auto", "rejection", "hmc")
+METHODS = ("auto", "rejection", "gibbs", "hmc")
 #: per-row tolerance of the untruncated law, by compute dtype (the library's exactness promise)
 ROW_RTOL = {torch.float32: 1e-5, torch.float64: 1e-12}
 
@@ -64,11 +64,17 @@ class TruncatedConstrainedNormal(Distribution):
     * :meth:`sample` / :meth:`sample_with_info`: every draw satisfies ``lower <= z <= upper`` exactly (``>=``,
       ``<=`` in the distribution's dtype) and every row of :math:`Az = k` within the untruncated per-row tolerance.
       ``method="rejection"`` is exact in law (iid draws of the untruncated conditional kept when in the box);
-      ``method="hmc"`` is exact Hamiltonian Monte Carlo on the plane (Pakman & Paninski 2014), exact in its
-      stationary law (asymptotically in the number of steps; draws of one chain are correlated: see ``ess`` and
-      ``rhat`` of :meth:`sample_with_info`). ``method="auto"`` (default) measures the acceptance on a pilot of
-      ``pilot_samples`` draws and uses rejection when it is at least ``threshold`` (0.1: at most ten untruncated
-      draws per kept one), HMC from :attr:`mode` otherwise. The method used is named in the result.
+      ``method="gibbs"`` is random-partition blocked Gibbs on the plane (:func:`hardeq.bounds.blocked_gibbs`: pairs
+      of coordinates inside a group for a grouped sum, blocks of ``a + 1`` coordinates along null vectors of ``A``
+      otherwise), for a **diagonal** covariance only, exact in its stationary law;
+      ``method="hmc"`` is exact Hamiltonian Monte Carlo on the plane (Pakman & Paninski 2014), for every
+      covariance, exact in its stationary law. For both Markov chains the law is reached asymptotically in the
+      number of steps and draws of one chain are correlated: see ``ess`` and ``rhat`` of :meth:`sample_with_info`.
+      ``method="auto"`` (default) measures the acceptance on a pilot of ``pilot_samples`` draws and uses rejection
+      when it is at least ``threshold`` (0.1: at most ten untruncated draws per kept one); otherwise Gibbs when it
+      applies (diagonal covariance; a grouped sum, or at most 64 rows of ``A``:
+      :func:`hardeq.bounds.gibbs_unsupported`), else HMC, both from :attr:`mode`. The method used is named in the
+      result.
     * :attr:`mode`: the maximiser of the density on the polytope, exact up to round-off
       (:mod:`hardeq.bounds.mode`).
     * :meth:`log_prob`: ``log p(z | Az = k) - log Z`` in the box, ``-inf`` outside it. :attr:`normaliser_exact`
@@ -313,14 +319,17 @@ class TruncatedConstrainedNormal(Distribution):
 
         Args:
             sample_shape: leading sample dimensions.
-            method: ``"rejection"`` (exact iid), ``"hmc"`` (exact HMC on the plane, exact in its stationary law) or
-                ``"auto"``: rejection when the pilot acceptance (:attr:`acceptance`, the smallest over the batch) is at
-                least ``threshold``, else HMC.
-            chains: HMC chains per batch element (default ``prod(sample_shape)``: one draw per chain after
-                ``burn_in``, so draws are as independent as the burn-in makes them); each chain then gives
+            method: ``"rejection"`` (exact iid), ``"gibbs"`` (blocked Gibbs on the plane, diagonal covariance only;
+                ``ValueError`` naming ``"hmc"`` otherwise), ``"hmc"`` (exact HMC on the plane; both exact in their
+                stationary law) or ``"auto"``: rejection when the pilot acceptance (:attr:`acceptance`, the smallest
+                over the batch) is at least ``threshold``, else Gibbs when it applies
+                (:func:`hardeq.bounds.gibbs_unsupported` is ``None``), else HMC.
+            chains: Markov chains per batch element (Gibbs or HMC; default ``prod(sample_shape)``: one draw per chain
+                after ``burn_in``, so draws are as independent as the burn-in makes them); each chain then gives
                 ``ceil(prod(sample_shape) / chains)`` draws ``thin`` steps apart. Chains start at :attr:`mode`.
-            burn_in, thin, travel_time: HMC controls (``travel_time``: the interval of the uniform random travel
-                time, default that of :func:`hardeq.bounds.exact_hmc`).
+            burn_in, thin: sweeps (Gibbs) or trajectories (HMC) discarded first, and kept every ``thin``-th.
+            travel_time: HMC only (``ValueError`` with ``method="gibbs"``): the interval of the uniform random
+                travel time, default that of :func:`hardeq.bounds.exact_hmc`.
             threshold: the acceptance at which ``"auto"`` switches to rejection.
             max_draws: rejection's cap on untruncated draws per batch element
                 (:func:`hardeq.bounds.rejection_sample`).
@@ -328,8 +337,8 @@ class TruncatedConstrainedNormal(Distribution):
 
         Returns:
             :class:`~hardeq.bounds.TruncatedSamples`: ``samples`` (``sample_shape + batch_shape + (n,)``, in the
-            distribution's dtype), ``method``, ``acceptance`` (rejection), ``ess`` and ``rhat`` (HMC; for rejection
-            ``ess`` is the number of draws).
+            distribution's dtype), ``method``, ``acceptance`` (rejection), ``ess`` and ``rhat`` (Gibbs and HMC; for
+            rejection ``ess`` is the number of draws).
 
         Every returned draw satisfies ``lower <= z <= upper`` exactly and every row of ``A z = k`` within the
         untruncated per-row tolerance.
@@ -338,8 +347,10 @@ class TruncatedConstrainedNormal(Distribution):
         2.6-2.8x the untruncated sampler at acceptance 0.45, n = 16); HMC, ``burn_in + ceil(num / chains) * thin``
         trajectories of ``chains`` chains per batch element, each trajectory O(n a) per wall bounce (far more than
         an untruncated draw: with the default one chain per draw and ``burn_in=100``, about 2,700x the untruncated
-        sampler at n = 16 on a loaded CPU; fewer chains with ``thin`` trade independence for time). ``"auto"``
-        therefore prefers rejection whenever its acceptance allows.
+        sampler at n = 16 on a loaded CPU; fewer chains with ``thin`` trade independence for time); Gibbs,
+        ``burn_in + ceil(num / chains) * thin`` sweeps of ``chains`` chains, each O(n) for a grouped sum and O(n a)
+        for a dense ``A`` (no bounces: its cost does not grow where coordinates press against a wall, where HMC's
+        does). ``"auto"`` therefore prefers rejection whenever its acceptance allows, then Gibbs.
         """
         out = self._sample_compute(sample_shape, method, chains=chains, burn_in=burn_in, thin=thin,
                                    travel_time=travel_time, threshold=threshold, max_draws=max_draws,
@@ -357,9 +368,20 @@ class TruncatedConstrainedNormal(Distribution):
             raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
         num = sample_shape.numel()
         batch, n = self.batch_shape, self.event_shape[0]
+        from ..bounds.gibbs import blocked_gibbs, gibbs_unsupported
+
         if method == "auto":
             acc = self.acceptance
-            method = "rejection" if float(acc.min()) >= threshold else "hmc"
+            if float(acc.min()) >= threshold:
+                method = "rejection"
+            else:
+                method = "gibbs" if gibbs_unsupported(self.base) is None else "hmc"
+        elif method == "gibbs":
+            reason = gibbs_unsupported(self.base)
+            if reason is not None:
+                raise ValueError(reason)
+            if travel_time is not None:
+                raise ValueError(f"travel_time is an HMC control; method='gibbs' takes none, got {travel_time!r}.")
         if method == "rejection":
             z, acc = rejection_sample(self.base, self._lo, self._hi, num, max_draws=max_draws, generator=generator)
             ess = torch.full(batch + (n,), float(num), dtype=torch.float64, device=z.device)
@@ -372,12 +394,18 @@ class TruncatedConstrainedNormal(Distribution):
             raise ValueError(f"chains must be a positive int, got {chains!r}.")
         per_chain = max(1, math.ceil(num / chains))
         start = self.mode.to(self._lo.dtype).expand((chains,) + batch + (n,))
-        kwargs: dict[str, Any] = {} if travel_time is None else {"travel_time": travel_time}
-        res = exact_hmc(self.base, self._lo, self._hi, start, num_samples=per_chain, burn_in=burn_in, thin=thin,
-                        generator=generator, **kwargs)
-        z = res.samples.reshape((per_chain * chains,) + batch + (n,))[:num]
+        if method == "gibbs":
+            res_g = blocked_gibbs(self.base, self._lo, self._hi, start, num_samples=per_chain, burn_in=burn_in,
+                                  thin=thin, generator=generator)
+            samples, ess, rhat = res_g.samples, res_g.ess, res_g.rhat
+        else:
+            kwargs: dict[str, Any] = {} if travel_time is None else {"travel_time": travel_time}
+            res = exact_hmc(self.base, self._lo, self._hi, start, num_samples=per_chain, burn_in=burn_in, thin=thin,
+                            generator=generator, **kwargs)
+            samples, ess, rhat = res.samples, res.ess, res.rhat
+        z = samples.reshape((per_chain * chains,) + batch + (n,))[:num]
         z = torch.minimum(torch.maximum(z.to(self._lo.dtype), self._lo), self._hi)
-        return TruncatedSamples(z.reshape(sample_shape + batch + (n,)), "hmc", None, res.ess, res.rhat)
+        return TruncatedSamples(z.reshape(sample_shape + batch + (n,)), method, None, ess, rhat)
 
     # ------------------------------------------------------------------ plumbing
     def expand(self, batch_shape: torch.Size | list[int] | tuple[int, ...], _instance: Self | None = None) -> Self:

@@ -129,7 +129,7 @@ class ConstrainedGaussianHead(nn.Module):
         ``event_shape = (n,)``; lower / upper: a number, ``(n,)`` or broadcastable to ``(*batch, n)``.
 
     Cost: one linear layer and the conditioner of the constraint (O(n) for group sums, O(n a^2) dense); with
-    bounds ``sample`` adds the sampler's cost (rejection or exact HMC, docs/bounds.md) and ``mode`` a QP.
+    bounds ``sample`` adds the sampler's cost (rejection, blocked Gibbs or exact HMC, docs/bounds.md) and ``mode`` a QP.
 
     Example:
         >>> head = ConstrainedGaussianHead(8, 4, constraint_matrix=torch.ones(1, 4))
