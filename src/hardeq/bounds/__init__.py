@@ -41,10 +41,10 @@ __all__ = [
     "gibbs_unsupported",
     "log_diff_ndtr",
     "mc_log_normaliser",
-    "subset_log_normaliser",
     "rejection_sample",
     "row_ranges",
     "split_rhat",
+    "subset_log_normaliser",
     "truncated_mode",
     "truncated_standard_normal",
 ]

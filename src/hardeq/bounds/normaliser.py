@@ -182,9 +182,9 @@ def _with_detached_k(dist: ConstrainedNormal) -> ConstrainedNormal:
                              validate_args=False)
 
 
-#: the adaptive levels :func:`subset_log_normaliser` may take before it gives up (keep 1/4 per level: Z down to
-#: about 4^-200, i.e. 1e-120)
-MAX_LEVELS = 200
+#: the adaptive levels :func:`subset_log_normaliser` may take before it gives up (keep 1/4 per level: log Z down
+#: to about -1386)
+MAX_LEVELS = 1000
 
 Kernel = Callable[[Tensor, Tensor, Tensor, int], Tensor]
 

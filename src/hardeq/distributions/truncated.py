@@ -11,7 +11,7 @@ from torch import Tensor
 from torch.distributions import Distribution, constraints
 
 from ..bounds.mode import truncated_mode
-from ..bounds.normaliser import exact_log_normaliser, null_direction, surrogate
+from ..bounds.normaliser import exact_log_normaliser, null_direction, subset_log_normaliser, surrogate
 from ..bounds.polytope import as_bound, check_bounds, check_polytope
 from ..bounds.rejection import AUTO_THRESHOLD, ROUND_ELEMENTS, rejection_sample
 from ..bounds.result import TruncatedSamples
@@ -23,6 +23,12 @@ __all__ = ["TruncatedConstrainedNormal"]
 METHODS = ("auto", "rejection", "gibbs", "hmc")
 #: per-row tolerance of the untruncated law, by compute dtype (the library's exactness promise)
 ROW_RTOL = {torch.float32: 1e-5, torch.float64: 1e-12}
+#: a batch element whose untruncated draws put fewer than this many in the box gets the subset-simulation
+#: normaliser (:func:`~hardeq.bounds.normaliser.subset_log_normaliser`): the plain fraction's relative error would
+#: exceed 1/8 (and with none inside it has no value at all)
+SUBSET_BELOW_IN_BOX = 64
+#: kernel moves per level of the subset-simulation normaliser
+SUBSET_ITERATIONS = 4
 
 
 class _BoxOnPlane(constraints.Constraint):
@@ -80,7 +86,10 @@ class TruncatedConstrainedNormal(Distribution):
     * :meth:`log_prob`: ``log p(z | Az = k) - log Z`` in the box, ``-inf`` outside it. :attr:`normaliser_exact`
       says which normaliser it uses: **exact** for one free dimension (``n - a == 1``: a normal CDF difference,
       differentiable, exact gradient), otherwise a **Monte Carlo estimate** from ``normaliser_samples`` untruncated
-      draws with its standard error in :attr:`log_normaliser_stderr`. Its gradient w.r.t. ``loc`` and the scales
+      draws with its standard error in :attr:`log_normaliser_stderr`; where fewer than 64 of them fall in the box
+      (a box the model makes unlikely, e.g. at the start of training), a **subset-simulation estimate** through
+      nested boxes (:func:`~hardeq.bounds.normaliser.subset_log_normaliser`), with its standard error.
+      Its gradient w.r.t. ``loc`` and the scales
       then comes from :math:`\nabla\log Z = \mathbb E_{\text{trunc}}[\nabla\log p(z\mid Az=k)]` on
       ``grad_samples`` draws of the truncated law (unbiased; variance
       :math:`\mathrm{Var}_{\text{trunc}}[\nabla\log p]/S_{\text{eff}}`); ``k`` gets no gradient through a Monte Carlo
@@ -218,18 +227,41 @@ class TruncatedConstrainedNormal(Distribution):
         return acc.log(), stderr, acc
 
     def _mc(self) -> tuple[Tensor, Tensor, Tensor]:
+        """``(log Z, stderr, acceptance)``: the untruncated draws' fraction in the box, replaced by subset
+        simulation in the batch elements where fewer than :data:`SUBSET_BELOW_IN_BOX` of them fell inside."""
         if "mc" not in self._cache:
-            self._cache["mc"] = self._count_in_box(self.normaliser_samples)
+            log_z, stderr, acc = self._count_in_box(self.normaliser_samples)
+            rare = acc * self.normaliser_samples < SUBSET_BELOW_IN_BOX
+            if bool(rare.any()):
+                with torch.no_grad():
+                    log_s, se_s, _ = subset_log_normaliser(self.base, self._lo, self._hi, self._kernel,
+                                                           num=max(64, self.normaliser_samples // 4),
+                                                           iterations=SUBSET_ITERATIONS)
+                log_z, stderr = torch.where(rare, log_s, log_z), torch.where(rare, se_s, stderr)
+            self._cache["mc"] = (log_z, stderr, acc)
         mc: tuple[Tensor, Tensor, Tensor] = self._cache["mc"]
         return mc
+
+    def _kernel(self, lower: Tensor, upper: Tensor, start: Tensor, steps: int) -> Tensor:
+        """``steps`` moves of blocked Gibbs (where it applies) or exact HMC for the law truncated to
+        ``[lower, upper]``, from ``start`` ``(chains, *batch, n)``; the states after them (subset simulation's
+        kernel)."""
+        from ..bounds.gibbs import blocked_gibbs, gibbs_unsupported
+        from ..bounds.hmc import exact_hmc
+
+        if gibbs_unsupported(self.base) is None:
+            return blocked_gibbs(self.base, lower, upper, start, num_samples=1, burn_in=steps - 1).samples[0]
+        return exact_hmc(self.base, lower, upper, start, num_samples=1, burn_in=steps - 1).samples[0]
 
     @property
     @_full_precision
     def log_normaliser(self) -> Tensor:
         r""":math:`\log Z = \log P(l \le z \le u \mid Az = k)`, ``batch_shape``: exact when :attr:`normaliser_exact`
         (differentiable), else the Monte Carlo estimate :math:`\log(N_{\text{in}}/N)` over ``normaliser_samples``
-        draws (detached; ``-inf`` where no draw fell in the box), whose standard error is
-        :attr:`log_normaliser_stderr`."""
+        draws (detached), whose standard error is :attr:`log_normaliser_stderr`. In a batch element where fewer
+        than :data:`SUBSET_BELOW_IN_BOX` draws fell in the box the value is the subset-simulation estimate
+        (:func:`~hardeq.bounds.normaliser.subset_log_normaliser`: ``normaliser_samples // 4`` chains of blocked
+        Gibbs or exact HMC through nested boxes), finite however small :math:`Z` is (down to log Z of about -1,386)."""
         if self.normaliser_exact:
             return self.base._out(exact_log_normaliser(self.base, self._lo, self._hi, self._direction()))
         return self.base._out(self._mc()[0].to(self._lo.dtype))
@@ -265,14 +297,7 @@ class TruncatedConstrainedNormal(Distribution):
         zero-valued surrogate that carries the gradient estimate."""
         if self.normaliser_exact:
             return exact_log_normaliser(self.base, self._lo, self._hi, self._direction())
-        log_z = self._mc()[0]
-        if bool(torch.isinf(log_z).any()):
-            idx = tuple(int(i) for i in torch.isinf(log_z).nonzero()[0]) if log_z.dim() else ()
-            bound = 3 / self.normaliser_samples
-            raise ValueError(f"log_prob needs log P(box | plane), but none of the {self.normaliser_samples} "
-                             f"untruncated draws of batch element {idx} fell in the box (P < ~{bound:.1g}); pass a "
-                             "larger normaliser_samples to truncate().")
-        log_z = log_z.to(self._lo.dtype)
+        log_z = self._mc()[0].to(self._lo.dtype)
         if self._needs_grad():
             if self.base.constraint.k.requires_grad and not self._cache.get("warned_k"):
                 self._cache["warned_k"] = True
