@@ -12,8 +12,8 @@ untruncated                the conditional mean (the study's prediction; flows m
 clip-project               the baseline: project orthogonally onto :math:`By = k`, clip the flows at 0,
                            repeat until both hold to round-off (:func:`clip_then_project`)
 truncated mean             :math:`E[y \mid By = k,\ y_{\text{flows}} \ge 0]`, the mean of ``draws`` draws of
-                           ``ConstrainedNormal.truncate(lower)`` (rejection, or exact-HMC chains from the mode
-                           after ``burn_in`` iterations; docs/bounds.md): a Monte Carlo estimate
+                           ``ConstrainedNormal.truncate(lower)`` (rejection, or blocked-Gibbs / exact-HMC
+                           chains from the mode after ``burn_in`` iterations; docs/bounds.md): a Monte Carlo estimate
 truncated mode             the mode of that truncated law: the projection of :math:`\mu` onto the plane and the
                            bounds in the metric :math:`\mathrm{diag}(v)^{-1}`
 =========================  =============================================================================
@@ -81,8 +81,9 @@ def clip_then_project(y: Tensor, B: Tensor, k: Tensor, lower: Tensor, *, max_ite
 def nonnegative_rules(dist, lower: Tensor, B: Tensor, k: Tensor, *, draws: int, burn_in: int,
                       seed: int) -> dict[str, Tensor]:
     """The predictions ``(..., n)`` (float64) of every rule of :data:`RULES` for the conditional law ``dist`` (a
-    ``ConstrainedNormal`` with batch ``(...)``); the truncated mean averages ``draws`` draws (rejection, or exact-HMC
-    chains from the mode after ``burn_in`` iterations) taken under a forked RNG seeded with ``seed``."""
+    ``ConstrainedNormal`` with batch ``(...)``); the truncated mean averages ``draws`` draws (rejection, or
+    blocked-Gibbs / exact-HMC chains from the mode after ``burn_in`` iterations) taken under a forked RNG seeded
+    with ``seed``."""
     mean = dist.mean.to(torch.float64)
     truncated = dist.truncate(lower.to(dist.mean.dtype), None)
     with torch.random.fork_rng(devices=[]):
@@ -177,7 +178,7 @@ def markdown(doc: Mapping[str, Any]) -> list[str]:
              "(chemical/bounds.py): the untruncated conditional mean (the study's prediction), the clip-then-project "
              "baseline (clip the flows at 0, project onto the balances, repeat), and the mean and the mode of its "
              "law *truncated* to non-negative flows (`ConstrainedNormal.truncate(lower)`; the mean from "
-             f"{cfg['draws']} draws per sample, HMC burn-in {cfg['burn_in']}). Bounded outputs: "
+             f"{cfg['draws']} draws per sample, Markov-chain burn-in {cfg['burn_in']}). Bounded outputs: "
              + "; ".join(f"{d} {[i + 1 for i, b in enumerate(cfg['lower'][d]) if b is not None]}"
                          for d in part["per_seed"])
              + " (1-based). Test MSE in scaled units x 1e-4, mean ± std over seeds.", "",

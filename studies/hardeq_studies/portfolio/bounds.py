@@ -13,10 +13,10 @@ ours clip-project          the clip-then-project baseline: clip the conditional 
                            (:func:`clip_then_project`); a repair of the decision, blind to the variances
 ours truncated mean        the mean of the law *truncated* to the box,
                            :math:`E[w \mid \sum w = 1,\ 0 \le w \le 1]`, estimated by the average of
-                           ``draws`` draws of ``ConstrainedNormal.truncate(0, 1)`` (rejection, or exact HMC
-                           chains from the mode after ``burn_in`` iterations: docs/bounds.md); long-only by
-                           construction (a mean of feasible points); a Monte Carlo estimate, so its test Sharpe
-                           carries the estimate's noise
+                           ``draws`` draws of ``ConstrainedNormal.truncate(0, 1)`` (rejection, or blocked
+                           Gibbs / exact HMC chains from the mode after ``burn_in`` iterations:
+                           docs/bounds.md); long-only by construction (a mean of feasible points); a Monte
+                           Carlo estimate, so its test Sharpe carries the estimate's noise
 ours truncated mode        the mode of the truncated law: the projection of :math:`\mu` onto the simplex in the
                            metric :math:`\mathrm{diag}(v)^{-1}` (:attr:`TruncatedConstrainedNormal.mode`)
 =========================  =============================================================================
@@ -85,8 +85,9 @@ def clip_then_project(w: Tensor, lower: float = 0.0, upper: float = 1.0, total: 
 def long_only_weights(head, raw: Tensor, *, draws: int, burn_in: int, seed: int) -> dict[str, Tensor]:
     """The weights ``(K, N)`` (float64) of every rule of :data:`RULES` for the ``ours`` head's raw outputs
     ``raw`` ``(K, N, 2)`` of the ``K`` test windows; the truncated mean averages ``draws`` draws (rejection when its
-    acceptance is high enough, else ``draws`` exact-HMC chains from the mode, ``burn_in`` iterations each) taken
-    under a forked RNG seeded with ``seed`` (reproducible, global stream untouched)."""
+    acceptance is high enough, else ``draws`` Markov chains from the mode, ``burn_in`` iterations each: blocked
+    Gibbs for this diagonal covariance, ``method='auto'``) taken under a forked RNG seeded with ``seed``
+    (reproducible, global stream untouched)."""
     dist = head.distribution(raw.to(torch.float64))
     mean = dist.mean
     truncated = dist.truncate(0.0, 1.0)
@@ -201,7 +202,7 @@ def markdown(doc: dict[str, Any]) -> list[str]:
              "untruncated conditional mean (may be short), the clip-then-project baseline (clip to [0, 1], project "
              "onto the sum, repeat), and the mean and the mode of its law *truncated* to the box "
              "(`ConstrainedNormal.truncate(0, 1)`; the mean from "
-             f"{doc['config'].get('long_only', {}).get('draws', '?')} draws per window: rejection, or exact-HMC "
+             f"{doc['config'].get('long_only', {}).get('draws', '?')} draws per window: rejection, or blocked-Gibbs "
              f"chains from the mode after {doc['config'].get('long_only', {}).get('burn_in', '?')} iterations). "
              "Mean ± std over "
              f"{n_runs} runs; `moved`: mean over windows of sum abs(w - w_ours).", "",
