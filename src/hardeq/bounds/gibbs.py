@@ -70,7 +70,7 @@ import torch
 from torch import Tensor
 
 from .diagnostics import effective_sample_size, split_rhat
-from .hmc import MIN_DRAWS_FOR_DIAGNOSTICS, _bound, _check_int
+from .hmc import MIN_DRAWS_FOR_DIAGNOSTICS, _box, _check_int, _check_start
 
 if TYPE_CHECKING:
     from ..constraints.base import EqualityConstraint
@@ -357,33 +357,6 @@ class _Blocks:
         return blocks, d
 
 
-def _check_start(start: object, shape: torch.Size, lo: Tensor, hi: Tensor, constraint: EqualityConstraint,
-                 dtype: torch.dtype, device: torch.device) -> Tensor:
-    if not isinstance(start, Tensor):
-        raise TypeError(f"start must be a torch.Tensor of shape (chains, *batch, n), got {type(start).__name__}.")
-    if start.dim() != len(shape) + 1 or start.shape[1:] != shape or start.shape[0] < 1:
-        raise ValueError(f"start must have shape (chains, *batch_shape, n) = (chains, {', '.join(map(str, shape))}) "
-                         f"with chains >= 1, got {tuple(start.shape)}.")
-    if not start.is_floating_point() or start.device != device:
-        raise TypeError(f"start must be a floating-point tensor on {device}, got {start.dtype} on {start.device}.")
-    z0 = start.detach().to(dtype)
-    outside = ~((z0 >= lo) & (z0 <= hi))
-    if bool(outside.any()):
-        gap = torch.maximum(lo - z0, z0 - hi).masked_fill(~outside, -math.inf).nan_to_num(math.inf)
-        worst = tuple(int(i) for i in torch.unravel_index(gap.argmax(), gap.shape))
-        raise ValueError(
-            f"start must lie in the box [lower, upper]: {int(outside.sum())} entries are outside (or nan); the "
-            f"worst, at index {worst}, is {z0[worst].item():.6g} with bounds [{lo[worst[1:]].item():.6g}, "
-            f"{hi[worst[1:]].item():.6g}]. Start from the mode or from rejection draws."
-        )
-    on_plane = constraint.check(z0, rtol=math.sqrt(torch.finfo(dtype).eps))
-    if not bool(on_plane.all()):
-        chain = tuple(int(i) for i in (~on_plane).nonzero()[0])
-        raise ValueError(f"start must lie on the plane A z = k: chain/batch index {chain} misses a row by more than "
-                         f"sqrt(eps) of the row's size. Start from the mode or from rejection draws.")
-    return start.detach().to(_F64)
-
-
 class _Projector:
     r"""The float64 round-off move :math:`z \leftarrow z - VA^\top(AVA^\top)^{-1}(Az - k)` (then clamped)."""
 
@@ -484,14 +457,9 @@ def blocked_gibbs(dist: ConstrainedNormal, lower: Tensor | float | None, upper: 
     dtype = cond.dtype
     shape = dist.batch_shape + dist.event_shape
     device = dist._unbroadcasted_loc.device
-    lo = _bound("lower", lower, shape, dtype, device, -math.inf, math.inf)
-    hi = _bound("upper", upper, shape, dtype, device, math.inf, -math.inf)
-    if bool((lo > hi).any()):
-        bad = (lo > hi).nonzero()[0].tolist()
-        raise ValueError(f"lower must be <= upper everywhere; at index {tuple(bad)} lower = "
-                         f"{lo[tuple(bad)].item():.6g} > upper = {hi[tuple(bad)].item():.6g}.")
+    lo, hi = _box(lower, upper, shape, dtype, device)
     constraint = cond.constraint
-    z = _check_start(start, shape, lo, hi, constraint, dtype, device)
+    z = _check_start(start, shape, lo, hi, constraint, dtype, device).to(_F64)
     lo64, hi64 = lo.to(_F64), hi.to(_F64)
     mu = dist._unbroadcasted_loc.detach().to(_F64).expand(shape)
     var = cond.cov.variance.detach().to(_F64).expand(shape)

@@ -84,6 +84,7 @@ from .diagnostics import effective_sample_size, split_rhat
 
 if TYPE_CHECKING:
     from ..distributions.normal import ConstrainedNormal
+    from ..constraints.base import EqualityConstraint
 
 __all__ = ["HMCResult", "exact_hmc", "MIN_DRAWS_FOR_DIAGNOSTICS"]
 
@@ -228,7 +229,48 @@ def _hit_times(x: Tensor, v: Tensor, lo: Tensor, hi: Tensor, movable_lo: Tensor,
     return t_lo, t_hi
 
 
+def _box(lower: object, upper: object, shape: torch.Size, dtype: torch.dtype,
+         device: torch.device) -> tuple[Tensor, Tensor]:
+    """The samplers' ``(lo, hi)``, each ``shape`` in ``dtype`` (:func:`_bound`), checked ``lo <= hi``."""
+    lo = _bound("lower", lower, shape, dtype, device, -math.inf, math.inf)
+    hi = _bound("upper", upper, shape, dtype, device, math.inf, -math.inf)
+    if bool((lo > hi).any()):
+        bad = (lo > hi).nonzero()[0].tolist()
+        raise ValueError(f"lower must be <= upper everywhere; at index {tuple(bad)} lower = "
+                         f"{lo[tuple(bad)].item():.6g} > upper = {hi[tuple(bad)].item():.6g}.")
+    return lo, hi
+
+
 @torch.no_grad()
+def _check_start(start: object, shape: torch.Size, lo: Tensor, hi: Tensor, constraint: EqualityConstraint,
+                 dtype: torch.dtype, device: torch.device) -> Tensor:
+    r"""``start`` ``(chains, *batch, n)`` checked (a tensor of that shape on ``device``, inside ``[lo, hi]``, on the
+    plane to within :math:`\sqrt\varepsilon` per row) and returned detached in ``dtype``; the samplers' start."""
+    if not isinstance(start, Tensor):
+        raise TypeError(f"start must be a torch.Tensor of shape (chains, *batch, n), got {type(start).__name__}.")
+    if start.dim() != len(shape) + 1 or start.shape[1:] != shape or start.shape[0] < 1:
+        raise ValueError(f"start must have shape (chains, *batch_shape, n) = (chains, {', '.join(map(str, shape))}) "
+                         f"with chains >= 1, got {tuple(start.shape)}.")
+    if not start.is_floating_point() or start.device != device:
+        raise TypeError(f"start must be a floating-point tensor on {device}, got {start.dtype} on {start.device}.")
+    z0 = start.detach().to(dtype)
+    outside = ~((z0 >= lo) & (z0 <= hi))
+    if bool(outside.any()):
+        gap = torch.maximum(lo - z0, z0 - hi).masked_fill(~outside, -math.inf).nan_to_num(math.inf)
+        worst = tuple(int(i) for i in torch.unravel_index(gap.argmax(), gap.shape))
+        raise ValueError(
+            f"start must lie in the box [lower, upper]: {int(outside.sum())} entries are outside (or nan); the "
+            f"worst, at index {worst}, is {z0[worst].item():.6g} with bounds [{lo[worst[1:]].item():.6g}, "
+            f"{hi[worst[1:]].item():.6g}]. Start from the mode or from rejection draws."
+        )
+    on_plane = constraint.check(z0, rtol=math.sqrt(torch.finfo(dtype).eps))
+    if not bool(on_plane.all()):
+        chain = tuple(int(i) for i in (~on_plane).nonzero()[0])
+        raise ValueError(f"start must lie on the plane A z = k: chain/batch index {chain} misses a row by more than "
+                         f"sqrt(eps) of the row's size. Start from the mode or from rejection draws.")
+    return z0
+
+
 def exact_hmc(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, start: Tensor, *, num_samples: int,
               burn_in: int = 100,
               thin: int = 1, travel_time: tuple[float, float] = (math.pi / 8, math.pi / 2),
@@ -301,38 +343,12 @@ def exact_hmc(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, start: Tens
     dtype, mean = plane.dtype, plane.mean
     shape, device = mean.shape, mean.device
     n = shape[-1]
-    lo = _bound("lower", lower, shape, dtype, device, -math.inf, math.inf)
-    hi = _bound("upper", upper, shape, dtype, device, math.inf, -math.inf)
-    if bool((lo > hi).any()):
-        bad = (lo > hi).nonzero()[0].tolist()
-        raise ValueError(f"lower must be <= upper everywhere; at index {tuple(bad)} lower = "
-                         f"{lo[tuple(bad)].item():.6g} > upper = {hi[tuple(bad)].item():.6g}.")
+    lo, hi = _box(lower, upper, shape, dtype, device)
     if max_bounces is None:
         max_bounces = 20 * n + 200
     max_bounces = _check_int("max_bounces", max_bounces, 1)
 
-    if not isinstance(start, Tensor):
-        raise TypeError(f"start must be a torch.Tensor of shape (chains, *batch, n), got {type(start).__name__}.")
-    if start.dim() != len(shape) + 1 or start.shape[1:] != shape or start.shape[0] < 1:
-        raise ValueError(f"start must have shape (chains, *batch_shape, n) = (chains, {', '.join(map(str, shape))}) "
-                         f"with chains >= 1, got {tuple(start.shape)}.")
-    if not start.is_floating_point() or start.device != device:
-        raise TypeError(f"start must be a floating-point tensor on {device}, got {start.dtype} on {start.device}.")
-    z0 = start.detach().to(dtype)
-    outside = ~((z0 >= lo) & (z0 <= hi))
-    if bool(outside.any()):
-        gap = torch.maximum(lo - z0, z0 - hi).masked_fill(~outside, -math.inf).nan_to_num(math.inf)
-        worst = tuple(int(i) for i in torch.unravel_index(gap.argmax(), gap.shape))
-        raise ValueError(
-            f"start must lie in the box [lower, upper]: {int(outside.sum())} entries are outside (or nan); the "
-            f"worst, at index {worst}, is {z0[worst].item():.6g} with bounds [{lo[worst[1:]].item():.6g}, "
-            f"{hi[worst[1:]].item():.6g}]. Start from the mode or from rejection draws."
-        )
-    on_plane = plane.constraint.check(z0, rtol=math.sqrt(torch.finfo(dtype).eps))
-    if not bool(on_plane.all()):
-        chain = tuple(int(i) for i in (~on_plane).nonzero()[0])
-        raise ValueError(f"start must lie on the plane A z = k: chain/batch index {chain} misses a row by more than "
-                         f"sqrt(eps) of the row's size. Start from the mode or from rejection draws.")
+    z0 = _check_start(start, shape, lo, hi, plane.constraint, dtype, device)
 
     S = start.shape[:-1]                                   # (chains, *batch): one trajectory each
     x = plane.project(z0 - mean)
