@@ -309,6 +309,9 @@ def test_quick_preset_end_to_end_through_the_cli(tmp_path):
             assert max(part["per_run"][rule]["max_sum_residual"]) < 1e-12
             assert len(part["per_run"][rule]["test_sharpe"]) == 2
         assert len(part["significance"]) == 3
+        for sampler in part["sampler"]:  # how each run's truncated mean was drawn, with its diagnostics
+            assert sampler["method"] in ("rejection", "gibbs")
+            assert (sampler["max_rhat"] is None) == (sampler["method"] == "rejection")
     paper = {r["method"]: r["paper"] for r in doc["records"] if r["metric"] == "test_sharpe"}
     assert paper["ours"] == 1.9041 and paper["StemGNN-CL"] == 1.5018
     for u in universes:

@@ -82,20 +82,37 @@ def clip_then_project(w: Tensor, lower: float = 0.0, upper: float = 1.0, total: 
                        f"{float((total - x.sum(-1)).abs().max()):.3e}).")
 
 
-def long_only_weights(head, raw: Tensor, *, draws: int, burn_in: int, seed: int) -> dict[str, Tensor]:
+def long_only_weights(head, raw: Tensor, *, draws: int, chains: int, burn_in: int,
+                      seed: int) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """The weights ``(K, N)`` (float64) of every rule of :data:`RULES` for the ``ours`` head's raw outputs
-    ``raw`` ``(K, N, 2)`` of the ``K`` test windows; the truncated mean averages ``draws`` draws (rejection when its
-    acceptance is high enough, else ``draws`` Markov chains from the mode, ``burn_in`` iterations each: blocked
-    Gibbs for this diagonal covariance, ``method='auto'``) taken under a forked RNG seeded with ``seed``
-    (reproducible, global stream untouched)."""
+    ``raw`` ``(K, N, 2)`` of the ``K`` test windows, and how the truncated mean was sampled.
+
+    The truncated mean averages ``draws`` draws per window: rejection when its acceptance is high enough, else
+    ``chains`` Markov chains from the mode, ``draws / chains`` kept draws each after ``burn_in`` iterations (blocked
+    Gibbs for this diagonal covariance; ``method='auto'``), taken under a forked RNG seeded with ``seed``
+    (reproducible, global stream untouched). The sampler record is ``{"method", "min_ess", "max_rhat"}``: the
+    method used, the smallest effective sample size over windows and weights (the number of draws for rejection)
+    and the largest split R-hat across the chains (``None`` for rejection)."""
     dist = head.distribution(raw.to(torch.float64))
     mean = dist.mean
     truncated = dist.truncate(0.0, 1.0)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(seed))
-        tmean = truncated.sample((int(draws),), burn_in=int(burn_in)).mean(0)
-    return {"ours": mean, "ours clip-project": clip_then_project(mean), "ours truncated mean": tmean,
-            "ours truncated mode": truncated.mode}
+        out = truncated.sample_with_info((int(draws),), chains=int(chains), burn_in=int(burn_in))
+    tmean = out.samples.mean(0)
+    sampler = {"method": out.method, "min_ess": _finite_or_none(out.ess, "min"),
+               "max_rhat": _finite_or_none(out.rhat, "max")}
+    return ({"ours": mean, "ours clip-project": clip_then_project(mean), "ours truncated mean": tmean,
+             "ours truncated mode": truncated.mode}, sampler)
+
+
+def _finite_or_none(values: Tensor | None, reduce: str) -> float | None:
+    """The smallest or largest finite entry of ``values`` as a float (``reduce``: ``"min"`` or ``"max"``), or ``None``
+    when not measured or none is finite (a weight pinned at a bound in every chain has no finite R-hat)."""
+    if values is None:
+        return None
+    finite = values[torch.isfinite(values)]
+    return float(getattr(finite, reduce)()) if finite.numel() else None
 
 
 def test_outputs(model, inputs: Tensor, batch_size: int = 64) -> Tensor:
@@ -160,7 +177,9 @@ def summarise(result: dict[str, Any], runs: list[int], universe: str) -> dict[st
         t = paired_wilcoxon(x, y)
         tests.append({"universe": universe, "claim": claim, "a": a, "b": b, "metric": "test_sharpe",
                       "a_higher": int(sum(xi > yi for xi, yi in zip(x, y))), **t})
-    return {"per_run": per_run, "records": records, "significance": tests}
+    sampler = [u.get("long_only_sampler") for u in units]
+    return {"per_run": per_run, "records": records, "significance": tests,
+            "sampler": sampler if all(x is not None for x in sampler) else None}
 
 
 def claims(doc: dict[str, Any]) -> list:
@@ -177,6 +196,30 @@ def claims(doc: dict[str, Any]) -> list:
                              f"difference {t['median_diff']:+.3f}", test=t, lower_is_better=False, differs=DIFFERS,
                              budget="more runs (the cpu preset's 10), or bounds in training"))
     return out
+
+
+#: how the sampler record's methods read in the report
+SAMPLER_NAMES = {"gibbs": "blocked Gibbs", "hmc": "exact HMC", "rejection": "rejection"}
+
+
+def _sampler_lines(parts: dict[str, Any]) -> list[str]:
+    """One line per universe naming the truncated mean's sampler over the runs, its smallest effective sample
+    size and its largest split R-hat (``[]`` for documents written before these were recorded)."""
+    lines = []
+    for u, part in parts.items():
+        runs = part.get("sampler")
+        if not runs:
+            continue
+        methods = sorted({r["method"] for r in runs})
+        used = ", ".join(f"{SAMPLER_NAMES.get(m, m)} in {sum(r['method'] == m for r in runs)}/{len(runs)} runs"
+                         for m in methods)
+        ess = [r["min_ess"] for r in runs if r["min_ess"] is not None]
+        rhat = [r["max_rhat"] for r in runs if r["max_rhat"] is not None]
+        detail = [f"smallest effective sample size {min(ess):.1f}"] if ess else []
+        detail += [f"largest split R-hat {max(rhat):.3f}"] if rhat else []
+        lines.append(f"- {u}: the truncated mean was sampled by {used}"
+                     + (f" ({'; '.join(detail)}, over every window and weight)" if detail else "") + ".")
+    return ["", *lines] if lines else []
 
 
 def markdown(doc: dict[str, Any]) -> list[str]:
@@ -197,17 +240,19 @@ def markdown(doc: dict[str, Any]) -> list[str]:
             rows.append([u, rule, sharpe, f"{mean['short_share']:.3f}", f"{max(r['max_violation']):.1e}",
                          f"{max(r['max_sum_residual']):.1e}", f"{mean['moved']:.3f}"])
     n_runs = len(next(iter(doc["long_only"].values()))["per_run"]["ours"]["test_sharpe"])
+    lo = doc["config"].get("long_only", {})
     lines = ["", "## Long-only variant: weights in [0, 1] summing to one", "",
              "The `ours` network of each run, decided four ways on the test windows (portfolio/bounds.py): its "
              "untruncated conditional mean (may be short), the clip-then-project baseline (clip to [0, 1], project "
              "onto the sum, repeat), and the mean and the mode of its law *truncated* to the box "
              "(`ConstrainedNormal.truncate(0, 1)`; the mean from "
-             f"{doc['config'].get('long_only', {}).get('draws', '?')} draws per window: rejection, or blocked-Gibbs "
-             f"chains from the mode after {doc['config'].get('long_only', {}).get('burn_in', '?')} iterations). "
-             "Mean ± std over "
+             f"{lo.get('draws', '?')} draws per window: rejection when its acceptance allows, else "
+             f"{lo.get('chains', '?')} blocked-Gibbs chains from the mode, each after {lo.get('burn_in', '?')} "
+             "sweeps; exact in their stationary law, every draw feasible). Mean ± std over "
              f"{n_runs} runs; `moved`: mean over windows of sum abs(w - w_ours).", "",
              markdown_table(["universe", "rule", "test Sharpe", "share of short weights", "max bound violation",
                              "max abs(sum(w) - 1)", "moved"], rows)]
+    lines += _sampler_lines(doc["long_only"])
     lines += ["", bounds_claims_section("Long-only variant: do the bounds help?", claims(doc), intro=(
         f"Two-sided paired Wilcoxon signed-rank tests of the test Sharpe over the {n_runs} runs of each "
         "universe (the rules share the run's network).")).rstrip("\n")]

@@ -172,9 +172,11 @@ def train_unit(s: dict[str, Any], data: PortfolioData, tensors: dict[str, dict[s
         from .bounds import long_only_stats, long_only_weights, test_outputs
 
         raw = test_outputs(model, tensors["test"]["inputs"])
-        rules = long_only_weights(head, raw, draws=int(s["long_only"]["draws"]),
-                                  burn_in=int(s["long_only"]["burn_in"]), seed=seed)
+        lo = s["long_only"]
+        rules, sampler = long_only_weights(head, raw, draws=int(lo["draws"]), chains=int(lo["chains"]),
+                                           burn_in=int(lo["burn_in"]), seed=seed)
         out["long_only"] = long_only_stats(rules, tensors["test"]["returns"], rf=rf, days=days)
+        out["long_only_sampler"] = sampler
     return {**out, "seconds": time.perf_counter() - t0}
 
 
