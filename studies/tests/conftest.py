@@ -32,10 +32,22 @@ def _validate_distributions():
     torch.distributions.Distribution.set_default_validate_args(previous)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _last_reproduce_dir_of_the_session(tmp_path_factory):
+    """``hardeq reproduce`` records where it wrote in results/.last/ of the current folder (``hardeq report``
+    draws from there); the tests' in-process runs record it in a temporary folder, not in the checkout. Session
+    scope, so that module-scoped fixtures that run a study (set up before any function-scoped fixture) are covered
+    too."""
+    from hardeq_studies import cli
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cli, "LAST_DIR", tmp_path_factory.mktemp("last-session"))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _last_reproduce_dir(tmp_path_factory, monkeypatch):
-    """``hardeq reproduce`` records where it wrote in results/.last/ of the current folder (``hardeq report``
-    draws from there); the tests' in-process runs record it in a temporary folder, not in the checkout."""
+    """Each test's own results/.last/ (no test sees where another test's run wrote)."""
     from hardeq_studies import cli
 
     monkeypatch.setattr(cli, "LAST_DIR", tmp_path_factory.mktemp("last"))

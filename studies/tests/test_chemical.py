@@ -171,14 +171,15 @@ def test_quick_structure(quick_run):
     assert not (quick_run / "checkpoints").exists()
     # the non-negative-flows variant (chemical/bounds.py): flows >= 0 and exact balances for every bounded rule
     part = doc["nonnegative_flows"]
-    assert part["config"]["draws"] == 4 and part["config"]["burn_in"] == 5  # the quick preset's
+    assert (part["config"]["draws"], part["config"]["chains"], part["config"]["burn_in"]) == (8, 2, 5)  # quick's
     for d in DATASETS:
         rules = part["per_seed"][d]["ours-NLL"]
         for rule in ("clip-project", "truncated mean", "truncated mode"):
             assert max(rules[rule]["negative_share"]) == 0.0
             assert max(rules[rule]["max_balance_residual"]) < 1e-9
             assert len(rules[rule]["test_mse"]) == 2
-    assert "## Non-negative flows: do the bounds help?" in md
+        assert [s["method"] in ("rejection", "gibbs") for s in rules["sampler"]] == [True, True]
+    assert "## Non-negative flows: do the bounds help?" in md and "the truncated mean was sampled by" in md
 
 
 @pytest.mark.slow

@@ -78,19 +78,20 @@ def clip_then_project(y: Tensor, B: Tensor, k: Tensor, lower: Tensor, *, max_ite
     return x
 
 
-def nonnegative_rules(dist, lower: Tensor, B: Tensor, k: Tensor, *, draws: int, burn_in: int,
-                      seed: int) -> dict[str, Tensor]:
+def nonnegative_rules(dist, lower: Tensor, B: Tensor, k: Tensor, *, draws: int, chains: int, burn_in: int,
+                      seed: int) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """The predictions ``(..., n)`` (float64) of every rule of :data:`RULES` for the conditional law ``dist`` (a
-    ``ConstrainedNormal`` with batch ``(...)``); the truncated mean averages ``draws`` draws (rejection, or
-    blocked-Gibbs / exact-HMC chains from the mode after ``burn_in`` iterations) taken under a forked RNG seeded
-    with ``seed``."""
+    ``ConstrainedNormal`` with batch ``(...)``), and how the truncated mean was sampled: it averages ``draws``
+    draws (rejection, or ``chains`` blocked-Gibbs / exact-HMC chains from the mode after ``burn_in`` iterations)
+    taken under a forked RNG seeded with ``seed``; the record is
+    :func:`hardeq_studies.truncated_mean.truncated_mean`'s."""
+    from ..truncated_mean import truncated_mean
+
     mean = dist.mean.to(torch.float64)
     truncated = dist.truncate(lower.to(dist.mean.dtype), None)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(seed))
-        tmean = truncated.sample((int(draws),), burn_in=int(burn_in)).to(torch.float64).mean(0)
-    return {"untruncated": mean, "clip-project": clip_then_project(mean, B, k, lower),
-            "truncated mean": tmean, "truncated mode": truncated.mode.to(torch.float64)}
+    tmean, sampler = truncated_mean(truncated, draws=draws, chains=chains, burn_in=burn_in, seed=seed)
+    return ({"untruncated": mean, "clip-project": clip_then_project(mean, B, k, lower),
+             "truncated mean": tmean.to(torch.float64), "truncated mode": truncated.mode.to(torch.float64)}, sampler)
 
 
 def evaluate_rules(preds: Mapping[str, Tensor], y: Tensor, B: Tensor, k: Tensor, lower: Tensor) -> dict[str, Any]:
@@ -118,7 +119,8 @@ DIFFERS = "the bounds enter only at prediction (the networks are trained untrunc
 
 def summarise(part: Mapping[str, Mapping[str, Any]], dataset: str) -> dict[str, Any]:
     """Records and paired tests of one data set's variant: ``part`` is ``{method: {rule: {metric: [per
-    seed]}}}``; the records carry ``method = "nonneg: METHOD RULE"`` and ``variant = "nonnegative flows"``."""
+    seed]}}}`` (and ``"sampler"``: the truncated mean's sampler record per seed); the records carry
+    ``method = "nonneg: METHOD RULE"`` and ``variant = "nonnegative flows"``."""
     from ..stats import paired_wilcoxon
 
     records, tests = [], []
@@ -158,6 +160,7 @@ def markdown(doc: Mapping[str, Any]) -> list[str]:
     """The non-negative-flows section of ``chemical.md`` (lines), or ``[]`` for a document without it."""
     from ..bounds_claims import bounds_claims_section
     from ..results import markdown_table
+    from ..truncated_mean import sampler_line
 
     part = doc.get("nonnegative_flows")
     if not part:
@@ -178,12 +181,17 @@ def markdown(doc: Mapping[str, Any]) -> list[str]:
              "(chemical/bounds.py): the untruncated conditional mean (the study's prediction), the clip-then-project "
              "baseline (clip the flows at 0, project onto the balances, repeat), and the mean and the mode of its "
              "law *truncated* to non-negative flows (`ConstrainedNormal.truncate(lower)`; the mean from "
-             f"{cfg['draws']} draws per sample, Markov-chain burn-in {cfg['burn_in']}). Bounded outputs: "
+             f"{cfg['draws']} draws per sample: rejection when its acceptance allows, else "
+             f"{cfg.get('chains', cfg['draws'])} blocked-Gibbs chains from the mode, each after {cfg['burn_in']} "
+             "sweeps; exact in their stationary law, every draw feasible). Bounded outputs: "
              + "; ".join(f"{d} {[i + 1 for i, b in enumerate(cfg['lower'][d]) if b is not None]}"
                          for d in part["per_seed"])
              + " (1-based). Test MSE in scaled units x 1e-4, mean ± std over seeds.", "",
              markdown_table(["dataset", "method", "rule", "test MSE (x 1e-4)", "share of negative flows",
                              "max abs(B y - k)"], rows)]
+    samplers = [sampler_line(f"{d}, {m}", rules["sampler"], unit="seeds", over="test point and flow")
+                for d, methods in part["per_seed"].items() for m, rules in methods.items() if rules.get("sampler")]
+    lines += ["", *samplers] if samplers else []
     lines += ["", bounds_claims_section("Non-negative flows: do the bounds help?", claims(doc), intro=(
         "Two-sided paired Wilcoxon signed-rank tests of the test MSE over seeds (the rules share the seed's "
         "network).")).rstrip("\n")]

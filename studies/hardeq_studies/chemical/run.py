@@ -113,8 +113,8 @@ def _nonnegative_flows(config: Mapping[str, Any], name: str, task: ChemicalTask,
                        test: dict[str, Tensor], state: Mapping[str, Tensor], methods: Sequence[str],
                        seeds: Sequence[int]) -> dict[str, Any]:
     """The non-negative-flows variant (chemical/bounds.py) of the methods of ``config["nonnegative_flows"]``
-    trained in this unit: ``{method: {rule: {metric: [per seed]}}}`` on the test set at the selected parameters
-    (``{}`` when the config has no such entry or none of its methods is here)."""
+    trained in this unit: ``{method: {rule: {metric: [per seed]}, "sampler": [per seed]}}`` on the test set at the
+    selected parameters (``{}`` when the config has no such entry or none of its methods is here)."""
     spec = config.get("nonnegative_flows")
     chosen = [m for m in (spec or {}).get("methods", []) if m in methods and m in task.ours]
     if not chosen:
@@ -135,17 +135,20 @@ def _nonnegative_flows(config: Mapping[str, Any], name: str, task: ChemicalTask,
             rows = task._rel(m)
             per = {rule: {metric: [] for metric in ("test_mse", "negative_share", "max_balance_residual")}
                    for rule in ("untruncated", "clip-project", "truncated mean", "truncated mode")}
+            samplers: list[dict[str, Any]] = []
             for j, seed in enumerate(seeds):
                 o = outputs[rows][j].to(torch.float64)  # the law of task.distribution, in float64
                 scale = torch.sqrt(torch.exp(o[:, task.n: 2 * task.n]) + task.variance_floor)
                 dist = ConstrainedNormal(o[:, : task.n], scale, validate_args=False,
                                          constraint=LinearConstraint(B64, k64, validate_args=False))
-                preds = nonnegative_rules(dist, lower, B64, k64, draws=int(spec["draws"]),
-                                          burn_in=int(spec["burn_in"]), seed=seed)
+                preds, sampler = nonnegative_rules(dist, lower, B64, k64, draws=int(spec["draws"]),
+                                                   chains=int(spec["chains"]), burn_in=int(spec["burn_in"]),
+                                                   seed=seed)
+                samplers.append(sampler)
                 for rule, metrics in evaluate_rules(preds, test["y"], B64, k64, lower).items():
                     for metric, v in metrics.items():
                         per[rule][metric].append(v)
-            out[m] = per
+            out[m] = {**per, "sampler": samplers}
     return out
 
 

@@ -90,29 +90,16 @@ def long_only_weights(head, raw: Tensor, *, draws: int, chains: int, burn_in: in
     The truncated mean averages ``draws`` draws per window: rejection when its acceptance is high enough, else
     ``chains`` Markov chains from the mode, ``draws / chains`` kept draws each after ``burn_in`` iterations (blocked
     Gibbs for this diagonal covariance; ``method='auto'``), taken under a forked RNG seeded with ``seed``
-    (reproducible, global stream untouched). The sampler record is ``{"method", "min_ess", "max_rhat"}``: the
-    method used, the smallest effective sample size over windows and weights (the number of draws for rejection)
-    and the largest split R-hat across the chains (``None`` for rejection)."""
+    (reproducible, global stream untouched). The sampler record is
+    :func:`hardeq_studies.truncated_mean.truncated_mean`'s."""
+    from ..truncated_mean import truncated_mean
+
     dist = head.distribution(raw.to(torch.float64))
     mean = dist.mean
     truncated = dist.truncate(0.0, 1.0)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(seed))
-        out = truncated.sample_with_info((int(draws),), chains=int(chains), burn_in=int(burn_in))
-    tmean = out.samples.mean(0)
-    sampler = {"method": out.method, "min_ess": _finite_or_none(out.ess, "min"),
-               "max_rhat": _finite_or_none(out.rhat, "max")}
+    tmean, sampler = truncated_mean(truncated, draws=draws, chains=chains, burn_in=burn_in, seed=seed)
     return ({"ours": mean, "ours clip-project": clip_then_project(mean), "ours truncated mean": tmean,
              "ours truncated mode": truncated.mode}, sampler)
-
-
-def _finite_or_none(values: Tensor | None, reduce: str) -> float | None:
-    """The smallest or largest finite entry of ``values`` as a float (``reduce``: ``"min"`` or ``"max"``), or ``None``
-    when not measured or none is finite (a weight pinned at a bound in every chain has no finite R-hat)."""
-    if values is None:
-        return None
-    finite = values[torch.isfinite(values)]
-    return float(getattr(finite, reduce)()) if finite.numel() else None
 
 
 def test_outputs(model, inputs: Tensor, batch_size: int = 64) -> Tensor:
@@ -198,27 +185,13 @@ def claims(doc: dict[str, Any]) -> list:
     return out
 
 
-#: how the sampler record's methods read in the report
-SAMPLER_NAMES = {"gibbs": "blocked Gibbs", "hmc": "exact HMC", "rejection": "rejection"}
-
-
 def _sampler_lines(parts: dict[str, Any]) -> list[str]:
-    """One line per universe naming the truncated mean's sampler over the runs, its smallest effective sample
-    size and its largest split R-hat (``[]`` for documents written before these were recorded)."""
-    lines = []
-    for u, part in parts.items():
-        runs = part.get("sampler")
-        if not runs:
-            continue
-        methods = sorted({r["method"] for r in runs})
-        used = ", ".join(f"{SAMPLER_NAMES.get(m, m)} in {sum(r['method'] == m for r in runs)}/{len(runs)} runs"
-                         for m in methods)
-        ess = [r["min_ess"] for r in runs if r["min_ess"] is not None]
-        rhat = [r["max_rhat"] for r in runs if r["max_rhat"] is not None]
-        detail = [f"smallest effective sample size {min(ess):.1f}"] if ess else []
-        detail += [f"largest split R-hat {max(rhat):.3f}"] if rhat else []
-        lines.append(f"- {u}: the truncated mean was sampled by {used}"
-                     + (f" ({'; '.join(detail)}, over every window and weight)" if detail else "") + ".")
+    """One line per universe naming the truncated mean's sampler over the runs (``[]`` for documents written
+    before the sampler was recorded)."""
+    from ..truncated_mean import sampler_line
+
+    lines = [sampler_line(u, part["sampler"], unit="runs", over="window and weight")
+             for u, part in parts.items() if part.get("sampler")]
     return ["", *lines] if lines else []
 
 
