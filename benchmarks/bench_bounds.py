@@ -58,6 +58,7 @@ import numpy as np
 import torch
 
 import hardeq
+from hardeq.testing import sum_conditioned_truncated_means
 from hardeq.bounds import blocked_gibbs, effective_sample_size, exact_hmc
 
 LOC, SCALE = 0.1, 0.5
@@ -206,7 +207,7 @@ def portfolio_case(args):
           f"{seconds:.2f} s; ESS per draw (min / median over windows and weights) {float(per_sweep.min()):.3f} / "
           f"{float(per_sweep.median()):.3f}, min ESS {float(res.ess.min()):.0f} of {draws * args.portfolio_draws}, "
           f"max R-hat {float(res.rhat.max()):.3f}")
-    exact = torch.tensor(np.stack([_sum_conditioned_means(loc[w].numpy(), np.full(n, sd), 1.0, 0.0, 0.3, 2e-5)
+    exact = torch.tensor(np.stack([sum_conditioned_truncated_means(loc[w].numpy(), np.full(n, sd), 1.0, 0.0, 0.3, 2e-5)
                                    for w in range(4)]))
     err = (z[:, :4].mean(0) - exact).abs()
     var = res.samples[:, :, :4].reshape(-1, 4, n).var(0)
@@ -223,30 +224,6 @@ def portfolio_case(args):
                                              generator=torch.Generator().manual_seed(0))
         print(f"the same call with method='hmc': {time.perf_counter() - t:.1f} s, min ESS (nan: 1 draw per chain) "
               f"{float(hmc.ess.min()):.1f}")
-
-
-def _sum_conditioned_means(loc, sd, total, lower, upper, h):
-    """E[z_i] of independent N(loc_i, sd_i^2) truncated to [lower, upper] conditioned on sum z = total: cell masses
-    on a grid of step h (midpoints), the sum of the others by FFT convolution."""
-    cells = int(round((upper - lower) / h))
-    edges = lower + h * np.arange(cells + 1)
-    mids = edges[:-1] + h / 2
-    from scipy import stats
-
-    masses = np.diff(stats.norm.cdf((edges[None, :] - loc[:, None]) / sd[:, None]), axis=1)
-    masses /= masses.sum(1, keepdims=True)
-    n = len(loc)
-    target = int(round((total - n * (lower + h / 2)) / h))
-    size = 1 << int(math.ceil(math.log2(2 * (target + cells))))
-    f = np.fft.rfft(masses, size, axis=1)
-    means = np.empty(n)
-    for i in range(n):
-        others = np.fft.irfft(np.prod(np.delete(f, i, axis=0), axis=0), size)
-        rest = target - np.arange(cells)
-        weight = np.where((rest >= 0) & (rest < size), masses[i] * others[np.clip(rest, 0, size - 1)], 0.0)
-        weight = weight.clip(min=0.0)
-        means[i] = (weight * mids).sum() / weight.sum()
-    return means
 
 
 def cost_table(args):

@@ -14,6 +14,7 @@ from scipy import stats
 
 import hardeq
 from hardeq.bounds import GibbsResult, blocked_gibbs, truncated_mode, truncated_standard_normal
+from hardeq.testing import sum_conditioned_truncated_means
 from hardeq.testing.exactness import assert_exact_per_row
 
 from .test_hmc import _box, _conditional, _problem, _rejection, _two_sample_pvalues
@@ -237,20 +238,26 @@ def test_per_batch_stratified_partitions_keep_the_law():
 
 
 # ---------------------------------------------------------------------------------------------- pressed against a wall
+def _pressed_simplex_chains(loc: np.ndarray, sd: float, *, chains: int, num_samples: int, burn_in: int) -> GibbsResult:
+    """Blocked Gibbs for N(loc, sd^2 I) on the simplex {sum z = 1, 0 <= z <= 1} (float64): ``chains`` chains from the
+    truncated mode, seed 0."""
+    n, dtype = len(loc), torch.float64
+    con = hardeq.SumConstraint(torch.zeros(n, dtype=torch.long), torch.ones(1, dtype=dtype))
+    dist = hardeq.ConstrainedNormal(torch.tensor(loc), torch.full((n,), sd, dtype=dtype), constraint=con)
+    lower, upper = torch.zeros(n, dtype=dtype), torch.ones(n, dtype=dtype)
+    start = truncated_mode(dist, lower, upper).expand(chains, n)
+    return blocked_gibbs(dist, lower, upper, start, num_samples=num_samples, burn_in=burn_in,
+                         generator=torch.Generator().manual_seed(0))
+
+
 def test_pressed_three_coordinates_against_a_numerical_integral():
     """z in R^3, sum 1, box [0, 1], sd 0.016, the mean 6 sd below 0 in two coordinates (the portfolio case in
     miniature): E[z_1], E[z_1^2] and E[z_1 z_2] of 4000 chains after 40 sweeps from the mode against a 2-D
     integral over the plane (midpoint rule, 1500^2 cells on [0, 0.03]^2, where all but e^-20 of the mass lies),
     within 5 Monte Carlo standard errors."""
-    sd, n = 0.016, 3
+    sd = 0.016
     loc = np.array([-6 * sd, -5 * sd, 0.97])
-    dtype = torch.float64
-    con = hardeq.SumConstraint(torch.zeros(n, dtype=torch.long), torch.ones(1, dtype=dtype))
-    dist = hardeq.ConstrainedNormal(torch.tensor(loc), torch.full((n,), sd, dtype=dtype), constraint=con)
-    lower, upper = torch.zeros(n, dtype=dtype), torch.ones(n, dtype=dtype)
-    start = truncated_mode(dist, lower, upper).expand(4000, n)
-    res = blocked_gibbs(dist, lower, upper, start, num_samples=1, burn_in=39,
-                        generator=torch.Generator().manual_seed(0))
+    res = _pressed_simplex_chains(loc, sd, chains=4000, num_samples=1, burn_in=39)
     z = res.samples[0].numpy()
     h = 0.03 / 1500
     g = (np.arange(1500) + 0.5) * h
@@ -266,33 +273,6 @@ def test_pressed_three_coordinates_against_a_numerical_integral():
         assert abs(draws.mean() - exact) < 5 * se + 1e-3 * exact, (name, draws.mean(), exact, se)
 
 
-def _sum_conditioned_means(loc, sd, total, lower, upper, h):
-    """E[z_i] for independent N(loc_i, sd_i^2) truncated to [lower_i, upper_i] conditioned on sum z = total (the
-    law of a diagonal Gaussian on the plane sum z = total in the box): each z_i discretised to cell midpoints on a
-    grid of step h (cell masses from normal CDF differences), the sum of the others by FFT convolution."""
-    cells = int(round((upper - lower) / h))
-    edges = lower + h * np.arange(cells + 1)
-    mids = edges[:-1] + h / 2
-    masses = np.diff(stats.norm.cdf((edges[None, :] - loc[:, None]) / sd[:, None]), axis=1)
-    masses /= masses.sum(1, keepdims=True)
-    n = len(loc)
-    target = int(round((total - n * (lower + h / 2)) / h))   # the sum of the n cell indices
-    size = 1 << int(math.ceil(math.log2(2 * (target + cells))))  # sums past size alias: their mass is negligible
-    f = np.fft.rfft(masses, size, axis=1)
-    log_f = np.log(np.abs(f) + 1e-300)
-    total_log = log_f.sum(0)
-    phase = np.angle(f).sum(0)
-    means = np.empty(n)
-    for i in range(n):
-        others = np.fft.irfft(np.exp(total_log - log_f[i] + 1j * (phase - np.angle(f[i]))), size)
-        j = np.arange(cells)
-        rest = target - j
-        ok = (rest >= 0) & (rest < size)
-        weight = np.where(ok, masses[i] * others[np.clip(rest, 0, size - 1)], 0.0).clip(min=0.0)
-        means[i] = (weight * mids).sum() / weight.sum()
-    return means
-
-
 def test_pressed_fifty_weights_against_the_conditioned_sum_of_truncated_normals():
     """The portfolio's long-only case: 50 weights in [0, 1] summing to 1, sd 0.016, the mean 6 sd below 0 in 38 of
     them. With a diagonal covariance the law is that of independent truncated normals conditioned on their sum, whose
@@ -301,16 +281,10 @@ def test_pressed_fifty_weights_against_the_conditioned_sum_of_truncated_normals(
     within 5 standard errors (from the measured ESS) plus the grid's 2e-5."""
     n, sd = 50, 0.016
     loc = np.concatenate([np.full(38, -6 * sd), np.linspace(0.02, 0.14, 12)])
-    dtype = torch.float64
-    con = hardeq.SumConstraint(torch.zeros(n, dtype=torch.long), torch.ones(1, dtype=dtype))
-    dist = hardeq.ConstrainedNormal(torch.tensor(loc), torch.full((n,), sd, dtype=dtype), constraint=con)
-    lower, upper = torch.zeros(n, dtype=dtype), torch.ones(n, dtype=dtype)
-    start = truncated_mode(dist, lower, upper).expand(256, n)
-    res = blocked_gibbs(dist, lower, upper, start, num_samples=200, burn_in=50,
-                        generator=torch.Generator().manual_seed(0))
+    res = _pressed_simplex_chains(loc, sd, chains=256, num_samples=200, burn_in=50)
     assert float(res.rhat.max()) < 1.1
     z = res.samples.reshape(-1, n).numpy()
-    exact = _sum_conditioned_means(loc, np.full(n, sd), 1.0, 0.0, 0.25, 2e-5)
+    exact = sum_conditioned_truncated_means(loc, np.full(n, sd), 1.0, 0.0, 0.25, 2e-5)
     se = z.std(0) / np.sqrt(res.ess.numpy())
     err = np.abs(z.mean(0) - exact)
     assert bool((err < 5 * se + 2e-5).all()), (err / se).max()

@@ -1,6 +1,7 @@
 """Test helpers shipped with hardeq: dense oracles, Monte Carlo tolerances and conformance test cases.
 
-* :mod:`hardeq.testing.oracles`: the dense null-space oracle of a conditioned Gaussian, ``mc_atol``.
+* :mod:`hardeq.testing.oracles`: the dense null-space oracle of a conditioned Gaussian, ``mc_atol``, and the
+  FFT oracle of a box-truncated diagonal Gaussian under one sum (``sum_conditioned_truncated_means``).
 * :mod:`hardeq.testing.exactness`: the per-row exactness criterion (``row_residual_ratio``,
   ``assert_exact_per_row``).
 * :mod:`hardeq.testing.covariance_case`: ``CovarianceTestCase``, the conformance suite of a covariance structure
@@ -14,11 +15,12 @@ from typing import Any
 
 from .constraint_case import ConstraintTestCase
 from .exactness import assert_exact_per_row, exactness_tolerance, row_residual_ratio
-from .oracles import FAILURE_RATE, DenseConditional, dense_conditional, mc_atol, random_spd
+from .oracles import (FAILURE_RATE, DenseConditional, dense_conditional, mc_atol, random_spd,
+                      sum_conditioned_truncated_means)
 
 __all__ = ["DenseConditional", "dense_conditional", "mc_atol", "FAILURE_RATE", "random_spd",
-           "row_residual_ratio", "assert_exact_per_row", "exactness_tolerance", "CovarianceTestCase",
-           "ConstraintTestCase"]
+           "sum_conditioned_truncated_means", "row_residual_ratio", "assert_exact_per_row", "exactness_tolerance",
+           "CovarianceTestCase", "ConstraintTestCase"]
 
 
 def __getattr__(name: str) -> Any:
