@@ -362,3 +362,20 @@ def test_resume_recomputes_only_missing_units_bit_exactly(tmp_path):
     assert not path.exists()
     atomic_torch_save({"fingerprint": "another run", "blocks": {}}, path)
     assert main([*args, "--resume"]) == 2  # a checkpoint of another run is refused (ValueError -> exit 2)
+
+
+@pytest.mark.slow
+def test_mixing_diagnostic_writes_its_report(tmp_path, monkeypatch):
+    """``python -m hardeq_studies.portfolio.mixing`` retrains one cpu-preset run and writes its diagnostic."""
+    from hardeq_studies import results
+    from hardeq_studies.portfolio import bounds, mixing
+
+    monkeypatch.setattr(results, "_ALLOW_DIRTY", True)
+    out = tmp_path / "mixing.md"
+    mixing.main(["--universe", "sp500-50", "--run", "0", "--windows", "2", "--per-chain", "4", "--burn-ins", "5,10",
+                 "--out", str(out)])
+    text = out.read_text()
+    assert text.startswith("# Portfolio long-only variant: how well the truncated mean is estimated")
+    assert "Command: `python -m hardeq_studies.portfolio.mixing --universe sp500-50" in text
+    assert text.count("- burn-in ") == 2 and "the study's estimate against the last" in text
+    assert bounds.long_only_weights.__name__ == "long_only_weights"  # the study's function is restored

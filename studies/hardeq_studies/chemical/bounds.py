@@ -152,7 +152,7 @@ def claims(doc: Mapping[str, Any]) -> list:
                 out.append(Claim(f"{d}, {m}: {claim}", f"{b} (test MSE {mean[b]:.3e})",
                                  f"{a} {mean[a]:.3e}; lower in {t['wins']}/{t['n']} seeds, median difference "
                                  f"{t['median_diff']:+.2e}", test=t, lower_is_better=True, differs=DIFFERS,
-                                 budget="more seeds (the cpu preset's 10), or bounds in training"))
+                                 budget="more seeds, or bounds in training"))
     return out
 
 

@@ -181,7 +181,7 @@ def claims(doc: dict[str, Any]) -> list:
             out.append(Claim(f"{u}: {t['claim']}", f"{t['b']} (test Sharpe {means[t['b']]:.3f})",
                              f"{t['a']} {means[t['a']]:.3f}; higher in {t['a_higher']}/{t['n']} runs, median "
                              f"difference {t['median_diff']:+.3f}", test=t, lower_is_better=False, differs=DIFFERS,
-                             budget="more runs (the cpu preset's 10), or bounds in training"))
+                             budget="more runs, or bounds in training"))
     return out
 
 
@@ -192,6 +192,10 @@ def _sampler_lines(parts: dict[str, Any]) -> list[str]:
 
     lines = [sampler_line(u, part["sampler"], unit="runs", over="window and weight")
              for u, part in parts.items() if part.get("sampler")]
+    if any(r["max_rhat"] is not None for part in parts.values() for r in part.get("sampler") or []):
+        lines.append("- Split R-hat compares chains of only a few draws each, so a large value can mean strongly "
+                     "autocorrelated chains as well as chains still near their start; docs/portfolio.md checks the "
+                     "worst windows against long reference chains (`python -m hardeq_studies.portfolio.mixing`).")
     return ["", *lines] if lines else []
 
 
