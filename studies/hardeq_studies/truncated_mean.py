@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["SAMPLER_NAMES", "truncated_mean", "sampler_line"]
+__all__ = ["SAMPLER_NAMES", "truncated_mean", "sampler_line", "RHAT_CAVEAT"]
 
 #: how the record's methods read in a report
 SAMPLER_NAMES = {"gibbs": "blocked Gibbs", "hmc": "exact HMC", "rejection": "rejection"}
@@ -60,3 +60,8 @@ def sampler_line(label: str, records: Sequence[dict[str, Any]], *, unit: str, ov
     detail += [f"largest split R-hat {max(rhat):.3f}"] if rhat else []
     return (f"- {label}: the truncated mean was sampled by {used}"
             + (f" ({'; '.join(detail)}, over every {over})" if detail else "") + ".")
+
+
+#: what a report says under its sampler lines when chains were run: how to read a large split R-hat
+RHAT_CAVEAT = ("Split R-hat compares chains of only a few draws each, so a large value can mean strongly "
+               "autocorrelated chains as well as chains still near their start")

@@ -113,4 +113,5 @@ def test_chemical_bounds_section_and_records():
     assert "lower in 3/3 seeds" in text
     assert ("- cstr, ours-NLL: the truncated mean was sampled by blocked Gibbs in 3/3 seeds (smallest effective "
             "sample size 30.5; largest split R-hat 1.020, over every test point and flow).") in text
+    assert "- Split R-hat compares chains of only a few draws each" in text
     assert chem.markdown({}) == []

@@ -160,7 +160,7 @@ def markdown(doc: Mapping[str, Any]) -> list[str]:
     """The non-negative-flows section of ``chemical.md`` (lines), or ``[]`` for a document without it."""
     from ..bounds_claims import bounds_claims_section
     from ..results import markdown_table
-    from ..truncated_mean import sampler_line
+    from ..truncated_mean import RHAT_CAVEAT, sampler_line
 
     part = doc.get("nonnegative_flows")
     if not part:
@@ -191,6 +191,9 @@ def markdown(doc: Mapping[str, Any]) -> list[str]:
                              "max abs(B y - k)"], rows)]
     samplers = [sampler_line(f"{d}, {m}", rules["sampler"], unit="seeds", over="test point and flow")
                 for d, methods in part["per_seed"].items() for m, rules in methods.items() if rules.get("sampler")]
+    if any(r["max_rhat"] is not None for methods in part["per_seed"].values() for rules in methods.values()
+           for r in rules.get("sampler") or []):
+        samplers.append(f"- {RHAT_CAVEAT}.")
     lines += ["", *samplers] if samplers else []
     lines += ["", bounds_claims_section("Non-negative flows: do the bounds help?", claims(doc), intro=(
         "Two-sided paired Wilcoxon signed-rank tests of the test MSE over seeds (the rules share the seed's "

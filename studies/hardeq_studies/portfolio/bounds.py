@@ -188,14 +188,13 @@ def claims(doc: dict[str, Any]) -> list:
 def _sampler_lines(parts: dict[str, Any]) -> list[str]:
     """One line per universe naming the truncated mean's sampler over the runs (``[]`` for documents written
     before the sampler was recorded)."""
-    from ..truncated_mean import sampler_line
+    from ..truncated_mean import RHAT_CAVEAT, sampler_line
 
     lines = [sampler_line(u, part["sampler"], unit="runs", over="window and weight")
              for u, part in parts.items() if part.get("sampler")]
     if any(r["max_rhat"] is not None for part in parts.values() for r in part.get("sampler") or []):
-        lines.append("- Split R-hat compares chains of only a few draws each, so a large value can mean strongly "
-                     "autocorrelated chains as well as chains still near their start; docs/portfolio.md checks the "
-                     "worst windows against long reference chains (`python -m hardeq_studies.portfolio.mixing`).")
+        lines.append(f"- {RHAT_CAVEAT}; docs/portfolio.md checks the worst windows against long reference chains "
+                     "(`python -m hardeq_studies.portfolio.mixing`).")
     return ["", *lines] if lines else []
 
 
