@@ -118,24 +118,21 @@ class GroupedOps:
     r"""The operations of the one-node sample (:class:`_GroupedSample`) for one constraint: :math:`Ax`
     (``matvec``), :math:`A^\top u` (``rmatvec``), :math:`(A\circ A)v` (``gram``, the Gram diagonal),
     :math:`|A|x` (``abs_matvec``), and the determined coordinates: ``pin(z, k)`` returns ``z`` with them set to
-    their value (in place where it can), ``unpin(g)`` zeroes a gradient there (in place) and ``pin_grad(q, g)``
-    makes the gradient of the right-hand side of a group of one exactly the upstream gradient of its member (in
-    place); the last three are None when nothing is determined (``pin_grad`` may be None alone: the closed form then
-    gives it to round-off).
+    their value (in place where it can) and ``unpin(g)`` zeroes a gradient there (in place); both None when nothing
+    is determined.
 
     :meth:`from_constraint` takes them from the constraint's methods (any constraint whose columns have at most one
     nonzero); a :class:`~hardeq.SumConstraint` supplies its own, once per group index (segment sums called
     directly, the groups of one as two short index lists)."""
 
-    __slots__ = ("matvec", "rmatvec", "gram", "abs_matvec", "pin", "unpin", "pin_grad")
+    __slots__ = ("matvec", "rmatvec", "gram", "abs_matvec", "pin", "unpin")
 
     def __init__(self, matvec: Callable[[Tensor], Tensor], rmatvec: Callable[[Tensor], Tensor],
                  gram: Callable[[Tensor], Tensor], abs_matvec: Callable[[Tensor], Tensor],
                  pin: Callable[[Tensor, Tensor], Tensor] | None = None,
-                 unpin: Callable[[Tensor], Tensor] | None = None,
-                 pin_grad: Callable[[Tensor, Tensor], Tensor] | None = None) -> None:
+                 unpin: Callable[[Tensor], Tensor] | None = None) -> None:
         self.matvec, self.rmatvec, self.gram, self.abs_matvec = matvec, rmatvec, gram, abs_matvec
-        self.pin, self.unpin, self.pin_grad = pin, unpin, pin_grad
+        self.pin, self.unpin = pin, unpin
 
     @classmethod
     def from_constraint(cls, constraint: "EqualityConstraint") -> "GroupedOps | None":
