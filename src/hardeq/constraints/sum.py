@@ -179,7 +179,7 @@ class SumConstraint(EqualityConstraint):
         self._group_sum = layout.group_sum
         self._layout = layout
         if self._validate_args:
-            check_finite("total", total.detach())
+            check_finite("total", total)
 
     @property
     def num_constraints(self) -> int:
