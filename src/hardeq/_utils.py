@@ -73,9 +73,11 @@ def check_tensor(name: str, value: object, *, min_dim: int = 0, floating: bool =
 
 def check_finite(name: str, value: Tensor) -> None:
     """Raise ``ValueError`` if ``value`` holds NaN or infinity."""
-    # the sum is finite when every entry is (it may overflow: then the exact test below decides); one reduction, and
-    # s * 0 == 0 exactly for a finite s (cheaper than isfinite, a composite of several kernels)
-    if not value.is_floating_point() or bool(value.sum() * 0 == 0):
+    # the sum is finite when every entry is (it may overflow: then the exact test below decides): one reduction and
+    # one read-back (isfinite is a composite of several kernels; so is sum * 0 == 0 with its wrapped scalars)
+    if not value.is_floating_point():
+        return
+    if math.isfinite((value.detach() if value.requires_grad else value).sum().item()):
         return
     if not bool(torch.isfinite(value).all()):
         bad = (~torch.isfinite(value)).sum().item()

@@ -18,6 +18,7 @@ import torch
 import hardeq
 from hardeq.estimators.normal import exact_sample
 from hardeq.ops import SUM_CHUNK, GroupSum
+from hardeq.testing import assert_exact_per_row
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 FUSED = "_GroupedSampleBackward"
@@ -265,3 +266,171 @@ def test_a_grouped_registration_for_the_pair_is_honoured():
     assert d.conditioner.method != "grouped" and "Grouped" not in repr(z.grad_fn)
     ref = hardeq.ConstrainedNormal(loc, scale, constraint=hardeq.SumConstraint(RAGGED, k)).rsample((3,), noise=eps)
     torch.testing.assert_close(z, ref, rtol=1e-10, atol=1e-10)
+
+
+# --------------------------------------------------------------------------------------------- the closed form itself
+def _dense_oracle(index: torch.Tensor, loc, scale, k, eps):
+    r"""Matheron's rule written densely in float64 and differentiated by autograd: :math:`z = \hat z + \Sigma A^\top
+    (A\Sigma A^\top)^{-1}(k - A\hat z)` with the one-hot ``A`` and a solve against the ``a x a`` Gram matrix (no
+    closed form, no group sums, no pinning): an independent reference for values and gradients."""
+    a = int(index.max()) + 1
+    A = torch.nn.functional.one_hot(index, a).mT.to(torch.float64)  # (a, n)
+    loc, scale, k, eps = (t.to(torch.float64) for t in (loc, scale, k, eps))
+    z_hat = loc + scale * eps
+    var = scale * scale
+    S = (A * var.unsqueeze(-2)) @ A.mT  # (*, a, a)
+    r = k - z_hat @ A.mT
+    u = torch.linalg.solve(S, r.unsqueeze(-1)).squeeze(-1)
+    return z_hat + var * (u @ A)
+
+
+@DTYPES
+@pytest.mark.parametrize("index", [RAGGED, UNSORTED], ids=["ragged", "unsorted"])
+@pytest.mark.parametrize("shapes", [((), (), ()), ((2,), (), (3,)), ((), (2,), (3,)), ((2,), (4, 1), ())],
+                         ids=["single", "batched_params", "batched_k", "broadcast"])
+def test_values_and_gradients_match_a_dense_float64_oracle(index, shapes, dtype):
+    """The one-node sample (its hand-written backward: ``g_loc = g - A^T q``, ``g_scale = g_loc (eps + 2 scale w)``,
+    ``g_k = q``) against autograd through the dense float64 formula, groups of one included."""
+    batch, k_batch, sample = shapes
+    n, a = index.numel(), int(index.max()) + 1
+    g = torch.Generator().manual_seed(11)
+    loc = torch.randn(batch + (n,), generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    scale = (0.5 + torch.rand(batch + (n,), generator=g, dtype=torch.float64)).to(dtype).requires_grad_()
+    k = torch.randn(k_batch + (a,), generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    full = torch.broadcast_shapes(batch, k_batch)
+    eps = torch.randn(sample + full + (n,), generator=g, dtype=torch.float64).to(dtype)
+    weight = torch.randn(sample + full + (n,), generator=g, dtype=torch.float64)
+    z = hardeq.ConstrainedNormal(loc, scale, constraint=hardeq.SumConstraint(index, k)).rsample(sample, noise=eps)
+    assert type(z.grad_fn).__name__ == FUSED or FUSED in str(z.grad_fn.next_functions)
+    assert z.dtype == dtype
+    ref = _dense_oracle(index, loc, scale, k, eps)
+    tol = dict(rtol=2e-5, atol=2e-5) if dtype == torch.float32 else dict(rtol=1e-11, atol=1e-11)
+    torch.testing.assert_close(z.double(), ref.detach(), **tol)
+    got = torch.autograd.grad((z.double() * weight).sum(), (loc, scale, k))
+    want = torch.autograd.grad((ref * weight).sum(), (loc, scale, k))
+    for name, x, y in zip(("loc", "scale", "k"), got, want):
+        torch.testing.assert_close(x.double(), y.double(), **tol, msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+@DTYPES
+def test_only_some_inputs_requiring_grad(dtype):
+    """``needs_input_grad``: the backward forms only what is asked for (here ``k`` alone, then ``scale`` alone)."""
+    n, a = RAGGED.numel(), 6
+    g = torch.Generator().manual_seed(5)
+    loc = torch.randn(n, generator=g, dtype=dtype)
+    scale = (0.5 + torch.rand(n, generator=g, dtype=dtype))
+    k = torch.randn(a, generator=g, dtype=dtype)
+    eps = torch.randn(2, n, generator=g, dtype=dtype)
+    for which in ("k", "scale"):
+        inputs = {"loc": loc, "scale": scale.clone(), "k": k.clone()}
+        inputs[which].requires_grad_()
+        z = hardeq.ConstrainedNormal(inputs["loc"], inputs["scale"],
+                                     constraint=hardeq.SumConstraint(RAGGED, inputs["k"])).rsample((2,), noise=eps)
+        assert type(z.grad_fn).__name__ == FUSED
+        (got,) = torch.autograd.grad(z.square().sum(), inputs[which])
+        ref = _dense_oracle(RAGGED, loc, inputs["scale"], inputs["k"], eps)
+        (want,) = torch.autograd.grad(ref.square().sum(), inputs[which])
+        tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(got.double(), want.double(), **tol)
+
+
+@DTYPES
+def test_groups_of_one_with_zero_totals_stay_on_the_one_node_path(dtype):
+    """A group of one whose total is 0 (a neutral single atom) has |A||z| + |k| = 0 in its row: the check passes it
+    (0 <= 0), the sample is exactly 0 there and the one-node path is kept."""
+    n, a = RAGGED.numel(), 6
+    k = torch.randn(a, dtype=dtype)
+    k[1] = k[4] = 0.0  # the totals of the two groups of one
+    loc = torch.randn(n, dtype=dtype, requires_grad=True)
+    z = hardeq.ConstrainedNormal(loc, torch.ones(n, dtype=dtype),
+                                 constraint=hardeq.SumConstraint(RAGGED, k)).rsample((4,))
+    assert type(z.grad_fn).__name__ == FUSED
+    assert torch.equal(z[..., [3, 9]], torch.zeros(4, 2, dtype=dtype))
+
+
+def test_scales_whose_squares_underflow_take_the_general_path():
+    """float32 scales of 1e-21: every variance is subnormal, the group sums lie below ``tiny / eps`` and are raised
+    to it, the one step misses its rows, and the general path (normalised by the largest scale) gives the sample;
+    it meets every row and matches the static conditioner on the same noise."""
+    n = RAGGED.numel()
+    g = torch.Generator().manual_seed(3)
+    scale = torch.full((n,), 1e-21).requires_grad_()
+    loc = (1e-21 * torch.randn(n, generator=g)).requires_grad_()
+    k = 1e-21 * torch.randn(6, generator=g)
+    eps = torch.randn(3, n, generator=g)
+    d = hardeq.ConstrainedNormal(loc, scale, constraint=hardeq.SumConstraint(RAGGED, k))
+    z = d.rsample((3,), noise=eps)
+    assert type(z.grad_fn).__name__ != FUSED
+    assert_exact_per_row(d.constraint, z.detach())
+    ref = _general("ragged", loc, scale, k, eps)
+    torch.testing.assert_close(z, ref, rtol=1e-5, atol=1e-26)
+
+
+# --------------------------------------------------------------------------------------------- construction checks
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64], ids=["float16", "float32", "float64"])
+def test_the_one_pass_validation_rejects_what_the_precise_checks_reject(dtype):
+    """The combined check of ``loc`` and a diagonal ``scale`` (min, max, sum: one read-back) and the precise checks it
+    falls back to: the message names the argument for NaN, +-inf, a non-positive and a subnormal scale."""
+    n = RAGGED.numel()
+    con = hardeq.SumConstraint(RAGGED, torch.zeros(6, dtype=dtype))
+    loc, scale = torch.zeros(n, dtype=dtype), torch.ones(n, dtype=dtype)
+    tiny = torch.finfo(dtype).tiny
+    bad_scales = {"inf": float("inf"), "nan": float("nan"), "zero": 0.0, "negative": -1.0, "subnormal": tiny / 4}
+    for value in bad_scales.values():
+        with pytest.raises(ValueError, match="scale"):
+            hardeq.ConstrainedNormal(loc, scale.clone().index_fill_(0, torch.tensor([5]), value), constraint=con)
+    for value in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(ValueError, match="loc"):
+            hardeq.ConstrainedNormal(loc.clone().index_fill_(0, torch.tensor([7]), value), scale, constraint=con)
+    # finite entries whose sum overflows: the precise check decides (and accepts)
+    big = torch.full((n,), torch.finfo(dtype).max / 2, dtype=dtype)
+    assert torch.isinf(big.sum())
+    hardeq.ConstrainedNormal(big, scale, constraint=con)
+    # the smallest normal scale is accepted
+    hardeq.ConstrainedNormal(loc, torch.full((n,), tiny, dtype=dtype), constraint=con)
+
+
+def test_a_fresh_sorted_index_is_laid_out_in_one_pass():
+    """PyG's ``batch`` vector, a new tensor each step: one pass finds the segments (or the equal blocks) and whether
+    a group has one member, with the same layout and the same sums as the general detection."""
+    g = torch.Generator().manual_seed(1)
+    sizes = torch.randint(1, 40, (50,), generator=g)
+    sizes[7] = 1
+    cases = {
+        "ragged": torch.repeat_interleave(torch.arange(50), sizes),
+        "blocks": torch.arange(6).repeat_interleave(5),
+        "one_group": torch.zeros(7, dtype=torch.long),
+        "long_groups": torch.cat([torch.zeros(SUM_CHUNK + 3, dtype=torch.long), torch.ones(4, dtype=torch.long)]),
+    }
+    for name, index in cases.items():
+        a = int(index.max()) + 1
+        layout = hardeq.SumConstraint(index.clone(), torch.zeros(a))._layout
+        general = GroupSum(index, a)
+        assert layout.any_single == bool(torch.bincount(index).min() == 1), name
+        assert layout.group_sum.block == general.block, name
+        assert (layout.group_sum.offsets is None) == (general.offsets is None), name
+        if general.offsets is not None:
+            assert torch.equal(layout.group_sum.offsets, general.offsets), name
+        assert torch.equal(layout.counts, torch.bincount(index, minlength=a)), name
+        x = torch.randn(3, index.numel(), generator=g, dtype=torch.float64)
+        torch.testing.assert_close(layout.group_sum(x), general(x), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("index,a,message", [
+    ([0, 0, 2, 2], 3, "every group must have at least one coordinate"),  # sorted, a gap
+    ([1, 1, 2, 2], 3, "every group must have at least one coordinate"),  # sorted, group 0 empty
+    ([0, 1, 1, 1], 3, "every group must have at least one coordinate"),  # sorted, the last group empty
+    ([0, 1, 3, 3], 3, "index values must lie in"),  # sorted, out of range
+    ([-1, 0, 1, 2], 3, "index values must lie in"),  # sorted, negative
+    ([1, 0, 2, 2], 3, None),  # unsorted and valid: the general check accepts it
+], ids=["gap", "first_empty", "last_empty", "too_large", "negative", "unsorted"])
+def test_an_index_that_fails_the_one_pass_gets_the_general_checks_message(index, a, message):
+    index = torch.tensor(index)
+    if message is None:
+        c = hardeq.SumConstraint(index, torch.zeros(a))
+        assert c._layout.group_sum.offsets is None and torch.equal(c.counts, torch.bincount(index, minlength=a))
+        return
+    with pytest.raises(ValueError, match=message):
+        hardeq.SumConstraint(index, torch.zeros(a))
+    with pytest.raises(ValueError, match=message):  # also without validation: the index is always checked
+        hardeq.SumConstraint(index, torch.zeros(a), validate_args=False)

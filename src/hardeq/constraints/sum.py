@@ -2,29 +2,105 @@ r""":class:`SumConstraint`: grouped sums, every operation a scatter or a gather 
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from .._utils import check_finite, check_group_index, check_tensor, group_sizes, is_tracing, validate_default
-from ..ops.group_sum import GroupSum
+from ..ops.group_sum import SUM_CHUNK, GroupSum
 from ._cache import PerTensorCache
 from .base import EqualityConstraint, config_dtype, dtype_name, register_constraint_kind, require_keys
+
+if TYPE_CHECKING:
+    from ..linalg.conditioning.grouped import GroupedOps
 
 __all__ = ["SumConstraint"]
 
 
 class _Layout:
-    """What one ``index`` with ``a`` groups determines: the group sizes (checked), the summation layout and the
-    groups of one (computed on first use). Shared by every constraint on that index."""
+    """What one ``index`` with ``a`` groups determines: the group sizes (checked), the summation layout, the
+    groups of one and the operations of the one-node grouped sample (the last two computed on first use). Shared by
+    every constraint on that index."""
 
-    __slots__ = ("counts", "group_sum", "pinned")
+    __slots__ = ("any_single", "counts", "group_sum", "index", "mask", "ops")
 
-    def __init__(self, index: Tensor, a: int, counts: Tensor) -> None:
+    def __init__(self, index: Tensor, a: int, counts: Tensor, *,
+                 known: tuple[int | None, Tensor | None, bool] | None = None) -> None:
+        self.index = index
         self.counts = counts
-        self.group_sum = GroupSum(index, a, counts)
-        self.pinned: tuple[Tensor, bool] | None = None
+        #: is there a group of one (None: not known yet), and its members, ``(n,)`` bool (computed on first use)
+        self.any_single: bool | None = None if known is None else known[2]
+        self.mask: Tensor | None = None
+        self.group_sum = GroupSum(index, a, counts, layout=None if known is None else known[:2])
+        self.ops: GroupedOps | None = None
+
+    @classmethod
+    def of_sorted(cls, index: Tensor, a: int) -> _Layout | None:
+        """The layout of PyG's ``batch`` vector, checked in one pass with one host synchronisation: ``index`` rises
+        from 0 to ``a - 1`` in steps of 0 or 1 (sorted, every id in range, no empty group); the group sizes come
+        from a binary search of the group boundaries, and with them the summation layout (equal blocks or
+        segments) and whether a group has one member. ``None`` when ``index`` is not such a vector (the general
+        check then runs, and names what is wrong) or under tracing. O(n) elementwise + O(a log n)."""
+        n = index.shape[0]
+        if n < 2 or a < 1 or is_tracing():
+            return None
+        step_lo, step_hi = torch.aminmax(index.diff())
+        offsets = torch.searchsorted(index, torch.arange(a + 1, device=index.device))
+        counts = offsets.diff()
+        smallest, largest = torch.aminmax(counts)
+        facts = torch.stack((step_lo, step_hi, index[0], index[-1], smallest, largest)).tolist()
+        if facts[0] < 0 or facts[1] > 1 or facts[2] != 0 or facts[3] != a - 1:
+            return None
+        block = n // a if facts[4] == facts[5] else None
+        segments = offsets if block is None and facts[5] <= SUM_CHUNK else None
+        return cls(index, a, counts, known=(block, segments, facts[4] == 1))
+
+    def singles(self) -> tuple[Tensor | None, bool]:
+        """``(mask, any)``: the members of groups of one, ``(n,)`` bool (None when there is none), and whether there
+        is one (one host synchronisation, once, unless known when the index was checked)."""
+        if self.any_single is None:
+            self.any_single = bool(self.counts.min() == 1)
+        if self.any_single and self.mask is None:
+            self.mask = self.counts.index_select(0, self.index) == 1
+        return self.mask, self.any_single
+
+    def grouped_ops(self) -> GroupedOps:
+        r"""The operations of the one-node grouped sample (:class:`~hardeq.linalg.conditioning.grouped.GroupedOps`):
+        segment sums called directly for sorted groups (the sample runs eagerly only, so without the tracing check
+        of :class:`~hardeq.ops.GroupSum`), the gather, and the groups of one as two index lists (their members and
+        their groups: setting them and zeroing their gradient are short indexed copies instead of passes over
+        ``n``)."""
+        if self.ops is not None:
+            return self.ops
+        from ..linalg.conditioning.grouped import GroupedOps
+
+        gs = self.group_sum
+        offsets = gs.offsets
+        matvec: Callable[[Tensor], Tensor] = gs
+        if offsets is not None:
+            def matvec(x: Tensor) -> Tensor:  # (unsafe: the offsets are ours, checked when laid out)
+                off = offsets if x.dim() == 1 else offsets.expand(x.shape[:-1] + offsets.shape)
+                return torch.segment_reduce(x, "sum", offsets=off, axis=-1, unsafe=True)
+        mask, any_single = self.singles()
+        if mask is None or not any_single:
+            self.ops = GroupedOps(matvec, gs.broadcast, matvec, matvec)
+            return self.ops
+        members = mask.nonzero().squeeze(-1)
+        groups = self.index.index_select(0, members)
+        p = members.shape[0]
+
+        def pin(z: Tensor, k: Tensor) -> Tensor:
+            values = k.index_select(-1, groups)
+            return z.index_copy_(-1, members, values if values.dim() == z.dim() and values.shape == z.shape[:-1] + (p,)
+                                 else values.expand(z.shape[:-1] + (p,)))
+
+        def unpin(g: Tensor) -> Tensor:
+            return g.index_fill_(-1, members, 0.0)
+
+        self.ops = GroupedOps(matvec, gs.broadcast, matvec, matvec, pin, unpin)
+        return self.ops
 
 
 #: per index tensor given by the user: ``{a: _Layout}``, so that the per-step pattern ``SumConstraint(batch, totals)``
@@ -40,7 +116,7 @@ def _layout(index: Tensor, a: int, validate: bool) -> _Layout:
     layouts = _LAYOUTS.get(index)
     layout = None if layouts is None else layouts.get(a)
     if layout is None:
-        layout = _Layout(index, a, check_group_index(index, a))
+        layout = _Layout.of_sorted(index, a) or _Layout(index, a, check_group_index(index, a))
         if layouts is None:
             layouts = {}
             _LAYOUTS.put(index, layouts)
@@ -165,14 +241,15 @@ class SumConstraint(EqualityConstraint):
 
     def pinned_values(self) -> tuple[Tensor, Tensor] | None:
         """Members of groups of one: their value is the group's total."""
-        layout = self._layout
-        if layout.pinned is None:
-            mask = self.counts.index_select(0, self.index) == 1
-            layout.pinned = (mask, bool(self.counts.min() == 1))
-        mask, any_pinned = layout.pinned
-        if not any_pinned:
+        mask, any_pinned = self._layout.singles()
+        if mask is None or not any_pinned:
             return None
         return mask, self.k.index_select(-1, self.index)
+
+    def _grouped_ops(self) -> GroupedOps | None:
+        """The one-node grouped sample's operations of this index (:meth:`_Layout.grouped_ops`); None for a
+        subclass (which may override the products: the sample then takes its methods)."""
+        return self._layout.grouped_ops() if type(self) is SumConstraint else None
 
     def _sizes(self, dtype: torch.dtype) -> Tensor:
         return self.counts.to(dtype)

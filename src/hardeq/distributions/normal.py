@@ -201,13 +201,12 @@ class ConstrainedNormal(Distribution):
         if validate_args is None:
             validate_args = Distribution._validate_args
         if validate_args:
-            check_finite("loc", loc)
-            covariance.check_values()
+            _check_values(loc, covariance)
             if getattr(constraint, "_validate_args", False) is False:
                 check_finite("constraint right-hand side k", constraint.k)
         #: the dtype every result is returned in (the inputs'); half precision is computed in float32
         self.result_dtype = loc.dtype
-        self.loc = loc.expand(batch_shape + (n,))
+        self.loc = loc if loc.shape[:-1] == batch_shape else loc.expand(batch_shape + (n,))
         if loc.dtype in HALF_DTYPES:
             loc = loc.to(torch.float32)
             covariance = covariance.to(dtype=torch.float32)
@@ -527,6 +526,21 @@ class ConstrainedNormal(Distribution):
     def __repr__(self) -> str:
         return (f"ConstrainedNormal(n={self.event_shape[0]}, batch_shape={tuple(self.batch_shape)}, "
                 f"covariance={self.covariance!r}, constraint={self.constraint!r})")
+
+
+def _check_values(loc: Tensor, covariance: Covariance) -> None:
+    r"""``check_finite("loc", loc)`` and ``covariance.check_values()``; for a :class:`~hardeq.DiagonalCovariance` the
+    common case (all finite, every scale a positive normal number) first, from two reductions without autograd
+    nodes: :math:`\min\sigma \ge` ``tiny``, :math:`\max\sigma` and :math:`\sum\mu` finite (a NaN anywhere
+    propagates to them); the precise checks, with their messages, only when that fails (or when the sum overflows)."""
+    if type(covariance) is DiagonalCovariance and covariance.scale.numel() and loc.numel():
+        with torch.no_grad():
+            low, high = torch.aminmax(covariance.scale)
+            total = loc.sum()
+        if low.item() >= torch.finfo(loc.dtype).tiny and math.isfinite(high.item()) and math.isfinite(total.item()):
+            return
+    check_finite("loc", loc)
+    covariance.check_values()
 
 
 def _broadcast_shapes(*shapes: torch.Size) -> torch.Size:

@@ -43,14 +43,17 @@ class GroupSum:
         ``__call__``: ``(*, n) -> (*, a)``; :meth:`matmul`: ``(*, n, m) -> (*, a, m)``.
     """
 
-    def __init__(self, index: Tensor, num_groups: int, counts: Tensor | None = None) -> None:
+    def __init__(self, index: Tensor, num_groups: int, counts: Tensor | None = None, *,
+                 layout: tuple[int | None, Tensor | None] | None = None) -> None:
         n = index.shape[0]
         chunk = max(SUM_CHUNK, num_groups)
         self.index = index
         self.num_groups = num_groups
         self.num_chunks = -(-n // chunk)
-        chunk_of = torch.arange(self.num_chunks, device=index.device).repeat_interleave(chunk)[:n]
-        self.slot = index if self.num_chunks == 1 else chunk_of * num_groups + index
+        self._slot: Tensor | None = index if self.num_chunks == 1 else None
+        if layout is not None:  # (block, offsets), established by the caller (e.g. one pass over a sorted index)
+            self.block, self.offsets = layout
+            return
         #: size of each group when the groups are equal consecutive blocks (one sum; the channels of an image;
         #: equal graphs), else None. Then a sum is a reshape + ``torch.sum`` (pairwise, vectorised) and the
         #: gather an ``expand``: no scatter, which accumulates serially (10-50x slower for few groups). Not looked
@@ -59,6 +62,19 @@ class GroupSum:
         #: ``(num_groups + 1,)`` segment boundaries when the groups are sorted (``index`` non-decreasing) and at most
         #: :data:`SUM_CHUNK` long but not equal blocks, else None (never under tracing)
         self.offsets = None if self.block is not None else _sorted_offsets(index, num_groups, counts)
+
+    @property
+    def slot(self) -> Tensor:
+        """Slot of each coordinate in the ``(chunk, group)`` layout of the two-level summation, ``(n,)`` (built on
+        first use: the equal-block and segment layouts never need it; not kept when built while tracing)."""
+        if self._slot is not None:
+            return self._slot
+        n, chunk = self.index.shape[0], max(SUM_CHUNK, self.num_groups)
+        chunk_of = torch.arange(self.num_chunks, device=self.index.device).repeat_interleave(chunk)[:n]
+        slot = chunk_of * self.num_groups + self.index
+        if not is_tracing():
+            self._slot = slot
+        return slot
 
     def __call__(self, x: Tensor) -> Tensor:
         a = self.num_groups

@@ -40,6 +40,7 @@ writes the step out).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -48,6 +49,7 @@ from torch.autograd.function import once_differentiable
 
 from ..._utils import is_tracing
 from ...constraints import pairs
+from ...constraints.base import _grouped
 from ..covariance import DiagonalCovariance
 from .factor import Factor, check_pivots
 from .residual import check_rtol
@@ -56,7 +58,7 @@ if TYPE_CHECKING:
     from ...constraints import EqualityConstraint
     from ..covariance import Covariance
 
-__all__ = ["GroupedFactor", "grouped_rsample"]
+__all__ = ["GroupedFactor", "GroupedOps", "grouped_rsample"]
 
 
 def _generic_diagonal(constraint: "EqualityConstraint", cov: "Covariance") -> bool:
@@ -65,8 +67,6 @@ def _generic_diagonal(constraint: "EqualityConstraint", cov: "Covariance") -> bo
     e.g. one returning ``None`` to turn the O(n) path off) is honoured: the one-node paths are not taken then."""
     if type(cov) is not DiagonalCovariance:
         return False
-    from ...constraints.base import _grouped
-
     return pairs._dispatch("grouped", type(constraint), DiagonalCovariance) is _grouped
 
 
@@ -114,74 +114,137 @@ class _GroupedStep(torch.autograd.Function):
         return g_z, g_scale, g_k, None, None, None, None, None, None
 
 
+class GroupedOps:
+    r"""The operations of the one-node sample (:class:`_GroupedSample`) for one constraint: :math:`Ax`
+    (``matvec``), :math:`A^\top u` (``rmatvec``), :math:`(A\circ A)v` (``gram``, the Gram diagonal),
+    :math:`|A|x` (``abs_matvec``), and the determined coordinates: ``pin(z, k)`` returns ``z`` with them set to
+    their value (in place where it can) and ``unpin(g)`` zeroes a gradient there (in place); both None when nothing
+    is determined.
+
+    :meth:`from_constraint` takes them from the constraint's methods (any constraint whose columns have at most one
+    nonzero); a :class:`~hardeq.SumConstraint` supplies its own, once per group index (segment sums called
+    directly, the groups of one as two short index lists)."""
+
+    __slots__ = ("matvec", "rmatvec", "gram", "abs_matvec", "pin", "unpin")
+
+    def __init__(self, matvec: Callable[[Tensor], Tensor], rmatvec: Callable[[Tensor], Tensor],
+                 gram: Callable[[Tensor], Tensor], abs_matvec: Callable[[Tensor], Tensor],
+                 pin: Callable[[Tensor, Tensor], Tensor] | None = None,
+                 unpin: Callable[[Tensor], Tensor] | None = None) -> None:
+        self.matvec, self.rmatvec, self.gram, self.abs_matvec = matvec, rmatvec, gram, abs_matvec
+        self.pin, self.unpin = pin, unpin
+
+    @classmethod
+    def from_constraint(cls, constraint: "EqualityConstraint") -> "GroupedOps | None":
+        """The constraint's own methods, with its :meth:`~hardeq.EqualityConstraint.pinned_values` (their values
+        fixed now); None when its Gram matrix under a diagonal covariance is not diagonal."""
+        if not constraint.has_diagonal_gram:
+            return None
+
+        def gram(v: Tensor) -> Tensor:
+            s = constraint.diagonal_gram(v)
+            assert s is not None  # (has_diagonal_gram)
+            return s
+
+        with torch.no_grad():
+            pinned = constraint.pinned_values()
+        if pinned is None:
+            return cls(constraint.matvec, constraint.rmatvec, gram, constraint.abs_matvec)
+        mask, values = pinned
+
+        def pin(z: Tensor, k: Tensor) -> Tensor:
+            return torch.where(mask, values, z)
+
+        def unpin(g: Tensor) -> Tensor:
+            return g.masked_fill_(mask, 0.0)
+
+        return cls(constraint.matvec, constraint.rmatvec, gram, constraint.abs_matvec, pin, unpin)
+
+
 class _GroupedSample(torch.autograd.Function):
     r"""The whole reparameterised sample of a diagonal covariance in one node: :math:`\hat z = \mu + \sigma\odot
-    \varepsilon`, the Matheron step of :class:`_GroupedStep`, the determined coordinates and the per-row check.
+    \varepsilon`, the Matheron step, the determined coordinates and the per-row check.
 
-    Inputs ``(loc, scale, k)`` are differentiable, ``eps`` (the noise), the constraint, :math:`A^\top\mathbf 1` (None
-    for a sum) and the determined coordinates are constants. Returns ``z``; a 0-d bool ``ok``: every row of every
-    vector passes the check of :mod:`.residual` with ``rtol`` and every :math:`s_g > 0` (no NaN), put in the list
-    ``verdict`` (not a second output: the autograd engine would handle a gradient slot for it); the caller takes the
-    general path when not ``ok``. Backward: :math:`\bar\mu = \bar{\hat z}`,
-    :math:`\bar\sigma = \bar{\hat z}\odot\varepsilon + 2(\sigma/c^2)\odot\bar v` with :math:`\bar{\hat z}`,
-    :math:`\bar v`, :math:`\bar k` of the module docstring."""
+    With :math:`v = \sigma^2`, :math:`s = (A\circ A)v`, :math:`u = (k - A\hat z)/s` and :math:`w = A^\top u`:
+    :math:`z = \hat z + v\odot w`. For an upstream gradient :math:`g`, with :math:`q = A(v\odot g)/s` and
+    :math:`\hat g = g - A^\top q` (0 at a determined coordinate),
+
+    .. math::
+        \bar\mu = \hat g, \qquad \bar\sigma = \hat g\odot(\varepsilon + 2\sigma\odot w), \qquad \bar k = q,
+
+    since :math:`\bar v = g\odot w - (A\circ A)^\top(q\odot u)` is :math:`w\odot\hat g` when every column has
+    at most one nonzero (:math:`a_i u_{g(i)}(g_i - a_i q_{g(i)})`); so the backward needs no
+    :math:`(A\circ A)^\top` product, and :math:`\varepsilon + 2\sigma\odot w` is formed in the forward (when
+    ``scale`` needs a gradient). No normalisation pass: :math:`\sigma^2` is used as is, and an :math:`s_g` below
+    ``s_min`` (:math:`\sigma^2` near underflow, where the weights lose their precision) is raised to it, so that the
+    step misses the row and the check sends the call to the general path (an overflow gives a NaN, which fails too).
+
+    Cost, for ``n`` coordinates per vector: forward 3 products with ``A`` and 1 with :math:`A^\top` (plus the check's
+    2 with ``A``), 5 elementwise passes over ``n`` and about 10 over ``a``; backward 1 product with each and 3 passes
+    over ``n`` (O(n) for a :class:`~hardeq.SumConstraint`: segment sums and a gather).
+
+    Inputs ``(loc, scale, k)`` are differentiable; ``eps`` (the noise), ``ops`` (:class:`GroupedOps`), ``rtol``,
+    ``s_min`` are constants. Returns ``z``; whether every row of every vector passes the check of :mod:`.residual`
+    with ``rtol`` (no NaN) is appended to the list ``verdict`` as a Python bool (one read-back); the caller takes the
+    general path when not. Differentiable once: under ``create_graph=True`` the backward is wrapped by
+    ``once_differentiable`` (a second derivative raises)."""
 
     @staticmethod
-    def forward(ctx: Any, loc: Tensor, scale: Tensor, k: Tensor, eps: Tensor, con: EqualityConstraint,
-                col: Tensor | None, pinned: tuple[Tensor, Tensor] | None, rtol: float, verdict: list[Tensor]) -> Tensor:
-        # the normalising scale (s and u neither under- nor overflow): any nonzero c gives the same step; the largest
-        # scale is max |scale| unless a sign got in (validate_args=False), and a c that makes v overflow or vanish
-        # (c <= 0, or negative scales far larger than the positive ones) shows as a failing row (the general path)
-        c = scale.amax(-1, keepdim=True)
-        sc = scale / c
-        v = sc * sc
-        s = con.diagonal_gram(v)
-        assert s is not None  # (grouped_rsample runs only when constraint.has_diagonal_gram)
+    def forward(ctx: Any, loc: Tensor, scale: Tensor, k: Tensor, eps: Tensor, ops: GroupedOps, rtol: float,
+                s_min: float, verdict: list[bool]) -> Tensor:
         z_hat = torch.addcmul(loc, scale, eps)
-        u = (k - con.matvec(z_hat)).div_(s)
-        Atu = con.rmatvec(u)
-        z = torch.addcmul(z_hat, v, Atu)
-        if pinned is not None:
-            z = torch.where(pinned[0], pinned[1], z)
-        # the first check of .residual, |(Az - k)_i| <= rtol ((|A||z|)_i + |k_i|); NaN fails (s = 0 makes u inf or
-        # NaN). A failing row goes to the general path, which re-evaluates it in float64 and refines.
-        Az, rows = con.matvec_and_scale(z)
-        verdict.append(torch.le(Az.sub_(k).abs_(), rows.add_(k.abs()).mul_(rtol)).all())
-        ctx.con, ctx.col, ctx.mask = con, col, None if pinned is None else pinned[0]
-        ctx.shapes = (loc.shape, scale.shape, k.shape, z.shape)
-        ctx.save_for_backward(eps, sc, c, v, s, u, Atu)
+        v = scale * scale
+        s = ops.gram(v).clamp_min_(s_min)
+        w = ops.rmatvec(torch.sub(k, ops.matvec(z_hat)).div_(s))
+        z = z_hat.addcmul_(v, w)  # (z_hat has the full shape: eps's)
+        if ops.pin is not None:
+            z = ops.pin(z, k)
+        # the first check of .residual, |(Az - k)_i| <= rtol ((|A||z|)_i + |k_i|), as max_i of the left side minus the
+        # right <= 0 (one read-back; NaN fails). A failing row goes to the general path, which re-evaluates it in
+        # float64 and refines.
+        excess = torch.add(ops.matvec(z).sub_(k).abs_(), ops.abs_matvec(z.abs()), alpha=-rtol)
+        verdict.append(excess.sub_(k.abs(), alpha=rtol).amax().item() <= 0.0)
+        # the backward's constants, kept on ctx (intermediates: nothing the caller can modify in place); the
+        # factor of the scale's gradient, eps + 2 scale w, formed here when it is needed
+        ctx.ops, ctx.v, ctx.s = ops, v, s
+        ctx.h = torch.addcmul(eps, scale, w, value=2.0) if ctx.needs_input_grad[1] else None
+        ctx.shapes = (loc.shape, scale.shape, k.shape)
         return z
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
-        eps, sc, c, v, s, u, Atu = ctx.saved_tensors
-        con, col, mask = ctx.con, ctx.col, ctx.mask
-        loc_shape, scale_shape, k_shape, z_shape = ctx.shapes
+        if torch.is_grad_enabled():  # create_graph=True: a second derivative must raise, not be silently wrong
+            return _once_backward(ctx, g)
+        return _GroupedSample._backward(ctx, g)
+
+    @staticmethod
+    def _backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        ops: GroupedOps = ctx.ops
+        loc_shape, scale_shape, k_shape = ctx.shapes
         need_loc, need_scale, need_k = ctx.needs_input_grad[:3]
-        q = con.matvec(v * g).div_(s)  # (A (v g)) / s
+        q = ops.matvec(ctx.v * g).div_(ctx.s)  # (A (v g)) / s
         g_loc = g_scale = g_k = None
         if need_loc or need_scale:
-            g_hat = g - con.rmatvec(q)
-            if mask is not None:
-                g_hat = g_hat.masked_fill_(mask, 0.0)
+            g_hat = torch.sub(g, ops.rmatvec(q))
+            if ops.unpin is not None:
+                g_hat = ops.unpin(g_hat)
+            if need_scale:  # g_hat (eps + 2 scale w)
+                g_scale = _sum_to(g_hat * ctx.h, scale_shape)
             if need_loc:
-                g_loc = _sum_to(g_hat, loc_shape, z_shape)
-            if need_scale:
-                back = con.rmatvec(q * u)
-                g_v = torch.mul(g, Atu).sub_(back if col is None else col * back)
-                if mask is not None:
-                    g_v = g_v.masked_fill_(mask, 0.0)
-                # d v / d scale = 2 scale / c^2 = 2 sc / c
-                g_scale = _sum_to(torch.addcmul(g_hat * eps, g_v, sc / c, value=2.0), scale_shape, z_shape)
+                g_loc = _sum_to(g_hat, loc_shape)
         if need_k:
-            g_k = _sum_to(q, k_shape, q.shape)
-        return g_loc, g_scale, g_k, None, None, None, None, None, None
+            g_k = _sum_to(q, k_shape)
+        return g_loc, g_scale, g_k, None, None, None, None, None
 
 
-def _sum_to(x: Tensor, shape: torch.Size, full: torch.Size) -> Tensor:
-    """``x`` (of shape ``full``) summed over the dimensions it was broadcast along to ``shape``."""
-    return x if shape == full else x.sum_to_size(shape)
+@once_differentiable
+def _once_backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+    return _GroupedSample._backward(ctx, g)
+
+
+def _sum_to(x: Tensor, shape: torch.Size) -> Tensor:
+    """``x`` summed over the dimensions it was broadcast along to ``shape``."""
+    return x if x.shape == shape else x.sum_to_size(shape)
 
 
 def grouped_rsample(cov: "Covariance", constraint: "EqualityConstraint", loc: Tensor, eps: Tensor) -> Tensor | None:
@@ -189,29 +252,38 @@ def grouped_rsample(cov: "Covariance", constraint: "EqualityConstraint", loc: Te
     diagonal covariance and a constraint with a diagonal Gram matrix, as one autograd node (:class:`_GroupedSample`),
     without building a :class:`~hardeq.linalg.conditioning.Conditioner`; ``None`` when that does not apply (another
     structure, tracing, a noise that requires grad) or when the result needs more than the one step (a row fails the
-    check, a NaN, a Gram pivot at 0): the caller then takes the general path, which refines, escalates or raises
-    exactly as before. Same value as the general path's (up to the rounding of the check), ``(*sample, *batch, n)``.
+    check, a NaN, a Gram pivot at or near 0): the caller then takes the general path, which refines, escalates or
+    raises exactly as before. Same value as the general path's (up to the rounding of the check),
+    ``(*sample, *batch, n)``.
 
-    Cost: one host synchronisation (the verdict); forward 5 products with ``A`` or :math:`A^\top` and about 12
-    elementwise passes, backward 3 products and about 8 passes (O(n) for a :class:`~hardeq.SumConstraint`)."""
-    if eps.requires_grad or eps.shape[-1] != cov.event_size or is_tracing():
+    Cost: one host synchronisation (the verdict); forward 6 products with ``A`` or :math:`A^\top` and 5
+    elementwise passes over ``n``, backward 2 products and 3 passes (O(n) for a :class:`~hardeq.SumConstraint`);
+    for a :class:`~hardeq.SumConstraint` no Python beyond one lookup of its per-index operations."""
+    if type(cov) is not DiagonalCovariance or eps.requires_grad or eps.shape[-1] != cov.event_size:
         return None
-    if not _generic_diagonal(constraint, cov) or not constraint.has_diagonal_gram:
+    if is_tracing() or not _generic_diagonal(constraint, cov):
         return None
-    scale, k = cast(DiagonalCovariance, cov).scale, constraint.k  # (_generic_diagonal: exactly that type)
-    col = None
-    if constraint.group_index is None:
-        with torch.no_grad():
-            col = constraint.rmatvec(k.new_ones(constraint.num_constraints))
-    with torch.no_grad():
-        pinned = constraint.pinned_values()
-        if pinned is not None:
-            pinned = (pinned[0], pinned[1].detach())
-    rtol = check_rtol(eps.dtype, eps.shape[-1])
-    verdict: list[Tensor] = []
+    own = getattr(constraint, "_grouped_ops", None)  # (a SumConstraint's, laid out once per group index)
+    ops = own() if own is not None else None
+    if ops is None and (ops := GroupedOps.from_constraint(constraint)) is None:
+        return None
+    key = (eps.dtype, eps.shape[-1])
+    limits = _LIMITS.get(key)
+    if limits is None:
+        info = torch.finfo(eps.dtype)
+        limits = _LIMITS[key] = (check_rtol(eps.dtype, eps.shape[-1]), info.tiny / info.eps)
+    verdict: list[bool] = []
     z: Tensor = _GroupedSample.apply(  # type: ignore[no-untyped-call]  # torch: Function.apply is unannotated
-        loc, scale, k, eps, constraint, col, pinned, rtol, verdict)
-    return z if bool(verdict[0]) else None
+        loc, cov.scale, constraint.k, eps, ops, limits[0], limits[1], verdict)
+    return z if verdict[0] else None
+
+
+#: ``(dtype, n) -> (rtol, s_min)`` of the one-node sample: the check's tolerance (:func:`.residual.check_rtol`) and
+#: the smallest Gram diagonal :math:`s_g = \sum_{i\in g} a_i^2\sigma_i^2` used as is, ``tiny / eps`` of the dtype
+#: (a smaller one is raised to it: the step then misses the row and the check sends it to the general path, which
+#: normalises by the largest scale; a coordinate whose :math:`a_i^2\sigma_i^2` is subnormal then weighs at most
+#: ``eps`` of its group, so the precision its weight lost does not show)
+_LIMITS: dict[tuple[torch.dtype, int], tuple[float, float]] = {}
 
 
 class GroupedFactor(Factor):
