@@ -616,7 +616,7 @@ def _gram_sparse(constraint: SparseConstraint, covariance: Covariance) -> Tensor
     v = covariance.variance  # shape: (*batch, n)
     memo = not (torch.is_grad_enabled() and (v.requires_grad or constraint._A.requires_grad))
     if memo:  # the per-step pattern: the same A and variances, a new k each step
-        last = constraint._shared.get("gram_last")
+        last: tuple[Tensor, Tensor] | None = constraint._shared.get("gram_last")
         if last is not None and last[0].shape == v.shape and last[0].dtype == v.dtype \
                 and last[0].device == v.device and bool(torch.equal(last[0], v)):
             return last[1].clone()
