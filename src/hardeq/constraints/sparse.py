@@ -109,7 +109,7 @@ class _Blocks:
 
     def __init__(self, A: Tensor, At: Tensor) -> None:
         a, n = A.shape
-        crow, col, values = A.crow_indices(), A.col_indices(), A.values().detach()
+        crow, col, values = A.crow_indices().long(), A.col_indices().long(), A.values().detach()
         index = torch.int32 if A._nnz() < 2**31 and max(a, n) < 2**31 else torch.int64
         row = torch.repeat_interleave(torch.arange(a, device=col.device), crow[1:] - crow[:-1])
         block = torch.div(col, BLOCK_COLUMNS, rounding_mode="floor")
@@ -132,7 +132,7 @@ class _Blocks:
             v = vals[s0:s1]
             self.columns.append((j0, j1, _csr(crow_q, local[s0:s1], v, (a, j1 - j0)),
                                  _csr(crow_q, local[s0:s1], v.abs(), (a, j1 - j0))))
-        tcrow, tcol, tvals = At.crow_indices(), At.col_indices().to(index), At.values().detach()
+        tcrow, tcol, tvals = At.crow_indices().long(), At.col_indices().to(index), At.values().detach()
         self.rows: list[tuple[int, int, Tensor]] = []  # (j0, j1, rows j0:j1 of A^T)
         self.empty_rows: list[tuple[int, int]] = []  # blocks of columns of A without entries: A^T u is 0 there
         tbounds = tcrow[::BLOCK_COLUMNS].tolist() + [int(tcrow[-1])]
@@ -144,7 +144,7 @@ class _Blocks:
                 continue
             self.rows.append((j0, j1, _csr((tcrow[j0:j1 + 1] - s0).to(index), tcol[s0:s1], tvals[s0:s1],
                                            (j1 - j0, a))))
-        self.shape = (a, n)
+        self.shape, self.width = (a, n), BLOCK_COLUMNS
 
     def matvec(self, z: Tensor, absolute: bool = False) -> tuple[Tensor, Tensor | None]:
         r""":math:`AZ^\top` as ``(N, a)`` for ``z`` ``(N, n)``, and with ``absolute``, :math:`|A||Z|^\top` too
@@ -189,10 +189,9 @@ class _Blocks:
                     view.addcmul_(t.mT, weight[j0:j1])
         return out
 
-    @staticmethod
-    def _tile(N: int, like: Tensor) -> Tensor:
+    def _tile(self, N: int, like: Tensor) -> Tensor:
         """The reused ``(columns, vectors)`` buffer of one tile, row-major."""
-        return torch.empty((BLOCK_COLUMNS, min(N, BLOCK_VECTORS)), dtype=like.dtype, device=like.device)
+        return torch.empty((self.width, min(N, BLOCK_VECTORS)), dtype=like.dtype, device=like.device)
 
 
 class _GramFactors:
@@ -241,7 +240,11 @@ class SparseConstraint(EqualityConstraint):
             and devices are always checked.
 
     Cost:
-        :meth:`matvec`, :meth:`rmatvec`, :meth:`abs_matvec`: O(nnz) per vector. :meth:`gram` under a diagonal
+        :meth:`matvec`, :meth:`rmatvec`, :meth:`abs_matvec`: O(nnz) per vector. On the CPU without gradient, for
+        at least :data:`BLOCKED_MIN_ELEMENTS` elements of vectors, :meth:`matvec`, :meth:`rmatvec`,
+        :meth:`matvec_and_scale` and :meth:`rmatvec_add_` go tile by tile over blocks of columns (cache-sized
+        transposed tiles of the vectors, CSR blocks of ``A`` built once per ``A``: about ``nnz`` indices and two
+        value arrays more). :meth:`gram` under a diagonal
         covariance: one sparse-dense product with a cached ``(a^2, n)`` matrix of the ``P = sum_j c_j^2`` pairs of
         nonzeros sharing a column (``c_j``: column counts), O(P) per batch element, memory about 16 P bytes
         (above :data:`MAX_GRAM_PAIRS` pairs: a sparse-sparse product per batch element instead). The first
@@ -432,7 +435,9 @@ class SparseConstraint(EqualityConstraint):
     def matvec_and_scale(self, z: Tensor) -> tuple[Tensor, Tensor]:
         r""":math:`Az` and :math:`|A||z|` from one transposed copy of ``z`` (the columns of both products), made
         absolute in place between them: without gradient, one ``(n, N)`` buffer instead of three (``|z|``, and a
-        transposed copy of each). Results ``(*lead, a)`` (transposed views of the ``(a, N)`` products)."""
+        transposed copy of each); for many vectors on the CPU, tile by tile (:class:`_Blocks`: one cache-sized
+        transposed tile, no ``(n, N)`` buffer). Results ``(*lead, a)`` (transposed views of the ``(a, N)``
+        products)."""
         if torch.is_grad_enabled() and (z.requires_grad or self._A.requires_grad) or z.dim() < 2:
             return super().matvec_and_scale(z)
         lead, a = z.shape[:-1], self.num_constraints
