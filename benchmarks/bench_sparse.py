@@ -12,8 +12,10 @@ entering 4 distinct random rows with random signed weights, so ``nnz = 4e6``; a 
 
 The script prints both medians, their ratio (the goal is at most 2), the load average before and after, the
 peak resident memory, the per-row exactness of the samples, and the cost of the constraint's own parts (one
-``matvec`` and one ``rmatvec`` of 64 vectors, the Gram matrix ``A diag(v) A^T``), which bound what any
-conditioner needs: a conditioned sample needs at least the draw, one ``matvec`` and one ``rmatvec``. A third
+``matvec`` and one ``rmatvec`` of 64 vectors, the in-place gain ``rmatvec_add_`` the sparse factor's step uses,
+the residual check's ``matvec_and_scale``, the Gram matrix ``A diag(v) A^T``, remembered for equal variances),
+which bound what any conditioner needs: a conditioned sample needs at least the draw, one ``matvec``, one
+``rmatvec`` and the check. A third
 side, **by parts**, conditions the draw with those methods alone (Matheron's rule for a diagonal covariance,
 :math:`z - \Sigma A^\top S^{-1}(Az - k)` with :math:`S = A\Sigma A^\top` from ``gram`` and one float32 Cholesky),
 interleaved with the other two: what a conditioner that never densifies can reach with these operators.
@@ -124,8 +126,9 @@ def main() -> None:
     u = torch.randn(s, a, dtype=dtype)
     cov = hardeq.DiagonalCovariance(scale)
     c.gram(cov)  # builds the pair matrix once
-    parts = {"matvec": lambda: c.matvec(z), "rmatvec": lambda: c.rmatvec(u), "gram": lambda: c.gram(cov),
-             "draw": unconstrained}
+    parts = {"matvec": lambda: c.matvec(z), "rmatvec": lambda: c.rmatvec(u),
+             "rmatvec_add_": lambda: c.rmatvec_add_(z, u, scale), "check": lambda: c.matvec_and_scale(z),
+             "gram": lambda: c.gram(cov), "draw": unconstrained}
     print("parts (median of 3): " + ", ".join(
         f"{name} {statistics.median(timed(fn) for _ in range(3)):.3f} s" for name, fn in parts.items()))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

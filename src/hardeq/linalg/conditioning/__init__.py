@@ -65,6 +65,7 @@ from .grouped import GroupedFactor
 from .nullspace import NullspaceFactor, _operator_requires_grad
 from .qr import QRFactor
 from .residual import CHECK_RTOL_CAP, ResidualCheck, check_rtol
+from .sparse import SparseCholeskyFactor
 
 if TYPE_CHECKING:
     from ...constraints import EqualityConstraint
@@ -125,9 +126,11 @@ def build_factor(step: PlanStep, cov: "Covariance", con: "EqualityConstraint", c
         return GroupedFactor.build(cov, con, c, checked=not static) if con.has_diagonal_gram else None
     if kind == "cholesky":
         assert precision is not None  # (every Cholesky step names its precision)
+        # a sparse constraint's factor adds its gain in place, block by block (same factorisation)
+        cls = SparseCholeskyFactor if hasattr(con, "rmatvec_add_") else CholeskyFactor
         if kappa_max is None:
-            return CholeskyFactor(cov, con, c, precision, checked=not static)
-        return CholeskyFactor.build(cov, con, c, precision, kappa_max)
+            return cls(cov, con, c, precision, checked=not static)
+        return cls.build(cov, con, c, precision, kappa_max)
     if kind == "qr":
         return QRFactor.build(cov, con, c)
     raise ValueError(f"unknown plan step {step!r}.")
