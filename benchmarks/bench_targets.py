@@ -11,7 +11,9 @@ A. **Shared parameters, n = 1e6, 64 warm samples** (batch_shape ``()``): ``d.sam
 B. **Per-sample parameters, shared A** (batch_shape ``(64,)``, ``loc``/``scale``/``k`` per sample, one
    ``A`` of shape ``(a, n)``): construct + factor + sample, i.e. ``LinearConstraint(A, k,
    validate_args=False)``, ``ConstrainedNormal(...)``, ``.sample()``, against ``loc + scale * randn(64, n)``.
-   Target: n = 1e5, a = 8 at <= 1.5x. Plus 64 x 1e6 x 64 (n = 1e6, a = 64) once, in a fresh subprocess, with its
+   Target: n = 1e5, a = 8 at <= 1.5x. The median minor page faults per call of each variant are reported too
+   (the first touches of memory the allocator had returned: they depend on what ran before, not only on the
+   code). Plus 64 x 1e6 x 64 (n = 1e6, a = 64) once, in a fresh subprocess, with its
    peak-RSS increase (``VmHWM`` after minus before, /proc/self/status).
 C. **Heavy case**: n = 2048, a = 1024, per-sample scale, shared A, batch 16 and 256. The reference is the plain
    float32 code a user would write: ``Bm = A * scale[:, None, :]`` (batch x a x n), ``S = Bm @ Bm.mT`` (one
@@ -75,8 +77,20 @@ MIN_REPEATS = 5
 HEAVY_REPEATS = 7
 
 
-def timed(fns: dict, min_repeats: int, budget_s: float = 2.0, max_repeats: int = 15) -> dict:
-    """Median seconds per function; one warm-up call each, interleaved repeat rounds."""
+def _minor_faults() -> int:
+    """Minor page faults of the calling thread so far (first touches of fresh memory), 0 where not available."""
+    try:
+        import resource
+
+        return resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)).ru_minflt
+    except (ImportError, OSError):
+        return 0
+
+
+def timed(fns: dict, min_repeats: int, budget_s: float = 2.0, max_repeats: int = 15, faults: bool = False) -> dict:
+    """Median seconds per function; one warm-up call each, interleaved repeat rounds. With ``faults``, also the
+    median minor page faults per call (``faults_<name>``): a call that follows one which freed (and so let the
+    allocator return) large buffers pays a first touch for every page of its own, about 1 ms per 1,000 faults."""
     first = {}
     for name, fn in fns.items():
         t0 = time.perf_counter()
@@ -86,13 +100,17 @@ def timed(fns: dict, min_repeats: int, budget_s: float = 2.0, max_repeats: int =
     reps = max(min_repeats, min(max_repeats, int(budget_s / max(max(first.values()), 1e-6))))
     if min_repeats == 1 and min(first.values()) > 2 * budget_s:  # slow calls: one timed call after the warm-up
         reps = 1
-    times = {name: [] for name in fns}
+    times: dict = {name: [] for name in fns}
+    touched: dict = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
+            f0 = _minor_faults() if faults else 0
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(v) for name, v in times.items()} | {"repeats": reps}
+            touched[name].append(_minor_faults() - f0 if faults else 0)
+    out = {name: statistics.median(v) for name, v in times.items()} | {"repeats": reps}
+    return out | ({f"faults_{name}": statistics.median(v) for name, v in touched.items()} if faults else {})
 
 
 def constraint(kind: str, n: int, a: int, k: torch.Tensor, g: torch.Generator):
@@ -140,7 +158,8 @@ def section_b(n: int, a_values: list[int]) -> list[dict]:
 
         t = timed({"base": lambda: loc + scale * torch.randn(B, n, dtype=DTYPE),
                    "full": lambda: build().sample(),
-                   "full_fused": lambda: (lambda d: d.conditioner.sample(d.loc))(build())}, min_repeats=5)
+                   "full_fused": lambda: (lambda d: d.conditioner.sample(d.loc))(build())}, min_repeats=5,
+                  faults=True)
         d = build()
         resid = rel_residual(A, k, d.sample())
         rows.append({"n": n, "a": a, "batch": B, "method": d.conditioner.method, **t,
@@ -321,12 +340,14 @@ def main() -> None:
         print("\n## B. Per-sample scale and k, shared A, batch 64: construct + factor + sample "
               "(target: n = 1e5, a = 8 at <= 1.5x)\n")
         print("| n | a | batch | method | unconstr. ms | ConstrainedNormal(...).sample() ms | ÷ unconstr. "
-              "| with conditioner.sample ms | ÷ unconstr. | rel. residual | repeats |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+              "| with conditioner.sample ms | ÷ unconstr. | rel. residual | repeats | page faults per call "
+              "(unconstr. / sample() / conditioner.sample) |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in Bs:
             print(f"| {r['n']:,} | {r['a']} | {r['batch']} | {r['method']} | {ms(r['base'])} | {ms(r['full'])} | "
                   f"{r['r_full']:.2f}x | {ms(r['full_fused'])} | {r['r_full_fused']:.2f}x | {r['resid']:.1e} | "
-                  f"{r['repeats']} |")
+                  f"{r['repeats']} | {r['faults_base']:.0f} / {r['faults_full']:.0f} / "
+                  f"{r['faults_full_fused']:.0f} |")
         if not args.skip_big:
             big = section_b_big(torch.get_num_threads())
             print("\n64 x 1e6 x 64 (batch 64, n = 1,000,000, a = 64), fresh subprocess, one call:\n")

@@ -71,16 +71,67 @@ BLOCKED_MIN_ROWS = 256
 #: elements of one chunk of rows in :meth:`CholeskyFactor.sample_fused` (each of its transients is one chunk), on the
 #: CPU; on other devices one chunk holds every row (see :func:`_rows_per_chunk`)
 FUSED_CHUNK_ELEMS = 1 << 21
+#: the screen of the per-row check in :meth:`CholeskyFactor.sample_fused` sums :math:`|A||z|` over the first
+#: ``n // SCREEN_FRACTION`` columns (:func:`_screen_columns`): at a residual of 1e-8 of a row's terms against the
+#: float32 tolerance 2.5e-6, an eighth of them leaves a margin of about 30
+SCREEN_FRACTION = 8
+#: shortest vectors whose per-row check is screened (below it, the full product costs little)
+SCREEN_MIN_SIZE = 4096
 
 
 def _rows_per_chunk(count: int, n: int, min_rows: int, device: torch.device) -> int:
     """Rows of ``n`` elements per chunk for a loop over ``count`` rows: on the CPU, chunks of about
     :data:`FUSED_CHUNK_ELEMS` elements (every transient stays in cache) and at least ``min_rows`` rows (each chunk
     streams ``A`` once); elsewhere all rows at once, since on a GPU each chunk costs kernel launches (a profile of
-    target B on an H200: 18 small GEMMs per call from four chunks) while the buffers stay the output's size."""
+    target B on an H200: 18 small GEMMs per call from four chunks) while the buffers stay the output's size.
+
+    On the CPU the rows of a chunk hold a multiple of 16 elements: ``normal_`` fills a tensor in blocks of 16 draws
+    and redraws the last 16 of a tensor whose size is not a multiple of 16, so only then is the noise of the chunks
+    the same stream as one ``torch.randn`` of the whole output."""
     if device.type != "cpu":
         return max(1, count)
-    return max(1, min(count, max(min_rows, FUSED_CHUNK_ELEMS // max(1, n))))
+    step = max(1, min_rows, FUSED_CHUNK_ELEMS // max(1, n))
+    quantum = 16 // math.gcd(n, 16)  # rows whose elements fill whole blocks of 16 draws (see the docstring)
+    return max(1, min(count, -(-step // quantum) * quantum))
+
+
+def _screen_columns(n: int, dtype: torch.dtype, device: torch.device) -> tuple[int | None, float]:
+    r"""The columns ``[0, m)`` of the screen of the per-row check in :meth:`CholeskyFactor.sample_fused`, and its
+    factor ``f``: ``(m, f)``, or ``(None, 1.0)`` where it is not used (off the CPU, where reading its verdict per
+    chunk would cost a host synchronisation; vectors shorter than :data:`SCREEN_MIN_SIZE`).
+
+    The terms of :math:`(|A||z|)_i` are not negative, so the sum :math:`s_i` over the first ``m`` columns is a
+    lower bound of the full one; computed in floating point, each carries a relative error of at most
+    :math:`\gamma_n \approx n\varepsilon` (:math:`\gamma_m` for the part), so :math:`f\,\hat s_i` with
+    :math:`f = 1 - 3n\varepsilon` is at most the computed full sum (for :math:`n\varepsilon \le 1/6`). A row
+    with :math:`|(Az - k)_i| \le \mathrm{rtol}\,(f\hat s_i + |k_i|)` therefore passes the full check; a chunk with
+    a row that does not is checked in full."""
+    eps = torch.finfo(dtype).eps
+    if device.type != "cpu" or n < SCREEN_MIN_SIZE or 6 * n * eps > 1:
+        return None, 1.0
+    return n // SCREEN_FRACTION, 1.0 - 3 * n * eps
+
+
+def _chunk_fails(z: Tensor, k: Tensor, A_t: Tensor, abs_A_t: Tensor, rtol: float, screen: int | None,
+                 shrink: float, scratch: Tensor) -> tuple[Tensor, int | None]:
+    r"""The per-row check of a chunk ``z`` (``(rows, n)``) of :meth:`CholeskyFactor.sample_fused`: a 0-dim bool
+    tensor, true when a row of a vector misses :math:`|(Az - k)_i| \le \mathrm{rtol}\,((|A||z|)_i + |k_i|)`, and
+    the screen for the next chunk.
+
+    With ``screen = m`` (:func:`_screen_columns`), :math:`|A||z|` is first summed over the columns ``[0, m)`` only
+    and scaled by ``shrink``: a lower bound of the full sum, so a chunk whose rows all pass with it passes the full
+    check, with no more work (one host read). Otherwise the full product decides, as without a screen, and the
+    screen is off for the next chunks (``A`` is shared: its rows that missed would miss there too). The verdict
+    is the full check's either way. ``scratch`` (at least ``z``'s shape) receives ``|z|``. Cost: one GEMM for
+    :math:`Az`, plus :math:`|z|` and its GEMM over ``m`` columns when screened, over all ``n`` otherwise."""
+    miss, slack = (z @ A_t - k).abs(), k.abs()
+    if screen is not None:
+        size = torch.abs(z[:, :screen], out=scratch[:, :screen]) @ abs_A_t[:screen]
+        if bool((miss <= rtol * (size.mul_(shrink) + slack)).all()):
+            return torch.zeros((), dtype=torch.bool, device=z.device), screen
+        screen = None
+    full = torch.abs(z, out=scratch[:z.shape[0]]) @ abs_A_t
+    return ~(miss <= rtol * (full + slack)).all(), screen
 
 
 def _dense_2d(con: "EqualityConstraint") -> Tensor | None:
@@ -159,7 +210,7 @@ class CholeskyFactor(Factor):
                 if bool(ok):
                     self.kappa = _pivot_ratio(diag)
         else:
-            S = self._con.gram(self._cov) if pairs is None else self._pairs_gram(pairs)
+            S = self._con.gram(self._cov) if pairs is None else self._pairs_gram(pairs, squares=checked)
             d = S.diagonal(dim1=-2, dim2=-1).sqrt()
             self.d = d  # (*batch, a)
             L, info = torch.linalg.cholesky_ex(S / (d.unsqueeze(-1) * d.unsqueeze(-2)))
@@ -197,17 +248,37 @@ class CholeskyFactor(Factor):
         scale = cast(_Scaled, self.cov).scale[r0:r1].to(self.precision)
         return torch.div(scale, self.c[r0:r1].to(self.precision), out=out).square_()
 
-    def _pairs_gram(self, pairs: Tensor) -> Tensor:
+    def _pairs_gram(self, pairs: Tensor, squares: bool = True) -> Tensor:
         r""":math:`S' = A\,\mathrm{diag}((\sigma/c)^2)A^\top` for a shared 2-D ``A`` and per-sample scales
         ``(B, n)``: the row-pair GEMM of :func:`~hardeq.ops.gram_pairs.gram_from_pairs`, over chunks of rows whose
-        normalised variances are computed into one reused buffer (no ``B x n`` temporary)."""
-        count, n = cast(_Scaled, self.cov).scale.shape
+        variances are computed into one reused buffer (no ``B x n`` temporary).
+
+        On the CPU (``squares``: a checked factor, which reads values on the host anyway; a static one makes no host
+        synchronisation), when every :math:`c_i` lies within :math:`2^{\pm e/16}` (:math:`2^e`: the dtype's overflow
+        threshold; :math:`2^{\pm 8}` in float32), the buffer holds :math:`\sigma^2` (one pass, where
+        :math:`(\sigma/c)^2` takes two) and the ``a(a+1)/2`` products per row are divided by :math:`c_i^2`
+        afterwards: :math:`\sigma^2 \le c^2` cannot overflow, and a square underflows only where
+        :math:`(\sigma/c)^2` would within a factor :math:`c^2 \le 2^{e/8}` (terms below :math:`2^{-7e/8}` of the
+        row's largest variance)."""
+        scale = cast(_Scaled, self.cov).scale
+        count, n = scale.shape
         step = _rows_per_chunk(count, n, pairs.shape[0], pairs.device)  # P streamed once per chunk
         buffer = torch.empty((step, n), dtype=self.precision, device=pairs.device)
         flat = torch.empty((count, pairs.shape[0]), dtype=self.precision, device=pairs.device)
+        c = self.c.to(self.precision)
+        span = 2.0 ** (math.frexp(torch.finfo(self.precision).max)[1] // 16)
+        squares = (squares and pairs.device.type == "cpu" and self._scaled_cov is None
+                   and bool((c >= 1.0 / span).all() & (c <= span).all()))
         for r0 in range(0, count, step):
             r1 = min(r0 + step, count)
-            torch.mm(self._scaled_variance(r0, r1, buffer[:r1 - r0]), pairs.mT, out=flat[r0:r1])
+            if squares:
+                s = scale[r0:r1].to(self.precision)
+                v = torch.mul(s, s, out=buffer[:r1 - r0])
+            else:
+                v = self._scaled_variance(r0, r1, buffer[:r1 - r0])
+            torch.mm(v, pairs.mT, out=flat[r0:r1])
+        if squares:
+            flat /= c.square()
         return gram_from_pairs_flat(flat, self._con.num_constraints)
 
     def _shared_product(self) -> Tensor | None:
@@ -279,11 +350,14 @@ class CholeskyFactor(Factor):
         so that every transient stays in cache and every ``n``-sized temporary is reused (a fresh ``batch x n``
         tensor costs its page faults, about as much as one pass over it).
 
-        Per chunk of rows: ``randn`` into the output, :math:`z = \mu + \sigma\varepsilon`, :math:`r = k - Az` (one
-        GEMM), :math:`x = S'^{-1}r`, :math:`z \mathrel{+}= \Sigma'(A^\top x)` (one GEMM into a reused buffer and one
-        ``addcmul_``), then the conditioner's per-row check
-        :math:`|(Az - k)_i| \le \mathrm{rtol}\,((|A||z|)_i + |k_i|)` (two GEMMs, ``|z|`` into the reused buffer);
-        the verdicts of all chunks are read with one host synchronisation at the end.
+        Per chunk of rows: ``randn`` into the output, :math:`z = \mu + \sigma\varepsilon` (one ``addcmul``),
+        :math:`r = k - Az` (one GEMM), :math:`x = S'^{-1}r`, :math:`z \mathrel{+}= \Sigma'(A^\top x)` (one GEMM into
+        the one reused buffer and, for per-sample scales on the CPU, ``y *= sigma`` and ``z += y sigma`` with
+        :math:`1/c^2` folded into ``x``: :meth:`_folded_gain_`), then the conditioner's per-row check
+        :math:`|(Az - k)_i| \le \mathrm{rtol}\,((|A||z|)_i + |k_i|)` (:func:`_chunk_fails`: one GEMM for
+        :math:`Az`; on the CPU :math:`|A||z|` over the first ``n / 8`` columns screens the rows, the full product
+        only when a row misses that lower bound); the verdicts of all chunks are read with one host synchronisation
+        at the end (plus one small read per chunk on the CPU: the screen's and the gain's guards).
 
         Applies to a shared dense 2-D ``A`` under a diagonal covariance, a factor in the working precision, and
         either no batch dimensions (chunks of samples) or no sample dimensions (chunks of batch elements; the
@@ -307,12 +381,16 @@ class CholeskyFactor(Factor):
         flat = out.view(count, n)
         # at least a rows per chunk: each chunk's products stream A once, which must not cost more than the chunk
         step = _rows_per_chunk(count, n, con.num_constraints, loc.device)
-        buffer = torch.empty((2, step, n), dtype=self.dtype, device=loc.device)
+        buffer = torch.empty((step, n), dtype=self.dtype, device=loc.device)
+        v_buffer: Tensor | None = None
         failed = torch.zeros((), dtype=torch.bool, device=loc.device)
         scale, k_all, L, d = cast(_Scaled, cov).scale, con.k, self.L, self.d
         per_row_scale = bool(batch) and scale.dim() > 1 and scale.shape[0] == count
         if not per_row_scale:
             variance = self._cov.variance
+        # max |A_kj|, for the overflow guard of the folded gain (CPU only: the guard reads a value per chunk)
+        a_max = float(abs_A_t.amax()) if per_row_scale and loc.device.type == "cpu" else None
+        screen, shrink = _screen_columns(n, self.dtype, loc.device)
 
         @overload
         def rows(t: Tensor, r0: int, r1: int, event_dims: int) -> Tensor: ...
@@ -327,9 +405,10 @@ class CholeskyFactor(Factor):
 
         for r0 in range(0, count, step):
             r1 = min(r0 + step, count)
-            z, y = flat[r0:r1], buffer[0, :r1 - r0]
+            z, y = flat[r0:r1], buffer[:r1 - r0]
             z.normal_(generator=generator)
-            z.mul_(rows(scale, r0, r1, 1)).add_(rows(loc, r0, r1, 1))  # as reparameterize_: loc + scale * eps
+            s = rows(scale, r0, r1, 1)
+            torch.addcmul(rows(loc, r0, r1, 1), z, s, out=z)  # as reparameterize_: loc + scale * eps, one pass
             k = rows(k_all, r0, r1, 1)
             residual = k - z @ A_t
             Lr, dr = rows(L, r0, r1, 2), rows(d, r0, r1, 1)
@@ -338,12 +417,43 @@ class CholeskyFactor(Factor):
             x = x if dr is None else x / dr
             if self._W is not None and self._W.dim() == 2:
                 z.addmm_(x, self._W)  # shared covariance: the gain as one GEMM with beta = 1
-            else:
-                v = self._scaled_variance(r0, r1, buffer[1, :r1 - r0]) if per_row_scale else variance
-                z.addcmul_(v, torch.mm(x, A, out=y))
-            Az, size = z @ A_t, torch.abs(z, out=y) @ abs_A_t
-            failed |= ~((Az - k).abs() <= rtol * (size + k.abs())).all()
+            elif not per_row_scale:
+                z.addcmul_(variance, torch.mm(x, A, out=y))
+            elif not self._folded_gain_(z, x, s, r0, r1, y, A, a_max):
+                if v_buffer is None:  # the normalised variances (sigma/c)^2 of a chunk, made on first need
+                    v_buffer = torch.empty_like(buffer)
+                z.addcmul_(self._scaled_variance(r0, r1, v_buffer[:r1 - r0]), torch.mm(x, A, out=y))
+            fails, screen = _chunk_fails(z, k, A_t, abs_A_t, rtol, screen, shrink, y)
+            failed |= fails
         return out, not bool(failed)
+
+    def _folded_gain_(self, z: Tensor, x: Tensor, s: Tensor, r0: int, r1: int, y: Tensor, A: Tensor,
+                      a_max: float | None) -> bool:
+        r""":math:`z \mathrel{+}= (\sigma/c)^2 \circ (A^\top x)` for the rows ``r0:r1`` of a per-sample diagonal
+        covariance, computed as :math:`z \mathrel{+}= \sigma \circ (\sigma \circ (A^\top x'))` with
+        :math:`x' = x / c^2` folded into the ``a``-sized ``x``: one GEMM into ``y`` and two elementwise passes
+        (``y *= sigma``, ``z += y sigma``) instead of four (:math:`\sigma / c`, its square, the GEMM, ``z += v y``).
+
+        Every intermediate is bounded by :math:`\lVert x'_i\rVert_1 \max|A| \max(1, c_i)` (the GEMM's partial
+        sums by the first two factors, ``y sigma`` with :math:`|\sigma| \le c_i`; the result is the gain itself), so
+        it applies, and returns ``True``, when that bound is below an eighth of the dtype's largest value and every
+        :math:`c_i` lies within :math:`2^{\pm e/8}` (:math:`2^e`: the dtype's overflow threshold; :math:`c^2` and
+        :math:`1/c^2` are then normal and far from either end, and the products underflow where
+        :math:`(\sigma/c)^2` would, give or take a factor :math:`2^{e/4}`). Otherwise it does nothing and returns
+        ``False``. ``a_max`` is :math:`\max|A|`; ``None`` (off the CPU, where the guard's host read would cost a
+        synchronisation per chunk) returns ``False``."""
+        if a_max is None:
+            return False
+        finfo = torch.finfo(z.dtype)
+        span = 2.0 ** (math.frexp(finfo.max)[1] // 8)  # 2^16 (float32), 2^128 (float64)
+        c = self.c[r0:r1]
+        xs = x / c.square()
+        bound = (xs.abs().sum(-1, keepdim=True) * c.clamp_min(1.0)).amax() * a_max
+        if not bool((c >= 1.0 / span).all() & (c <= span).all() & (bound <= finfo.max / 8)):
+            return False
+        torch.mm(xs, A, out=y)
+        z.addcmul_(y.mul_(s), s)
+        return True
 
     def whiten(self, residual: Tensor) -> Tensor:
         y = tri_solve_vec(self.L, self._unscale(residual.to(self.precision)), upper=False)
