@@ -141,6 +141,17 @@ def sum_conditioned_truncated_means(loc: ArrayLike, sd: ArrayLike, total: float,
         ``(n,)`` float64 numpy array of the conditional means.
 
     Cost: ``O(n^2 C log C)`` for ``C = (upper - lower) / h`` cells. Needs scipy.
+
+    Examples:
+        >>> import numpy as np
+        >>> loc, sd = np.array([0.3, 0.5]), np.array([0.2, 0.2])
+        >>> [round(float(m), 4) for m in sum_conditioned_truncated_means(loc, sd, 1.0, -2.0, 3.0, 1e-3)]
+        [0.4, 0.6]
+        >>> [round(float(m), 4) for m in sum_conditioned_truncated_means(loc, sd, 1.0, 0.0, 1.0, 1e-3)]
+        [0.401, 0.599]
+
+        A box far wider than the law gives the linear conditional mean ``loc + sd^2 (1 - sum loc) / sum sd^2``;
+        ``[0, 1]`` pushes the first coordinate, nearer its lower bound, up.
     """
     from scipy import stats
 
