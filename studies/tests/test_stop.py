@@ -489,3 +489,35 @@ def test_a_stop_inside_the_run_gives_one_line_and_the_exit_status(tmp_path, caps
     assert main(argv) == 143
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "synthetic.json was written; redo its report with: hardeq report synthetic" in err
+
+
+@pytest.mark.parametrize("where", ["weakref callback", "__del__"])
+def test_a_signal_landing_in_a_callback_still_stops_the_run(where, capsys):
+    """Python runs the handler between bytecodes, possibly inside a weakref callback or a ``__del__``, where a
+    raised exception is printed and dropped: the stop must still reach the run, with nothing printed."""
+    import gc
+    import signal
+    import sys
+    import weakref
+
+    from hardeq_studies.harness.stop import StopRun, stop_on_signals
+
+    class Thing:
+        def __del__(self):
+            if where == "__del__":
+                signal.raise_signal(signal.SIGTERM)  # the handler runs inside __del__
+
+    hook = sys.unraisablehook
+    with stop_on_signals(), pytest.raises(StopRun) as stop:
+        thing = Thing()
+        ref = weakref.ref(thing, (lambda r: signal.raise_signal(signal.SIGTERM)) if where == "weakref callback"
+                          else None)
+        del thing
+        gc.collect()
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:  # the stop is delivered again here, after the callback
+            pass
+        raise AssertionError("the stop was dropped")
+    assert stop.value.signum == signal.SIGTERM and ref() is None
+    assert "Exception ignored" not in capsys.readouterr().err
+    assert sys.unraisablehook is hook  # restored on exit

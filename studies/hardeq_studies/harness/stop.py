@@ -13,7 +13,9 @@ the main process decides -- and leave quietly on the SIGTERM the main process se
 
 from __future__ import annotations
 
+import _thread
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -23,6 +25,8 @@ __all__ = ["StopRun", "STOP_SIGNALS", "stop_on_signals", "worker_signals"]
 
 #: the signals that stop a run
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+#: seconds after which a stop dropped inside a callback (see :func:`_stop_once`) is delivered again
+REDELIVER_S = 0.02
 
 
 class StopRun(BaseException):
@@ -47,7 +51,13 @@ class StopRun(BaseException):
 
 def _stop_once() -> Callable[[int, FrameType | None], None]:
     """A signal handler that raises :class:`StopRun` on the first signal it receives and ignores every later one
-    (a second Ctrl-C during cleanup must not interrupt it)."""
+    (a second Ctrl-C during cleanup must not interrupt it).
+
+    Python runs a signal handler between bytecodes of the main thread, which can be inside a weakref callback or a
+    ``__del__``; an exception raised there is "ignored" (printed, then dropped), so the run would go on and ignore
+    every later signal. While the handler is installed, ``sys.unraisablehook`` therefore catches a dropped
+    :class:`StopRun`, prints nothing, re-arms the handler and trips the signal again :data:`REDELIVER_S` later
+    from another thread (``_thread.interrupt_main``), so that it is raised once the callback has returned."""
     received: list[int] = []
 
     def handler(signum: int, frame: FrameType | None) -> None:
@@ -56,6 +66,21 @@ def _stop_once() -> Callable[[int, FrameType | None], None]:
         received.append(signum)
         raise StopRun(signum)
 
+    def unraisable(info: sys.UnraisableHookArgs) -> None:
+        if isinstance(info.exc_value, StopRun):
+            received.clear()
+            # trip the signal again a moment later, from another thread: tripped here, the handler would run at
+            # once, inside this hook, and be dropped again; by then the callback has returned (should the signal land
+            # in another callback, this repeats)
+            signum = info.exc_value.signum
+            timer = threading.Timer(REDELIVER_S, _thread.interrupt_main, args=(signum,))
+            timer.daemon = True
+            timer.start()
+            return
+        previous_hook(info)
+
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = unraisable
     return handler
 
 
@@ -67,6 +92,7 @@ def stop_on_signals() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    hook = sys.unraisablehook
     handler = _stop_once()
     previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
     try:
@@ -74,6 +100,7 @@ def stop_on_signals() -> Iterator[None]:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+        sys.unraisablehook = hook
 
 
 def worker_signals() -> None:
