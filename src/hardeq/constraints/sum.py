@@ -209,6 +209,16 @@ class SumConstraint(EqualityConstraint):
     def rmatvec(self, u: Tensor) -> Tensor:
         return self._group_sum.broadcast(u)
 
+    def rmatvec_add_(self, z: Tensor, u: Tensor, weight: Tensor | None = None) -> Tensor:
+        r""":math:`z \mathrel{+}= w \circ A^\top u` in place (``weight`` ``w`` broadcastable to ``z``, ``None`` for
+        ones), for ``z`` ``(*lead, n)`` and ``u`` ``(*lead, a)``; returns ``z``. For equal consecutive groups (one sum,
+        the channels of an image) :math:`A^\top u` is never formed: ``u`` is broadcast along each block of a view of
+        ``z`` (one pass, no ``(*lead, n)`` temporary)."""
+        if z.shape[-1] != self.event_size or u.shape[-1] != self.num_constraints:
+            raise ValueError(f"z must have shape (*lead, n) and u (*lead, a) (n = {self.event_size}, a = "
+                             f"{self.num_constraints}), got z.shape = {tuple(z.shape)}, u.shape = {tuple(u.shape)}.")
+        return self._group_sum.add_broadcast_(z, u, weight)
+
     def matmul(self, X: Tensor) -> Tensor:
         return self._group_sum.matmul(X)
 

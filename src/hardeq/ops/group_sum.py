@@ -99,6 +99,22 @@ class GroupSum:
             return u.unsqueeze(-1).expand(u.shape + (self.block,)).reshape(u.shape[:-1] + (-1,))
         return u.index_select(-1, self.index)
 
+    def add_broadcast_(self, z: Tensor, u: Tensor, weight: Tensor | None = None) -> Tensor:
+        r""":math:`z \mathrel{+}= w \circ A^\top u` in place, ``z`` ``(*, n)``, ``u`` ``(*, a)``, ``weight`` ``w``
+        broadcastable to ``z`` (``None``: ones); returns ``z``. For equal consecutive blocks it works on the
+        ``(*, a, block)`` view of ``z`` with ``u`` broadcast along each block, so :math:`A^\top u` is never
+        materialised (one pass over ``z`` instead of two, no ``(*, n)`` temporary); otherwise ``z.addcmul_(w,
+        broadcast(u))``."""
+        if self.block is not None and z.is_contiguous():
+            a = self.num_groups
+            view = z.view(z.shape[:-1] + (a, self.block))
+            if weight is None:
+                view.add_(u.unsqueeze(-1))
+            else:
+                view.addcmul_(weight.reshape(weight.shape[:-1] + (a, self.block)), u.unsqueeze(-1))
+            return z
+        return z.add_(self.broadcast(u)) if weight is None else z.addcmul_(weight, self.broadcast(u))
+
     def to(self, device: torch.device | str | None) -> "GroupSum":
         return GroupSum(self.index.to(device=device), self.num_groups)
 

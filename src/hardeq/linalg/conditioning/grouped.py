@@ -355,7 +355,12 @@ class GroupedFactor(Factor):
 
     def step_(self, z: Tensor) -> Tensor:
         con = self.constraint
-        z.addcmul_(self.v, con.rmatvec((con.k - con.matvec(z)) / self.s))
+        u = (con.k - con.matvec(z)) / self.s
+        add = getattr(con, "rmatvec_add_", None)  # z += v A^T u in place, without forming A^T u where it can
+        if add is not None and u.shape[:-1] == z.shape[:-1]:
+            add(z, u, self.v)
+        else:
+            z.addcmul_(self.v, con.rmatvec(u))
         if self._pinned is not None:
             mask, values = self._pinned
             z = torch.where(mask, values, z)
