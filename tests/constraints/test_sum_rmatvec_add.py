@@ -32,6 +32,15 @@ def test_matches_the_dense_update(dtype, kind, weighted):
     torch.testing.assert_close(z.double(), expected, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-14)
 
 
+def test_a_weight_broadcast_from_one_entry():
+    """A weight of shape (1,) (a scalar variance) cannot be viewed as (groups, block): the general path, same result."""
+    con = hardeq.SumConstraint(torch.arange(8) // 4, torch.zeros(2, dtype=torch.float64))
+    z = torch.zeros(3, 8, dtype=torch.float64)
+    u = torch.tensor([[1.0, 2.0]], dtype=torch.float64).expand(3, 2)
+    con.rmatvec_add_(z, u, torch.tensor([0.5], dtype=torch.float64))
+    assert torch.equal(z, torch.tensor([0.5] * 4 + [1.0] * 4, dtype=torch.float64).expand(3, 8))
+
+
 def test_a_non_contiguous_z_and_bad_shapes():
     con = hardeq.SumConstraint(torch.arange(8) // 4, torch.zeros(2))
     z = torch.zeros(8, 3).mT  # (3, 8), not contiguous: the general path

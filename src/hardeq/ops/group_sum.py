@@ -103,9 +103,9 @@ class GroupSum:
         r""":math:`z \mathrel{+}= w \circ A^\top u` in place, ``z`` ``(*, n)``, ``u`` ``(*, a)``, ``weight`` ``w``
         broadcastable to ``z`` (``None``: ones); returns ``z``. For equal consecutive blocks it works on the
         ``(*, a, block)`` view of ``z`` with ``u`` broadcast along each block, so :math:`A^\top u` is never
-        materialised (one pass over ``z`` instead of two, no ``(*, n)`` temporary); otherwise ``z.addcmul_(w,
-        broadcast(u))``."""
-        if self.block is not None and z.is_contiguous():
+        materialised (one pass over ``z`` instead of two, no ``(*, n)`` temporary); otherwise (other groups, a
+        non-contiguous ``z``, a ``w`` whose last dimension broadcasts from 1) ``z.addcmul_(w, broadcast(u))``."""
+        if self.block is not None and z.is_contiguous() and (weight is None or weight.shape[-1] == z.shape[-1]):
             a = self.num_groups
             view = z.view(z.shape[:-1] + (a, self.block))
             if weight is None:
