@@ -195,19 +195,22 @@ class _GroupedSample(torch.autograd.Function):
         z_hat = torch.addcmul(loc, scale, eps)
         v = scale * scale
         s = ops.gram(v).clamp_min_(s_min)
-        w = ops.rmatvec(torch.sub(k, ops.matvec(z_hat)).div_(s))
-        z = z_hat.addcmul_(v, w)  # (z_hat has the full shape: eps's)
+        # -w = A^T((A z_hat - k) / s), the a-sized vectors in place (z_hat has the full shape, eps's: so has A z_hat)
+        w_neg = ops.rmatvec(ops.matvec(z_hat).sub_(k).div_(s))
+        z = z_hat.addcmul_(v, w_neg, value=-1.0)
         if ops.pin is not None:
             z = ops.pin(z, k)
         # the first check of .residual, |(Az - k)_i| <= rtol ((|A||z|)_i + |k_i|), as max_i of the left side minus the
-        # right <= 0 (one read-back; NaN fails). A failing row goes to the general path, which re-evaluates it in
-        # float64 and refines.
-        excess = torch.add(ops.matvec(z).sub_(k).abs_(), ops.abs_matvec(z.abs()), alpha=-rtol)
-        verdict.append(excess.sub_(k.abs(), alpha=rtol).amax().item() <= 0.0)
+        # right <= 0 (NaN fails), screened: max_i |(Az - k)_i| - rtol (|A||z|)_i <= 0 (one read-back) implies it,
+        # and the |k| term is added only when the screen fails (then a second read-back). A failing row goes to the
+        # general path, which re-evaluates it in float64 and refines.
+        excess = ops.matvec(z).sub_(k).abs_().sub_(ops.abs_matvec(z.abs()), alpha=rtol)
+        passed = excess.amax().item() <= 0.0
+        verdict.append(passed or excess.sub_(k.abs(), alpha=rtol).amax().item() <= 0.0)
         # the backward's constants, kept on ctx (intermediates: nothing the caller can modify in place); the
         # factor of the scale's gradient, eps + 2 scale w, formed here when it is needed
         ctx.ops, ctx.v, ctx.s = ops, v, s
-        ctx.h = torch.addcmul(eps, scale, w, value=2.0) if ctx.needs_input_grad[1] else None
+        ctx.h = torch.addcmul(eps, scale, w_neg, value=-2.0) if ctx.needs_input_grad[1] else None
         ctx.shapes = (loc.shape, scale.shape, k.shape)
         return z
 
@@ -273,9 +276,32 @@ def grouped_rsample(cov: "Covariance", constraint: "EqualityConstraint", loc: Te
         info = torch.finfo(eps.dtype)
         limits = _LIMITS[key] = (check_rtol(eps.dtype, eps.shape[-1]), info.tiny / info.eps)
     verdict: list[bool] = []
-    z: Tensor = _GroupedSample.apply(  # type: ignore[no-untyped-call]  # torch: Function.apply is unannotated
-        loc, cov.scale, constraint.k, eps, ops, limits[0], limits[1], verdict)
+    scale, k = cov.scale, constraint.k
+    if _APPLY is None:
+        z: Tensor = _GroupedSample.apply(  # type: ignore[no-untyped-call]  # torch: Function.apply is unannotated
+            loc, scale, k, eps, ops, limits[0], limits[1], verdict)
+    else:  # (not is_tracing(): no torch.func transform is active, the case where Function.apply unwraps)
+        u = _unwrap_if_dead
+        z = _APPLY(u(loc), u(scale), u(k), u(eps), ops, limits[0], limits[1], verdict)
     return z if verdict[0] else None
+
+
+def _c_apply() -> tuple[Callable[..., Tensor] | None, Callable[[Tensor], Tensor]]:
+    r"""``_GroupedSample.apply`` without the Python layer of ``torch.autograd.Function.apply`` (a test for
+    ``setup_context`` and a generic pass over the arguments: a few microseconds per call, at the size of a batch of
+    graphs a percent of the step): the C++ ``apply``, with the dead ``torch.func`` wrappers among the arguments
+    unwrapped as that layer does outside a transform. ``(None, identity)`` when this torch lacks either (the public
+    ``apply`` is used then)."""
+    try:
+        from torch._C._functorch import unwrap_if_dead
+
+        apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _GroupedSample)
+    except (ImportError, AttributeError, KeyError, TypeError):
+        return None, lambda t: t
+    return cast("Callable[..., Tensor]", apply), cast("Callable[[Tensor], Tensor]", unwrap_if_dead)
+
+
+_APPLY, _unwrap_if_dead = _c_apply()
 
 
 #: ``(dtype, n) -> (rtol, s_min)`` of the one-node sample: the check's tolerance (:func:`.residual.check_rtol`) and
