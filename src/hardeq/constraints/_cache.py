@@ -27,14 +27,14 @@ __all__ = ["PerTensorCache"]
 
 def _parts(A: Tensor) -> tuple[Tensor, ...]:
     """The tensors that hold the contents of ``A`` (values and, for a sparse layout, its indices), detached."""
+    if A.layout == torch.strided:  # (the common case first: an index, a dense matrix; no detach kernel unless needed)
+        return (A.detach() if A.requires_grad else A,)
     A = A.detach()
     if A.layout == torch.sparse_coo:
         return (A._indices(), A._values())
     if A.layout == torch.sparse_csr:
         return (A.crow_indices(), A.col_indices(), A.values())
-    if A.layout != torch.strided:
-        raise TypeError(f"unsupported layout {A.layout}")
-    return (A,)
+    raise TypeError(f"unsupported layout {A.layout}")
 
 
 def _snapshot(A: Tensor) -> tuple[Tensor, ...]:
@@ -43,6 +43,9 @@ def _snapshot(A: Tensor) -> tuple[Tensor, ...]:
 
 def _unchanged(A: Tensor, snapshot: tuple[Tensor, ...]) -> bool:
     parts = _parts(A)
+    if len(parts) == 1 == len(snapshot):  # (a dense tensor)
+        p, s = parts[0], snapshot[0]
+        return p.shape == s.shape and p.dtype == s.dtype and torch.equal(p, s)
     return len(parts) == len(snapshot) and all(
         p.shape == s.shape and p.dtype == s.dtype and bool(torch.equal(p, s)) for p, s in zip(parts, snapshot))
 

@@ -218,10 +218,6 @@ class _GroupedSample(torch.autograd.Function):
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         if torch.is_grad_enabled():  # create_graph=True: a second derivative must raise, not be silently wrong
             return _once_backward(ctx, g)
-        return _GroupedSample._backward(ctx, g)
-
-    @staticmethod
-    def _backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         ops: GroupedOps = ctx.ops
         loc_shape, scale_shape, k_shape = ctx.shapes
         need_loc, need_scale, need_k = ctx.needs_input_grad[:3]
@@ -242,7 +238,8 @@ class _GroupedSample(torch.autograd.Function):
 
 @once_differentiable
 def _once_backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
-    return _GroupedSample._backward(ctx, g)
+    # (once_differentiable runs this with grad mode off: the backward then computes instead of coming back here)
+    return _GroupedSample.backward(ctx, g)
 
 
 def _sum_to(x: Tensor, shape: torch.Size) -> Tensor:
