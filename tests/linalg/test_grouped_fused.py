@@ -219,7 +219,8 @@ def test_groups_longer_than_a_chunk_keep_the_two_level_summation():
 
 def test_sum_constraint_checks_and_lays_out_an_index_once_and_sees_edits():
     index = RAGGED.clone()
-    c1 = hardeq.SumConstraint(index, torch.randn(6))
+    hardeq.SumConstraint(index, torch.randn(6))  # first use: no copy kept (a fresh index per step never pays one)
+    c1 = hardeq.SumConstraint(index, torch.randn(6))  # second: laid out again, now with the copy to compare with
     c2 = hardeq.SumConstraint(index, torch.randn(2, 6))
     assert c1._layout is c2._layout and c1._group_sum is c2._group_sum
     index.data[4] = 7  # an edit through .data (no version bump) is seen: the index is checked again
@@ -229,6 +230,28 @@ def test_sum_constraint_checks_and_lays_out_an_index_once_and_sees_edits():
     c3 = hardeq.SumConstraint(index, torch.randn(6))
     assert c3._layout is not c1._layout
     assert hardeq.SumConstraint(index.clone(), torch.randn(6))._layout is not c3._layout  # another tensor
+
+
+def test_an_index_used_once_keeps_no_copy_and_an_edit_before_its_second_use_is_seen():
+    """The layout cache copies an index (to see edits through ``.data``) only when the index is used a second time:
+    a new ``batch`` vector per step pays no copy; the second use lays the index out afresh, so an edit made in
+    between is seen too."""
+    from hardeq.constraints.sum import _LAYOUTS
+
+    index = RAGGED.clone()
+    first = hardeq.SumConstraint(index, torch.randn(6))
+    assert _LAYOUTS._entries[id(index)][2] is None  # (no snapshot)
+    index.data[4] = 7  # an edit through .data before the second use
+    with pytest.raises(ValueError, match="index values must lie in"):
+        hardeq.SumConstraint(index, torch.randn(6))
+    index.data[4] = 2
+    second = hardeq.SumConstraint(index, torch.randn(6))
+    assert second._layout is not first._layout and _LAYOUTS._entries[id(index)][2] is not None
+    assert hardeq.SumConstraint(index, torch.randn(6))._layout is second._layout
+    index.data[:3] = torch.tensor([0, 1, 1])  # an edit that keeps the index valid: another layout, right sums
+    third = hardeq.SumConstraint(index, torch.ones(6))
+    assert third._layout is not second._layout
+    torch.testing.assert_close(third.matvec(torch.ones(12)), torch.bincount(index, minlength=6).float())
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
@@ -491,11 +514,12 @@ def test_the_direct_apply_gives_what_the_public_apply_gives(monkeypatch):
         leaked.append(x * 1)
         return x.sum()
 
-    torch.func.grad(keep)(torch.randn(RAGGED.numel(), dtype=torch.float64))
+    plain = torch.linspace(-1, 1, RAGGED.numel(), dtype=torch.float64)
+    torch.func.grad(keep)(plain.clone())
     runs = []
     for apply in (grouped._APPLY, None):
         monkeypatch.setattr(grouped, "_APPLY", apply)
-        for loc in (torch.linspace(-1, 1, RAGGED.numel(), dtype=torch.float64), leaked[0]):
+        for loc in (plain, leaked[0]):
             scale = torch.linspace(0.5, 2, RAGGED.numel(), dtype=torch.float64).requires_grad_()
             k = torch.arange(6, dtype=torch.float64).requires_grad_()
             d = hardeq.ConstrainedNormal(loc, scale, constraint=hardeq.SumConstraint(RAGGED, k))
