@@ -322,8 +322,10 @@ class ConstrainedNormal(Distribution):
 
     # ------------------------------------------------------------------ sampling
     def _noise(self, sample_shape: torch.Size | list[int] | tuple[int, ...], noise: Tensor | None) -> Tensor:
-        shape = _sample_shape(sample_shape) + self.batch_shape + (self.noise_size,)
         loc = self._unbroadcasted_loc
+        if noise is None and sample_shape == ():  # (one draw, the training-loop call: no shape to check)
+            return torch.randn(self._batch_shape + (self.noise_size,), dtype=loc.dtype, device=loc.device)
+        shape = _sample_shape(sample_shape) + self.batch_shape + (self.noise_size,)
         if noise is None:
             return torch.randn(shape, dtype=loc.dtype, device=loc.device)
         check_tensor("noise", noise)
@@ -353,11 +355,11 @@ class ConstrainedNormal(Distribution):
         """
         est = get_estimator(estimator, "normal")
         eps = self._noise(sample_shape, noise)
-        z = None
         if estimator == "pathwise" and not estimator_kwargs:  # one node, no conditioner; None: the general path
             z = grouped_rsample(self.covariance, self.constraint, self._unbroadcasted_loc, eps)
-        if z is None:
-            z = est(self.conditioner, self._unbroadcasted_loc, eps, **estimator_kwargs)
+            if z is not None:  # (it has eps's shape, sample_shape + batch_shape + (n,))
+                return self._out(z)
+        z = est(self.conditioner, self._unbroadcasted_loc, eps, **estimator_kwargs)
         shape = eps.shape[:-1] + self.event_shape
         z = self._out(z)
         return z if z.shape == shape else z.expand(shape)
