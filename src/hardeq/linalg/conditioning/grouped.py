@@ -185,9 +185,9 @@ class _GroupedSample(torch.autograd.Function):
 
     Inputs ``(loc, scale, k)`` are differentiable; ``eps`` (the noise), ``ops`` (:class:`GroupedOps`), ``rtol``,
     ``s_min`` are constants. Returns ``z``; whether every row of every vector passes the check of :mod:`.residual`
-    with ``rtol`` (no NaN) is appended to the list ``verdict`` as a Python bool (one read-back); the caller takes the
-    general path when not. Differentiable once: under ``create_graph=True`` the backward is wrapped by
-    ``once_differentiable`` (a second derivative raises)."""
+    with ``rtol`` (no NaN) is appended to the list ``verdict`` as a Python bool (one read-back of the screened check,
+    a second when the screen fails); the caller takes the general path when not. Differentiable once: under
+    ``create_graph=True`` the backward is wrapped by ``once_differentiable`` (a second derivative raises)."""
 
     @staticmethod
     def forward(ctx: Any, loc: Tensor, scale: Tensor, k: Tensor, eps: Tensor, ops: GroupedOps, rtol: float,
@@ -256,9 +256,10 @@ def grouped_rsample(cov: "Covariance", constraint: "EqualityConstraint", loc: Te
     raises exactly as before. Same value as the general path's (up to the rounding of the check),
     ``(*sample, *batch, n)``.
 
-    Cost: one host synchronisation (the verdict); forward 6 products with ``A`` or :math:`A^\top` and 5
-    elementwise passes over ``n``, backward 2 products and 3 passes (O(n) for a :class:`~hardeq.SumConstraint`);
-    for a :class:`~hardeq.SumConstraint` no Python beyond one lookup of its per-index operations."""
+    Cost: one host synchronisation (the verdict; two when its screen fails); forward 6 products with ``A`` or
+    :math:`A^\top` and 5 elementwise passes over ``n``, backward 2 products and 3 passes (O(n) for a
+    :class:`~hardeq.SumConstraint`); for a :class:`~hardeq.SumConstraint` no Python beyond one lookup of its
+    per-index operations."""
     if type(cov) is not DiagonalCovariance or eps.requires_grad or eps.shape[-1] != cov.event_size:
         return None
     if is_tracing() or not _generic_diagonal(constraint, cov):
