@@ -3,24 +3,38 @@ r"""Target D alone, with its per-kernel profile: a ragged PyG batch of 128 graph
 ``ConstrainedNormal(loc, scale, constraint=SumConstraint(batch, totals)).rsample()`` + a squared loss + ``backward()``
 with default validation, against ``loc + scale * randn`` + the same loss + ``backward()`` (target <= 3x).
 
-The same problem and timing as section D of ``bench_targets.py`` (the two variants interleaved in one process, one
-warm-up call, the ratio of the two medians of ``time.perf_counter``), plus:
+The same problem as section D of ``bench_targets.py``, both of its rows: the same ``batch`` tensor every step, and a
+new (equal) ``batch`` tensor every step, as a PyG ``DataLoader`` gives (both sides then pay the copy that stands in
+for the loader's). The variants run interleaved in one process, in a new random order every round (one warm-up
+call each); reported are the medians of ``time.perf_counter`` and their ratios, plus:
 
 * the medians of ``time.thread_time`` (CPU time of this thread: on a loaded machine, the time the process is
   descheduled does not count; the two ratios agree on a quiet machine);
+* with ``--against REV``, the same steps with the library of git revision ``REV`` (its ``src/hardeq`` extracted and
+  imported as a second package), interleaved with the others: the quotient of the two medians is the change, and it
+  moves much less with the load than either ratio;
 * with ``--profile``, the torch profiler's table of one hardeq step (operators by self CPU time, calls per step).
 
 Usage::
 
-    PYTHONPATH=src python benchmarks/bench_grouped.py --threads 1 --repeats 200 --profile
+    PYTHONPATH=src python benchmarks/bench_grouped.py --threads 1 --repeats 1000 --profile
+    PYTHONPATH=src python benchmarks/bench_grouped.py --threads 1 --repeats 1500 --against HEAD~3
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import io
 import os
+import random
 import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -41,10 +55,26 @@ def problem(graphs: int = 128, max_nodes: int = 155, dtype: torch.dtype = torch.
     return batch, loc, scale, totals, target
 
 
+def library_at(rev: str):
+    """The ``hardeq`` package of git revision ``rev`` of this repository, imported as ``hardeq_at_<rev>`` (its
+    ``src/hardeq`` extracted to a temporary directory; the package imports itself relatively)."""
+    root = Path(__file__).resolve().parents[1]
+    data = subprocess.run(["git", "-C", str(root), "archive", rev, "src/hardeq"], check=True,
+                          capture_output=True).stdout
+    name = "hardeq_at_" + "".join(c if c.isalnum() else "_" for c in rev)
+    target = Path(tempfile.mkdtemp(prefix="bench_grouped_"))
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(target, filter="data")
+    (target / "src" / "hardeq").rename(target / name)
+    sys.path.insert(0, str(target))
+    return importlib.import_module(name)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--against", metavar="REV", help="also time the library of this git revision, interleaved")
     parser.add_argument("--profile", action="store_true", help="print the per-operator profile of one hardeq step")
     args = parser.parse_args()
     if args.threads:
@@ -55,29 +85,47 @@ def main() -> None:
     def base():
         ((loc + scale * torch.randn(n, dtype=loc.dtype) - target) ** 2).sum().backward()
 
-    def constrained():
-        d = hardeq.ConstrainedNormal(loc, scale, constraint=hardeq.SumConstraint(batch, totals))
-        ((d.rsample() - target) ** 2).sum().backward()
+    def base_fresh():
+        batch.clone()
+        base()
 
-    fns = {"base": base, "hardeq": constrained}
+    def step(lib, fresh: bool):
+        def run():
+            index = batch.clone() if fresh else batch
+            d = lib.ConstrainedNormal(loc, scale, constraint=lib.SumConstraint(index, totals))
+            ((d.rsample() - target) ** 2).sum().backward()
+        return run
+
+    fns = {"base": base, "hardeq": step(hardeq, False), "base_fresh": base_fresh, "hardeq_fresh": step(hardeq, True)}
+    if args.against:
+        other = library_at(args.against)
+        fns.update(against=step(other, False), against_fresh=step(other, True))
     load_before = os.getloadavg()
     for fn in fns.values():
         fn()
     wall = {name: [] for name in fns}
     cpu = {name: [] for name in fns}
+    order, rng = list(fns), random.Random(0)
     for _ in range(args.repeats):
-        for name, fn in fns.items():
+        rng.shuffle(order)
+        for name in order:
+            fn = fns[name]
             t0, c0 = time.perf_counter(), time.thread_time()
             fn()
             cpu[name].append(time.thread_time() - c0)
             wall[name].append(time.perf_counter() - t0)
     mw = {k: statistics.median(v) for k, v in wall.items()}
     mc = {k: statistics.median(v) for k, v in cpu.items()}
-    print(f"n = {n}, 128 graphs, float32, {torch.get_num_threads()} thread(s), {args.repeats} interleaved repeats")
-    print(f"wall (perf_counter) medians: unconstrained {mw['base'] * 1e3:.3f} ms, hardeq {mw['hardeq'] * 1e3:.3f} ms, "
-          f"ratio {mw['hardeq'] / mw['base']:.2f}x (goal <= 3)")
-    print(f"cpu (thread_time) medians:   unconstrained {mc['base'] * 1e3:.3f} ms, hardeq {mc['hardeq'] * 1e3:.3f} ms, "
-          f"ratio {mc['hardeq'] / mc['base']:.2f}x")
+    print(f"n = {n}, 128 graphs, float32, {torch.get_num_threads()} thread(s), {args.repeats} interleaved rounds")
+    for label, m in (("wall (perf_counter)", mw), ("cpu (thread_time)", mc)):
+        print(f"{label} medians, ms:", ", ".join(f"{k} {v * 1e3:.3f}" for k, v in m.items()))
+        rows = [("same batch", "", "base"), ("new batch every step", "_fresh", "base_fresh")]
+        for row, suffix, ref in rows:
+            line = f"  {row}: hardeq {m['hardeq' + suffix] / m[ref]:.2f}x (goal <= 3)"
+            if args.against:
+                line += (f", {args.against} {m['against' + suffix] / m[ref]:.2f}x, this / {args.against} "
+                         f"{m['hardeq' + suffix] / m['against' + suffix]:.3f}")
+            print(line)
     c = hardeq.SumConstraint(batch, totals)
     z = hardeq.ConstrainedNormal(loc, scale, constraint=c).rsample((8,)).detach()
     print(f"samples exact per row: {bool(c.check(z, rtol=2.5e-6).all())}")
@@ -88,7 +136,7 @@ def main() -> None:
         steps = 50
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(steps):
-                constrained()
+                fns["hardeq"]()
         print(f"\nper-operator profile of {steps} hardeq steps (self CPU; divide the calls by {steps}):")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=48))
 

@@ -17,6 +17,7 @@ import torch
 
 import hardeq
 from hardeq.estimators.normal import exact_sample
+from hardeq.linalg.conditioning.grouped import _GroupedSample
 from hardeq.ops import SUM_CHUNK, GroupSum
 from hardeq.testing import assert_exact_per_row
 
@@ -218,7 +219,8 @@ def test_groups_longer_than_a_chunk_keep_the_two_level_summation():
 
 def test_sum_constraint_checks_and_lays_out_an_index_once_and_sees_edits():
     index = RAGGED.clone()
-    c1 = hardeq.SumConstraint(index, torch.randn(6))
+    hardeq.SumConstraint(index, torch.randn(6))  # first use: no copy kept (a fresh index per step never pays one)
+    c1 = hardeq.SumConstraint(index, torch.randn(6))  # second: laid out again, now with the copy to compare with
     c2 = hardeq.SumConstraint(index, torch.randn(2, 6))
     assert c1._layout is c2._layout and c1._group_sum is c2._group_sum
     index.data[4] = 7  # an edit through .data (no version bump) is seen: the index is checked again
@@ -228,6 +230,28 @@ def test_sum_constraint_checks_and_lays_out_an_index_once_and_sees_edits():
     c3 = hardeq.SumConstraint(index, torch.randn(6))
     assert c3._layout is not c1._layout
     assert hardeq.SumConstraint(index.clone(), torch.randn(6))._layout is not c3._layout  # another tensor
+
+
+def test_an_index_used_once_keeps_no_copy_and_an_edit_before_its_second_use_is_seen():
+    """The layout cache copies an index (to see edits through ``.data``) only when the index is used a second time:
+    a new ``batch`` vector per step pays no copy; the second use lays the index out afresh, so an edit made in
+    between is seen too."""
+    from hardeq.constraints.sum import _LAYOUTS
+
+    index = RAGGED.clone()
+    first = hardeq.SumConstraint(index, torch.randn(6))
+    assert _LAYOUTS._entries[id(index)][2] is None  # (no snapshot)
+    index.data[4] = 7  # an edit through .data before the second use
+    with pytest.raises(ValueError, match="index values must lie in"):
+        hardeq.SumConstraint(index, torch.randn(6))
+    index.data[4] = 2
+    second = hardeq.SumConstraint(index, torch.randn(6))
+    assert second._layout is not first._layout and _LAYOUTS._entries[id(index)][2] is not None
+    assert hardeq.SumConstraint(index, torch.randn(6))._layout is second._layout
+    index.data[:3] = torch.tensor([0, 1, 1])  # an edit that keeps the index valid: another layout, right sums
+    third = hardeq.SumConstraint(index, torch.ones(6))
+    assert third._layout is not second._layout
+    torch.testing.assert_close(third.matvec(torch.ones(12)), torch.bincount(index, minlength=6).float())
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
@@ -434,3 +458,75 @@ def test_an_index_that_fails_the_one_pass_gets_the_general_checks_message(index,
         hardeq.SumConstraint(index, torch.zeros(a))
     with pytest.raises(ValueError, match=message):  # also without validation: the index is always checked
         hardeq.SumConstraint(index, torch.zeros(a), validate_args=False)
+
+
+# --------------------------------------------------------------------------------------------- the screened check
+def _check_margins(ops, loc, scale, k, eps):
+    """The sample's rows as the check sees them (the one node's own arithmetic, float32), in float64:
+    ``|Az - k|``, ``|A||z|`` and ``|k|`` per row."""
+    with torch.no_grad():
+        z = _GroupedSample.apply(loc, scale, k, eps, ops, 1.0, 0.0, [])
+        resid = (ops.matvec(z) - k).abs().double()
+        return resid, ops.abs_matvec(z.abs()).double(), k.abs().double()
+
+
+def test_the_screened_check_decides_as_the_full_check():
+    """The check ``|Az - k| <= rtol (|A||z| + |k|)`` per row is screened by ``|Az - k| <= rtol |A||z|`` (implies it);
+    the |k| term is added only when the screen fails. Rows whose members share one sign (``|k|`` about ``|A||z|``),
+    with a tolerance between the two ratios: the screen fails and the full check passes; below both: it fails."""
+    g = torch.Generator().manual_seed(5)
+    index = torch.arange(40).repeat_interleave(torch.randint(2, 30, (40,), generator=g))
+    n = index.numel()
+    loc = 10 + torch.rand(n, generator=g)
+    scale = 0.01 + 0.01 * torch.rand(n, generator=g)
+    eps = torch.randn(n, generator=g)
+    k = hardeq.SumConstraint(index, torch.zeros(40)).matvec(loc) * (1 + 1e-3 * torch.randn(40, generator=g))
+    ops = hardeq.SumConstraint(index, k)._grouped_ops()
+    resid, abs_z, abs_k = _check_margins(ops, loc, scale, k, eps)
+    screen = float((resid / abs_z).max())
+    full = float((resid / (abs_z + abs_k)).max())
+    assert screen > 0 and full < 0.6 * screen  # (|k| about |A||z| in every row)
+
+    def verdict(rtol: float) -> bool:
+        out: list[bool] = []
+        _GroupedSample.apply(loc, scale, k, eps, ops, rtol, 0.0, out)
+        return out[0]
+
+    assert verdict(2 * screen)  # the screen passes
+    assert verdict(0.8 * screen)  # the screen fails, the full check passes
+    assert not verdict(0.9 * full)  # both fail
+    assert not verdict(-1.0)
+    out: list[bool] = []  # a NaN fails both
+    _GroupedSample.apply(loc.index_fill(0, torch.tensor([3]), float("nan")), scale, k, eps, ops, 1.0, 0.0, out)
+    assert out == [False]
+
+
+def test_the_direct_apply_gives_what_the_public_apply_gives(monkeypatch):
+    """``grouped_rsample`` calls the C++ ``apply`` of the node (without the Python layer of
+    ``torch.autograd.Function.apply``); same values and gradients as through the public ``apply``, also for a ``loc``
+    that escaped a ``torch.func`` transform (a dead wrapper, which both unwrap)."""
+    from hardeq.linalg.conditioning import grouped
+
+    assert grouped._APPLY is not None  # (this torch has it)
+    leaked: list[torch.Tensor] = []
+
+    def keep(x: torch.Tensor) -> torch.Tensor:
+        leaked.append(x * 1)
+        return x.sum()
+
+    plain = torch.linspace(-1, 1, RAGGED.numel(), dtype=torch.float64)
+    torch.func.grad(keep)(plain.clone())
+    runs = []
+    for apply in (grouped._APPLY, None):
+        monkeypatch.setattr(grouped, "_APPLY", apply)
+        for loc in (plain, leaked[0]):
+            scale = torch.linspace(0.5, 2, RAGGED.numel(), dtype=torch.float64).requires_grad_()
+            k = torch.arange(6, dtype=torch.float64).requires_grad_()
+            d = hardeq.ConstrainedNormal(loc, scale, constraint=hardeq.SumConstraint(RAGGED, k))
+            z = d.rsample((2,), noise=torch.ones(2, RAGGED.numel(), dtype=torch.float64))
+            assert type(z.grad_fn).__name__ == FUSED
+            (z * torch.arange(RAGGED.numel())).sum().backward()
+            runs.append((z.detach(), scale.grad, k.grad))
+    for mine, public in zip(runs[:2], runs[2:]):
+        for x, y in zip(mine, public):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)

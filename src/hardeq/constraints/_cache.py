@@ -10,6 +10,12 @@ compares ``A`` with the copy taken when the entry was stored (``torch.equal``, o
 for a sparse tensor, against the O(a^2 n) work an entry saves). An entry dies with ``A``.
 
 Memory: the snapshot is one more copy of ``A`` (detached) per live cached tensor.
+
+``PerTensorCache(snapshot_on_reuse=True)`` (the layouts of :class:`~hardeq.SumConstraint`'s group index) takes the
+snapshot only when a tensor is used a second time: the first entry holds no copy, a lookup of it is a miss (the value
+is computed afresh from the current contents, so an edit in between is seen) and the entry stored after that miss
+takes the snapshot. A tensor used once (PyG's ``batch`` vector, a new one every step) then costs no copy; one used
+every step is computed twice, then compared as above.
 """
 
 from __future__ import annotations
@@ -27,14 +33,14 @@ __all__ = ["PerTensorCache"]
 
 def _parts(A: Tensor) -> tuple[Tensor, ...]:
     """The tensors that hold the contents of ``A`` (values and, for a sparse layout, its indices), detached."""
+    if A.layout == torch.strided:  # (the common case first: an index, a dense matrix; no detach kernel unless needed)
+        return (A.detach() if A.requires_grad else A,)
     A = A.detach()
     if A.layout == torch.sparse_coo:
         return (A._indices(), A._values())
     if A.layout == torch.sparse_csr:
         return (A.crow_indices(), A.col_indices(), A.values())
-    if A.layout != torch.strided:
-        raise TypeError(f"unsupported layout {A.layout}")
-    return (A,)
+    raise TypeError(f"unsupported layout {A.layout}")
 
 
 def _snapshot(A: Tensor) -> tuple[Tensor, ...]:
@@ -43,16 +49,21 @@ def _snapshot(A: Tensor) -> tuple[Tensor, ...]:
 
 def _unchanged(A: Tensor, snapshot: tuple[Tensor, ...]) -> bool:
     parts = _parts(A)
+    if len(parts) == 1 == len(snapshot):  # (a dense tensor)
+        p, s = parts[0], snapshot[0]
+        return p.shape == s.shape and p.dtype == s.dtype and torch.equal(p, s)
     return len(parts) == len(snapshot) and all(
         p.shape == s.shape and p.dtype == s.dtype and bool(torch.equal(p, s)) for p, s in zip(parts, snapshot))
 
 
 class PerTensorCache:
     """A map ``tensor -> value`` that never keeps the tensor alive and forgets it when the tensor changes (through
-    an in-place operation on it or through ``.data``; see the module docstring)."""
+    an in-place operation on it or through ``.data``; see the module docstring). With ``snapshot_on_reuse`` the copy
+    of the contents is taken at the second use of a tensor, not the first."""
 
-    def __init__(self) -> None:
-        self._entries: dict[int, tuple[weakref.ref[Tensor], int, tuple[Tensor, ...], Any]] = {}
+    def __init__(self, *, snapshot_on_reuse: bool = False) -> None:
+        self._lazy = snapshot_on_reuse
+        self._entries: dict[int, tuple[weakref.ref[Tensor], int, tuple[Tensor, ...] | None, Any]] = {}
 
     def __contains__(self, key: int) -> bool:
         """Is there an entry for the tensor with this ``id``?"""
@@ -69,8 +80,11 @@ class PerTensorCache:
         if entry is None:
             return None
         try:
-            if entry[0]() is A and entry[1] == A._version and _unchanged(A, entry[2]):
-                return entry[3]
+            if entry[0]() is A and entry[1] == A._version:
+                if entry[2] is None:  # stored without a snapshot: computed afresh, and the put that follows takes one
+                    return None
+                if _unchanged(A, entry[2]):
+                    return entry[3]
         except RuntimeError:  # inference tensors have no version counter
             return None
         del self._entries[key]  # changed contents: the value is stale
@@ -82,11 +96,14 @@ class PerTensorCache:
         key, entries = id(A), self._entries
 
         def forget(ref: weakref.ref[Tensor], key: int = key,  # entries: alive at exit
-                   entries: dict[int, tuple[weakref.ref[Tensor], int, tuple[Tensor, ...], Any]] = entries) -> None:
+                   entries: dict[int, tuple[weakref.ref[Tensor], int, tuple[Tensor, ...] | None, Any]] = entries
+                   ) -> None:
             if key in entries and entries[key][0] is ref:
                 del entries[key]
 
+        old = entries.get(key)
         try:
-            entries[key] = (weakref.ref(A, forget), A._version, _snapshot(A), value)
+            snapshot = _snapshot(A) if not self._lazy or (old is not None and old[0]() is A) else None
+            entries[key] = (weakref.ref(A, forget), A._version, snapshot, value)
         except (TypeError, RuntimeError):  # no weak reference or no version counter (inference / functional)
             pass

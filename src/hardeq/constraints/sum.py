@@ -46,16 +46,18 @@ class _Layout:
         n = index.shape[0]
         if n < 2 or a < 1 or is_tracing():
             return None
-        step_lo, step_hi = torch.aminmax(index.diff())
+        ordered = torch.ge(index[1:], index[:-1]).all()  # (a bool per step: no n-sized temporary of longs)
         offsets = torch.searchsorted(index, torch.arange(a + 1, device=index.device))
         counts = offsets.diff()
         smallest, largest = torch.aminmax(counts)
-        facts = torch.stack((step_lo, step_hi, index[0], index[-1], smallest, largest)).tolist()
-        if facts[0] < 0 or facts[1] > 1 or facts[2] != 0 or facts[3] != a - 1:
+        facts = torch.stack((ordered, offsets[0], offsets[-1], smallest, largest)).tolist()
+        # sorted, nothing below 0 (offsets[0] = #{index < 0}), nothing at or above a (offsets[a] = #{index < a}), no
+        # empty group: then the steps are 0 or 1 and the index runs from 0 to a - 1
+        if not facts[0] or facts[1] != 0 or facts[2] != n or facts[3] < 1:
             return None
-        block = n // a if facts[4] == facts[5] else None
-        segments = offsets if block is None and facts[5] <= SUM_CHUNK else None
-        return cls(index, a, counts, known=(block, segments, facts[4] == 1))
+        block = n // a if facts[3] == facts[4] else None
+        segments = offsets if block is None and facts[4] <= SUM_CHUNK else None
+        return cls(index, a, counts, known=(block, segments, facts[3] == 1))
 
     def singles(self) -> tuple[Tensor | None, bool]:
         """``(mask, any)``: the members of groups of one, ``(n,)`` bool (None when there is none), and whether there
@@ -104,8 +106,10 @@ class _Layout:
 
 
 #: per index tensor given by the user: ``{a: _Layout}``, so that the per-step pattern ``SumConstraint(batch, totals)``
-#: (a new constraint around the same PyG ``batch`` vector every step) checks and lays out the index once
-_LAYOUTS = PerTensorCache()
+#: (a new constraint around the same PyG ``batch`` vector every step) checks and lays out the index twice, then
+#: compares it with its copy; the copy is taken at the second use, so a new ``batch`` vector per step (a PyG
+#: ``DataLoader``) pays none (no n-sized allocation and copy per step)
+_LAYOUTS = PerTensorCache(snapshot_on_reuse=True)
 
 
 def _layout(index: Tensor, a: int, validate: bool) -> _Layout:

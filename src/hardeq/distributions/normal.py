@@ -2,7 +2,6 @@ r"""The Gaussian conditioned on a hard linear equality constraint."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import numbers
@@ -51,9 +50,9 @@ def _full_precision(method: _F) -> _F:
     @functools.wraps(method)
     def wrapper(self: _OnDevice, *args: Any, **kwargs: Any) -> Any:
         device_type = self._unbroadcasted_loc.device.type
-        guard = (torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type)
-                 else contextlib.nullcontext())
-        with guard:
+        if not torch.is_autocast_enabled(device_type):
+            return method(self, *args, **kwargs)
+        with torch.autocast(device_type, enabled=False):
             return method(self, *args, **kwargs)
 
     return cast(_F, wrapper)  # (functools.wraps keeps the signature)
@@ -174,7 +173,9 @@ class ConstrainedNormal(Distribution):
                 f"{type(constraint).__name__}."
             )
         n = loc.shape[-1]
-        if isinstance(scale, numbers.Real) and not isinstance(scale, bool):  # as torch.distributions.Normal
+        if isinstance(scale, Tensor):
+            pass
+        elif isinstance(scale, numbers.Real) and not isinstance(scale, bool):  # as torch.distributions.Normal
             scale = torch.tensor(float(scale), dtype=loc.dtype, device=loc.device)
         elif scale is not None and not isinstance(scale, torch.Tensor):
             raise TypeError(f"scale must be a torch.Tensor, got {type(scale).__name__} (a real Python number is also "
@@ -182,10 +183,14 @@ class ConstrainedNormal(Distribution):
         validate = Distribution._validate_args if validate_args is None else validate_args
         covariance = _build_covariance(n, scale, covariance, scale_tril, cov_factor, covariance_matrix,
                                        precision_matrix, validate)
-        given = {"scale": scale, "scale_tril": scale_tril, "cov_factor": cov_factor,
-                 "covariance_matrix": covariance_matrix, "precision_matrix": precision_matrix}
-        given = {name: t for name, t in given.items() if t is not None} or {"covariance": covariance.tensors()[0]}
-        check_same_dtype_device(loc=loc, **given, constraint=constraint.k)
+        if scale is not None and cov_factor is None and scale_tril is None and covariance_matrix is None \
+                and precision_matrix is None:  # (the common form)
+            check_same_dtype_device(loc=loc, scale=scale, constraint=constraint.k)
+        else:
+            given = {"scale": scale, "scale_tril": scale_tril, "cov_factor": cov_factor,
+                     "covariance_matrix": covariance_matrix, "precision_matrix": precision_matrix}
+            given = {name: t for name, t in given.items() if t is not None} or {"covariance": covariance.tensors()[0]}
+            check_same_dtype_device(loc=loc, **given, constraint=constraint.k)
         if constraint.event_size != n:
             raise ValueError(
                 f"constraint acts on vectors of size {constraint.event_size}, but loc has size n = {n} "
@@ -317,8 +322,10 @@ class ConstrainedNormal(Distribution):
 
     # ------------------------------------------------------------------ sampling
     def _noise(self, sample_shape: torch.Size | list[int] | tuple[int, ...], noise: Tensor | None) -> Tensor:
-        shape = _sample_shape(sample_shape) + self.batch_shape + (self.noise_size,)
         loc = self._unbroadcasted_loc
+        if noise is None and sample_shape == ():  # (one draw, the training-loop call: no shape to check)
+            return torch.randn(self._batch_shape + (self.noise_size,), dtype=loc.dtype, device=loc.device)
+        shape = _sample_shape(sample_shape) + self.batch_shape + (self.noise_size,)
         if noise is None:
             return torch.randn(shape, dtype=loc.dtype, device=loc.device)
         check_tensor("noise", noise)
@@ -348,11 +355,11 @@ class ConstrainedNormal(Distribution):
         """
         est = get_estimator(estimator, "normal")
         eps = self._noise(sample_shape, noise)
-        z = None
         if estimator == "pathwise" and not estimator_kwargs:  # one node, no conditioner; None: the general path
             z = grouped_rsample(self.covariance, self.constraint, self._unbroadcasted_loc, eps)
-        if z is None:
-            z = est(self.conditioner, self._unbroadcasted_loc, eps, **estimator_kwargs)
+            if z is not None:  # (it has eps's shape, sample_shape + batch_shape + (n,))
+                return self._out(z)
+        z = est(self.conditioner, self._unbroadcasted_loc, eps, **estimator_kwargs)
         shape = eps.shape[:-1] + self.event_shape
         z = self._out(z)
         return z if z.shape == shape else z.expand(shape)
@@ -533,10 +540,11 @@ def _check_values(loc: Tensor, covariance: Covariance) -> None:
     common case (all finite, every scale a positive normal number) first, from two reductions without autograd
     nodes: :math:`\min\sigma \ge` ``tiny``, :math:`\max\sigma` and :math:`\sum\mu` finite (a NaN anywhere
     propagates to them); the precise checks, with their messages, only when that fails (or when the sum overflows)."""
-    if type(covariance) is DiagonalCovariance and covariance.scale.numel() and loc.numel():
-        with torch.no_grad():
-            low, high = torch.aminmax(covariance.scale)
-            total = loc.sum()
+    scale = covariance.scale if type(covariance) is DiagonalCovariance else None
+    if scale is not None and scale.numel() and loc.numel():
+        # (detached where needed rather than under torch.no_grad(): the context manager costs more than the kernel)
+        low, high = torch.aminmax(scale.detach() if scale.requires_grad else scale)
+        total = (loc.detach() if loc.requires_grad else loc).sum()
         if low.item() >= torch.finfo(loc.dtype).tiny and math.isfinite(high.item()) and math.isfinite(total.item()):
             return
     check_finite("loc", loc)
@@ -568,6 +576,9 @@ def _build_covariance(n: int, scale: Tensor | None, covariance: Covariance | Non
                       cov_factor: Tensor | None, covariance_matrix: Tensor | None = None,
                       precision_matrix: Tensor | None = None, validate: bool = False) -> Covariance:
     """The covariance object from ``covariance=`` or the keyword shortcuts (exactly one form), shape-checked."""
+    if scale is not None and covariance is None and scale_tril is None and covariance_matrix is None \
+            and precision_matrix is None:
+        return _scale_covariance(n, scale, cov_factor)  # (the common form, with nothing to reject)
     forms = {"scale": scale, "scale_tril": scale_tril, "covariance_matrix": covariance_matrix,
              "precision_matrix": precision_matrix}
     given = [name for name, t in forms.items() if t is not None]
@@ -598,27 +609,30 @@ def _build_covariance(n: int, scale: Tensor | None, covariance: Covariance | Non
         covariance = FullCovariance(scale_tril)
     elif covariance_matrix is not None or precision_matrix is not None:
         covariance = FullCovariance(_scale_tril_from(n, covariance_matrix, precision_matrix, validate))
-    elif scale is not None:
-        check_tensor("scale", scale)
-        if scale.dim() == 0 or scale.shape[-1] == 1:  # broadcast along the event, as torch.distributions.Normal
-            scale = scale.expand(scale.shape[:-1] + (n,))
-        if scale.shape[-1] != n:
-            raise ValueError(f"scale must have shape (..., n) with n = loc.shape[-1] = {n}, got {tuple(scale.shape)}; "
-                             "a number, or a tensor whose last dimension is 1, broadcasts along it.")
-        if cov_factor is not None:
-            check_tensor("cov_factor", cov_factor, min_dim=2)
-            if cov_factor.shape[-2] != n:
-                raise ValueError(f"cov_factor must have shape (..., n, r) with n = loc.shape[-1] = {n}, got "
-                                 f"{tuple(cov_factor.shape)}.")
-            covariance = LowRankCovariance(cov_factor, scale)
-        else:
-            covariance = DiagonalCovariance(scale)
     else:
         raise ValueError("one of scale, scale_tril / covariance_matrix / precision_matrix, or covariance must be "
                          "given (cov_factor needs scale too).")
     if covariance.event_size != n:
         raise ValueError(f"covariance has event size {covariance.event_size}, but loc has size n = {n}.")
     return covariance
+
+
+def _scale_covariance(n: int, scale: Tensor, cov_factor: Tensor | None) -> Covariance:
+    """The covariance of ``scale`` (diagonal) or of ``cov_factor`` with ``scale`` (low rank plus diagonal),
+    shape-checked."""
+    check_tensor("scale", scale)
+    if scale.dim() == 0 or scale.shape[-1] == 1:  # broadcast along the event, as torch.distributions.Normal
+        scale = scale.expand(scale.shape[:-1] + (n,))
+    if scale.shape[-1] != n:
+        raise ValueError(f"scale must have shape (..., n) with n = loc.shape[-1] = {n}, got {tuple(scale.shape)}; "
+                         "a number, or a tensor whose last dimension is 1, broadcasts along it.")
+    if cov_factor is None:
+        return DiagonalCovariance(scale)
+    check_tensor("cov_factor", cov_factor, min_dim=2)
+    if cov_factor.shape[-2] != n:
+        raise ValueError(f"cov_factor must have shape (..., n, r) with n = loc.shape[-1] = {n}, got "
+                         f"{tuple(cov_factor.shape)}.")
+    return LowRankCovariance(cov_factor, scale)
 
 
 def _scale_tril_from(n: int, covariance_matrix: Tensor | None, precision_matrix: Tensor | None,

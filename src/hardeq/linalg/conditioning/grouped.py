@@ -185,9 +185,9 @@ class _GroupedSample(torch.autograd.Function):
 
     Inputs ``(loc, scale, k)`` are differentiable; ``eps`` (the noise), ``ops`` (:class:`GroupedOps`), ``rtol``,
     ``s_min`` are constants. Returns ``z``; whether every row of every vector passes the check of :mod:`.residual`
-    with ``rtol`` (no NaN) is appended to the list ``verdict`` as a Python bool (one read-back); the caller takes the
-    general path when not. Differentiable once: under ``create_graph=True`` the backward is wrapped by
-    ``once_differentiable`` (a second derivative raises)."""
+    with ``rtol`` (no NaN) is appended to the list ``verdict`` as a Python bool (one read-back of the screened check,
+    a second when the screen fails); the caller takes the general path when not. Differentiable once: under
+    ``create_graph=True`` the backward is wrapped by ``once_differentiable`` (a second derivative raises)."""
 
     @staticmethod
     def forward(ctx: Any, loc: Tensor, scale: Tensor, k: Tensor, eps: Tensor, ops: GroupedOps, rtol: float,
@@ -195,19 +195,22 @@ class _GroupedSample(torch.autograd.Function):
         z_hat = torch.addcmul(loc, scale, eps)
         v = scale * scale
         s = ops.gram(v).clamp_min_(s_min)
-        w = ops.rmatvec(torch.sub(k, ops.matvec(z_hat)).div_(s))
-        z = z_hat.addcmul_(v, w)  # (z_hat has the full shape: eps's)
+        # -w = A^T((A z_hat - k) / s), the a-sized vectors in place (z_hat has the full shape, eps's: so has A z_hat)
+        w_neg = ops.rmatvec(ops.matvec(z_hat).sub_(k).div_(s))
+        z = z_hat.addcmul_(v, w_neg, value=-1.0)
         if ops.pin is not None:
             z = ops.pin(z, k)
         # the first check of .residual, |(Az - k)_i| <= rtol ((|A||z|)_i + |k_i|), as max_i of the left side minus the
-        # right <= 0 (one read-back; NaN fails). A failing row goes to the general path, which re-evaluates it in
-        # float64 and refines.
-        excess = torch.add(ops.matvec(z).sub_(k).abs_(), ops.abs_matvec(z.abs()), alpha=-rtol)
-        verdict.append(excess.sub_(k.abs(), alpha=rtol).amax().item() <= 0.0)
+        # right <= 0 (NaN fails), screened: max_i |(Az - k)_i| - rtol (|A||z|)_i <= 0 (one read-back) implies it,
+        # and the |k| term is added only when the screen fails (then a second read-back). A failing row goes to the
+        # general path, which re-evaluates it in float64 and refines.
+        excess = ops.matvec(z).sub_(k).abs_().sub_(ops.abs_matvec(z.abs()), alpha=rtol)
+        passed = excess.amax().item() <= 0.0
+        verdict.append(passed or excess.sub_(k.abs(), alpha=rtol).amax().item() <= 0.0)
         # the backward's constants, kept on ctx (intermediates: nothing the caller can modify in place); the
         # factor of the scale's gradient, eps + 2 scale w, formed here when it is needed
         ctx.ops, ctx.v, ctx.s = ops, v, s
-        ctx.h = torch.addcmul(eps, scale, w, value=2.0) if ctx.needs_input_grad[1] else None
+        ctx.h = torch.addcmul(eps, scale, w_neg, value=-2.0) if ctx.needs_input_grad[1] else None
         ctx.shapes = (loc.shape, scale.shape, k.shape)
         return z
 
@@ -215,10 +218,6 @@ class _GroupedSample(torch.autograd.Function):
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         if torch.is_grad_enabled():  # create_graph=True: a second derivative must raise, not be silently wrong
             return _once_backward(ctx, g)
-        return _GroupedSample._backward(ctx, g)
-
-    @staticmethod
-    def _backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         ops: GroupedOps = ctx.ops
         loc_shape, scale_shape, k_shape = ctx.shapes
         need_loc, need_scale, need_k = ctx.needs_input_grad[:3]
@@ -239,7 +238,8 @@ class _GroupedSample(torch.autograd.Function):
 
 @once_differentiable
 def _once_backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
-    return _GroupedSample._backward(ctx, g)
+    # (once_differentiable runs this with grad mode off: the backward then computes instead of coming back here)
+    return _GroupedSample.backward(ctx, g)
 
 
 def _sum_to(x: Tensor, shape: torch.Size) -> Tensor:
@@ -256,9 +256,10 @@ def grouped_rsample(cov: "Covariance", constraint: "EqualityConstraint", loc: Te
     raises exactly as before. Same value as the general path's (up to the rounding of the check),
     ``(*sample, *batch, n)``.
 
-    Cost: one host synchronisation (the verdict); forward 6 products with ``A`` or :math:`A^\top` and 5
-    elementwise passes over ``n``, backward 2 products and 3 passes (O(n) for a :class:`~hardeq.SumConstraint`);
-    for a :class:`~hardeq.SumConstraint` no Python beyond one lookup of its per-index operations."""
+    Cost: one host synchronisation (the verdict; two when its screen fails); forward 6 products with ``A`` or
+    :math:`A^\top` and 5 elementwise passes over ``n``, backward 2 products and 3 passes (O(n) for a
+    :class:`~hardeq.SumConstraint`); for a :class:`~hardeq.SumConstraint` no Python beyond one lookup of its
+    per-index operations."""
     if type(cov) is not DiagonalCovariance or eps.requires_grad or eps.shape[-1] != cov.event_size:
         return None
     if is_tracing() or not _generic_diagonal(constraint, cov):
@@ -273,9 +274,32 @@ def grouped_rsample(cov: "Covariance", constraint: "EqualityConstraint", loc: Te
         info = torch.finfo(eps.dtype)
         limits = _LIMITS[key] = (check_rtol(eps.dtype, eps.shape[-1]), info.tiny / info.eps)
     verdict: list[bool] = []
-    z: Tensor = _GroupedSample.apply(  # type: ignore[no-untyped-call]  # torch: Function.apply is unannotated
-        loc, cov.scale, constraint.k, eps, ops, limits[0], limits[1], verdict)
+    scale, k = cov.scale, constraint.k
+    if _APPLY is None:
+        z: Tensor = _GroupedSample.apply(  # type: ignore[no-untyped-call]  # torch: Function.apply is unannotated
+            loc, scale, k, eps, ops, limits[0], limits[1], verdict)
+    else:  # (not is_tracing(): no torch.func transform is active, the case where Function.apply unwraps)
+        u = _unwrap_if_dead
+        z = _APPLY(u(loc), u(scale), u(k), u(eps), ops, limits[0], limits[1], verdict)
     return z if verdict[0] else None
+
+
+def _c_apply() -> tuple[Callable[..., Tensor] | None, Callable[[Tensor], Tensor]]:
+    r"""``_GroupedSample.apply`` without the Python layer of ``torch.autograd.Function.apply`` (a test for
+    ``setup_context`` and a generic pass over the arguments: a few microseconds per call, at the size of a batch of
+    graphs a percent of the step): the C++ ``apply``, with the dead ``torch.func`` wrappers among the arguments
+    unwrapped as that layer does outside a transform. ``(None, identity)`` when this torch lacks either (the public
+    ``apply`` is used then)."""
+    try:
+        from torch._C._functorch import unwrap_if_dead
+
+        apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _GroupedSample)
+    except (ImportError, AttributeError, KeyError, TypeError):
+        return None, lambda t: t
+    return cast("Callable[..., Tensor]", apply), cast("Callable[[Tensor], Tensor]", unwrap_if_dead)
+
+
+_APPLY, _unwrap_if_dead = _c_apply()
 
 
 #: ``(dtype, n) -> (rtol, s_min)`` of the one-node sample: the check's tolerance (:func:`.residual.check_rtol`) and
