@@ -212,3 +212,37 @@ def test_mode_of_a_feasible_problem_with_variances_over_seven_decades(dtype):
                    bounds=[(0, None)] * 5, options={"ftol": 1e-15, "maxiter": 500},
                    constraints=[{"type": "eq", "fun": lambda z: A64 @ z - k64, "jac": lambda z: A64}])
     np.testing.assert_allclose(mode[1].double().cpu().numpy(), ref.x, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mode_at_a_vertex_of_the_polytope(dtype):
+    """Once refused (ModeNotFound, relative residual 8e-13 against the acceptance level 4e-13): a chemical-study
+    mass balance with 3 flows, 2 rows and flows >= 0, whose conditional mean has one flow below 0. The mode is a
+    vertex (one flow at 0, the two free flows fixed by the two rows), where the finishing step on the active set
+    has no conditional law to take the mean of. Checked against the vertex computed by hand (numpy) and against
+    the objective along the feasible segment (a line in the plane, brute force on a fine grid)."""
+    from hardeq.testing import assert_exact_per_row
+
+    A = torch.tensor([[0.0, -98.8867416381836, 99.032470703125], [-89.07613372802734, -98.8867416381836, 0.0]],
+                     dtype=dtype)
+    loc = torch.tensor([-0.5148758292198181, 5.750152587890625, -2.3431482315063477], dtype=dtype)
+    scale = torch.tensor([0.008445912825708451, 0.2439738680639422, 0.014950748526253046], dtype=dtype)
+    k = torch.tensor([-5.341912746429443, -18.709205627441406], dtype=dtype)
+    d = hardeq.ConstrainedNormal(loc, scale, constraint=hardeq.LinearConstraint(A, k))
+    assert float(d.mean[2]) < 0  # the box is active
+    mode = d.truncate(0.0, None).mode
+    assert bool((mode >= 0).all()) and float(mode[2]) == 0.0
+    assert_exact_per_row(hardeq.LinearConstraint(A, k), mode)
+    A64, k64 = A.double().numpy(), k.double().numpy()
+    vertex = np.linalg.solve(A64[:, :2], k64)
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    np.testing.assert_allclose(mode[:2].double().numpy(), vertex, rtol=tol)
+    # the plane is the line z(t) = p + t d; the box keeps t where every flow is >= 0
+    p = np.linalg.lstsq(A64, k64, rcond=None)[0]
+    direction = np.linalg.svd(A64)[2][-1]
+    t = np.linspace(-1.0, 1.0, 400_001)
+    z = p[None] + t[:, None] * direction[None]
+    feasible = (z >= 0).all(1)
+    mu, var = loc.double().numpy(), scale.double().numpy() ** 2
+    best = z[feasible][(((z[feasible] - mu) ** 2) / var).sum(1).argmin()]
+    np.testing.assert_allclose(mode.double().numpy(), best, atol=1e-5)
