@@ -246,3 +246,41 @@ def test_mode_at_a_vertex_of_the_polytope(dtype):
     mu, var = loc.double().numpy(), scale.double().numpy() ** 2
     best = z[feasible][(((z[feasible] - mu) ** 2) / var).sum(1).argmin()]
     np.testing.assert_allclose(mode.double().numpy(), best, atol=1e-5)
+
+
+def test_mode_at_a_degenerate_vertex():
+    """Once refused (ModeNotFound; found by a fuzzer of vertices): n = 5, a = 4, so the plane is a line, and the
+    box ends it at a point where two flows are 0 at once (a degenerate vertex: more active bounds than n - a).
+    The mode is that point; the finishing step fixes the three free coordinates from the four rows by least
+    squares and keeps it only when every row meets the tolerance. Checked against the point the problem was built
+    from and a brute-force search along the line."""
+    from hardeq.testing import assert_exact_per_row
+
+    def f64(values):
+        return torch.tensor([float.fromhex(v) for v in values], dtype=torch.float64)
+
+    A = f64(['0x1.9f0236b28f305p+0', '0x1.0ccfc06eb0576p-2', '-0x1.ad87d5d2fc0c5p+1', '0x1.076a258027f55p+0',
+             '-0x1.e18239c34b13ap-2', '-0x1.9bfaf1873bd3cp+1', '-0x1.b813c59e5fee8p-1', '-0x1.5a5c8a55fa4d6p+1',
+             '0x1.495eca8f511fdp-6', '0x1.92c8ed0dad0bdp-2', '0x1.68a00dee7aeb8p-3', '-0x1.ef6e427b11944p+0',
+             '0x1.7fd5d07e0d200p+0', '0x1.788bc8a0788c8p+0', '0x1.3bfc97e2f79ddp-1', '0x1.140b29de877b9p+4',
+             '0x1.5e9b5442006e1p+4', '0x1.394336c3aec24p+4', '-0x1.45c82d496daa7p+3', '0x1.ac1c2671dced6p+3']
+            ).reshape(4, 5)
+    k = f64(['0x1.64ba18d091e2dp-1', '-0x1.d639be2092eafp+0', '-0x1.fc35bda29aa36p-1', '0x1.c0c94e11f4021p+4'])
+    mu = f64(['-0x1.fd7629c1e0d74p+0', '-0x1.00bdd9d8339b1p+1', '-0x1.a042ab16493bdp-2', '0x1.10d0aa26417f6p+0',
+              '-0x1.1f7234ca8804ep+1'])
+    sd = f64(['0x1.147c8e4598d88p-3', '0x1.3116811a6a79ap-10', '0x1.842f7cd199327p-3', '0x1.bda83df13ad76p-2',
+              '0x1.a8cbde0fa9fb9p-10'])
+    d = hardeq.ConstrainedNormal(mu, sd, constraint=hardeq.LinearConstraint(A, k))
+    mode = d.truncate(0.0, None).mode
+    assert bool((mode >= 0).all()) and float(mode[2]) == 0.0 and float(mode[3]) == 0.0
+    assert_exact_per_row(hardeq.LinearConstraint(A, k), mode)
+    A64, k64 = A.numpy(), k.numpy()
+    vertex = np.linalg.lstsq(A64[:, [0, 1, 4]], k64, rcond=None)[0]
+    np.testing.assert_allclose(mode[[0, 1, 4]].numpy(), vertex, rtol=1e-10)
+    p = np.linalg.lstsq(A64, k64, rcond=None)[0]
+    direction = np.linalg.svd(A64)[2][-1]
+    t = np.linspace(-3.0, 3.0, 600_001)
+    z = p[None] + t[:, None] * direction[None]
+    feasible = (z >= 0).all(1)
+    best = z[feasible][(((z[feasible] - mu.numpy()) / sd.numpy()) ** 2).sum(1).argmin()]
+    np.testing.assert_allclose(mode.numpy(), best, atol=1e-5)

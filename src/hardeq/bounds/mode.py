@@ -603,10 +603,11 @@ def _finish_on_active_set(z: Tensor, ok: Tensor, mu: Tensor, v: Tensor, lo: Tens
     r"""Where the dual Newton iteration stalled short of its acceptance level (variances over many decades), the
     exact solution on the active set it identified: the coordinates at a bound stay there, and the free ones are
     the conditional mean of :math:`N(\mu_F, \mathrm{diag}(v_F))` given :math:`A_F z_F = k - A_{\bar F} z_{\bar F}`,
-    by the library's float64 conditioner (exact per row, refined as it needs). Where as many coordinates are free
-    as there are rows, the equations alone fix them (the mode is a vertex of the polytope, and there is no
-    conditional law to take the mean of): :math:`z_F = A_F^{-1}(k - A_{\bar F} z_{\bar F})`, kept when every row
-    meets :data:`ACCEPT_RTOL`. Kept where it lies in the box. One small conditioning (or ``a x a`` solve) per
+    by the library's float64 conditioner (exact per row, refined as it needs). Where no more coordinates are free
+    than there are rows, the equations alone fix them (the mode is a vertex of the polytope, degenerate when more
+    bounds than ``n - a`` are active, and there is no conditional law to take the mean of):
+    :math:`z_F = A_F^{-1}(k - A_{\bar F} z_{\bar F})` (least squares for a degenerate vertex), kept when every
+    row meets :data:`ACCEPT_RTOL`. Kept where it lies in the box. One small conditioning (or ``a x a`` solve) per
     element that needs it; ``z``, ``ok`` ``(B, n)``, ``(B,)``."""
     from ..constraints import LinearConstraint
     from ..distributions.normal import ConstrainedNormal
@@ -621,8 +622,9 @@ def _finish_on_active_set(z: Tensor, ok: Tensor, mu: Tensor, v: Tensor, lo: Tens
         rhs = k[b] - Ab[:, ~free] @ z[b][~free]
         A_free = Ab[:, free]
         try:
-            if A_free.shape[-1] == A_free.shape[-2]:  # a vertex: the rows fix the free coordinates
-                zf = torch.linalg.solve(A_free, rhs)
+            if A_free.shape[-1] <= A_free.shape[-2]:  # a vertex: the rows fix the free coordinates
+                zf = (torch.linalg.solve(A_free, rhs) if A_free.shape[-1] == A_free.shape[-2]  # (degenerate: more
+                      else torch.linalg.lstsq(A_free, rhs.unsqueeze(-1)).solution.squeeze(-1))  # rows than free)
                 if not bool((((A_free @ zf - rhs).abs() <= ACCEPT_RTOL * (A_free.abs() @ zf.abs() + rhs.abs()))
                              & zf.isfinite().all()).all()):
                     continue
