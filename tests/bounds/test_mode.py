@@ -284,3 +284,40 @@ def test_mode_at_a_degenerate_vertex():
     feasible = (z >= 0).all(1)
     best = z[feasible][(((z[feasible] - mu.numpy()) / sd.numpy()) ** 2).sum(1).argmin()]
     np.testing.assert_allclose(mode.numpy(), best, atol=1e-5)
+
+
+def test_float32_mode_where_the_box_meets_the_plane_only_to_float32_precision():
+    """Once refused (ModeNotFound at relative residual 1.3e-8; found by a vertex fuzzer): float32 data whose
+    polytope touches the box at a degenerate vertex (six of seven coordinates at 0). Rounded to float32 the plane
+    misses that point by about float32's round-off, so no float64 point meets the float64 acceptance level, while
+    the float32 mode must only be exact to float32 precision (``accept_rtol``). Checked: inside the box, every row
+    within the float32 tolerance, and no worse in the objective than the float64 point the problem was built
+    from."""
+    from hardeq.bounds.mode import ACCEPT_RTOL, accept_rtol
+    from hardeq.testing import assert_exact_per_row
+
+    def f32(values):
+        return torch.tensor([float.fromhex(v) for v in values], dtype=torch.float32)
+
+    A = f32(['-0x1.7b4192p-1', '-0x1.4f6492p+0', '0x1.d711p+1', '-0x1.2b937ap+1', '-0x1.40ab26p-4', '0x1.4f64bep+0',
+             '0x1.fbb9bcp+2', '-0x1.6290eap+3', '0x1.ca740cp+3', '0x1.97d0c8p+3', '-0x1.85e398p+0', '-0x1.cfa42cp+4',
+             '0x1.c8b6cep+3', '0x1.352e3ap+3', '-0x1.f6b10cp+3', '0x1.568f68p+2', '0x1.313048p+3', '0x1.68742p+2',
+             '0x1.80a356p+1', '-0x1.9451eap+3', '0x1.89c4dap+3', '-0x1.2eff7ep+3', '0x1.160e42p+5', '-0x1.97ce3cp+4',
+             '-0x1.aa6084p+4', '-0x1.10dccap+3', '0x1.f3ffccp+3', '-0x1.cd54fep+1', '0x1.6d53d6p-1', '0x1.a20110p+4',
+             '0x1.22a118p+4', '-0x1.fce06ep-2', '-0x1.689a54p+4', '-0x1.c7664cp+4', '0x1.0114cep+5']).reshape(5, 7)
+    k = f32(['0x1.4d1972p-2', '0x1.c59712p+1', '-0x1.918deap+1', '0x1.f09442p+1', '-0x1.c448dcp+2'])
+    mu = f32(['-0x1.bb550cp-1', '-0x1.38ab7p-1', '0x1.fcfe72p+0', '-0x1.6918eap-3', '-0x1.e89b5ep+1', '-0x1.67b426p+0',
+              '-0x1.8d7342p-3'])
+    sd = f32(['0x1.54a056p-4', '0x1.b79052p-6', '0x1.d976c2p-1', '0x1.0dc7e2p-1', '0x1.9fbcdp-9', '0x1.af3bdep-3',
+              '0x1.aa08bap-1'])
+    assert accept_rtol(torch.float64) == ACCEPT_RTOL and accept_rtol(torch.float32) == 2.0 ** -24
+    d = hardeq.ConstrainedNormal(mu, sd, constraint=hardeq.LinearConstraint(A, k))
+    mode = d.truncate(0.0, 1.0).mode
+    assert mode.dtype == torch.float32 and bool(((mode >= 0) & (mode <= 1)).all())
+    assert_exact_per_row(hardeq.LinearConstraint(A, k), mode)
+    built_from = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.24828996609853204, 0.0], dtype=torch.float64)
+
+    def objective(z):
+        return float((((z.double() - mu.double()) / sd.double()) ** 2).sum())
+
+    assert objective(mode) <= objective(built_from) * (1 + 1e-5)

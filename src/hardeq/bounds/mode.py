@@ -87,6 +87,14 @@ CONVERGED_RTOL = 1e-13
 #: per-row relative residual accepted at the end (round-off of a long row's sum may stall above CONVERGED_RTOL);
 #: at most half the library's float64 tolerance 1e-12 of |A||z|, since |k| <= |A||z| on the plane
 ACCEPT_RTOL = 4e-13
+
+
+def accept_rtol(dtype: torch.dtype) -> float:
+    """The per-row relative residual (of ``|A||z| + |k|``) at which a float64 mode is accepted for a distribution
+    in ``dtype``: :data:`ACCEPT_RTOL` in float64; in a coarser dtype half its machine epsilon (float32: 6e-8), no
+    more than the rounding of the mode to that dtype adds anyway. A float32 problem whose polytope meets the box only
+    at a vertex can be empty in exact arithmetic on its rounded data and still feasible to float32 precision."""
+    return max(ACCEPT_RTOL, torch.finfo(dtype).eps / 2) if dtype.is_floating_point else ACCEPT_RTOL
 #: Newton iterations of the diagonal dual method, and iterations of the general active-set method per bound
 MAX_NEWTON = 100
 MAX_ACTIVE_SET_FACTOR = 4
@@ -214,11 +222,11 @@ def _breakpoint_search(mu: Tensor, v: Tensor, lo: Tensor, hi: Tensor, index: Ten
 
 
 def grouped_box_mode(mu: Tensor, v: Tensor, lo: Tensor, hi: Tensor, index: Tensor, sizes: Tensor,
-                     k: Tensor) -> tuple[Tensor, Tensor]:
+                     k: Tensor, accept: float = ACCEPT_RTOL) -> tuple[Tensor, Tensor]:
     r"""Mode for grouped sums and a diagonal covariance: the breakpoint multipliers
     (:func:`grouped_box_multipliers`) polished by the dual Newton iteration (one step on the identified active set
     removes the cumulative sums' round-off). Inputs as there, float64. Returns ``(z, converged)``: ``z`` ``(B, n)``
-    float64 inside the box, ``converged`` ``(B,)`` bool (every row within :data:`CONVERGED_RTOL`)."""
+    float64 inside the box, ``converged`` ``(B,)`` bool (every row within ``accept``: :func:`accept_rtol`)."""
     lam0 = grouped_box_multipliers(mu, v, lo, hi, index, sizes, k)
     B, n = mu.shape
     a = sizes.shape[0]
@@ -242,14 +250,15 @@ def grouped_box_mode(mu: Tensor, v: Tensor, lo: Tensor, hi: Tensor, index: Tenso
     y = mu + v * rmatvec(lam0)
     free = ((y > lo) & (y < hi)).to(v.dtype)
     lam0 = lam0 - solve(v * free, matvec(torch.minimum(torch.maximum(y, lo), hi)) - k)
-    z, _, ok = dual_newton(mu, v, lo, hi, k, matvec, rmatvec, matvec, solve, lam0)
+    z, _, ok = dual_newton(mu, v, lo, hi, k, matvec, rmatvec, matvec, solve, lam0, accept=accept)
     return z, ok
 
 
 # ====================================================================== diagonal covariance, any constraint
 def dual_newton(mu: Tensor, v: Tensor, lo: Tensor, hi: Tensor, k: Tensor, matvec: _Operator, rmatvec: _Operator,
                 abs_matvec: _Operator, solve: _Solver,
-                lam0: Tensor | None = None, max_iter: int = MAX_NEWTON) -> tuple[Tensor, Tensor, Tensor]:
+                lam0: Tensor | None = None, max_iter: int = MAX_NEWTON,
+                accept: float = ACCEPT_RTOL) -> tuple[Tensor, Tensor, Tensor]:
     r"""Semismooth Newton on :math:`F(\lambda) = A\,\mathrm{clip}(\mu + v\odot A^\top\lambda, l, u) - k = 0` with an
     Armijo line search on the concave dual :math:`\theta` (module docstring); float64, batched over ``B``.
 
@@ -259,6 +268,7 @@ def dual_newton(mu: Tensor, v: Tensor, lo: Tensor, hi: Tensor, k: Tensor, matvec
         solve: ``solve(w, r, exact=False)`` returns :math:`(A\,\mathrm{diag}(w)A^\top + \text{ridge})^{-1}r`,
             ``(B, a)`` (``exact=True``: the minimum-norm solution without the ridge).
         lam0: starting multipliers ``(B, a)`` (zeros: the conditional mean's neighbourhood).
+        accept: the per-row relative residual accepted at the end (:func:`accept_rtol`).
 
     Returns:
         ``(z, lam, converged)``: ``z`` ``(B, n)`` in the box, ``lam`` ``(B, a)``, ``converged`` ``(B,)``.
@@ -322,7 +332,7 @@ def dual_newton(mu: Tensor, v: Tensor, lo: Tensor, hi: Tensor, k: Tensor, matvec
         lam = torch.where(better.unsqueeze(-1), cand, lam)
         y, z = torch.where(better.unsqueeze(-1), yc, y), torch.where(better.unsqueeze(-1), zc, z)
     F = matvec(z) - k
-    done = (F.abs() <= ACCEPT_RTOL * (abs_matvec(z.abs()) + k.abs())).all(-1)
+    done = (F.abs() <= accept * (abs_matvec(z.abs()) + k.abs())).all(-1)
     return z, lam, done
 
 
@@ -540,6 +550,7 @@ def truncated_mode(dist: ConstrainedNormal, lower: Tensor, upper: Tensor) -> Ten
         tensor([1.5000, 0.7500, 0.7500], dtype=torch.float64)
     """
     f64 = torch.float64
+    accept = accept_rtol(dist._unbroadcasted_loc.dtype)
     batch = dist.batch_shape
     n = dist.event_shape[0]
     B = batch.numel()
@@ -559,7 +570,7 @@ def truncated_mode(dist: ConstrainedNormal, lower: Tensor, upper: Tensor) -> Ten
         if con.group_index is not None:
             sizes = con.group_sizes
             assert sizes is not None  # (a grouped constraint counts its members)
-            z, ok = grouped_box_mode(*flat, con.group_index, sizes, kf)
+            z, ok = grouped_box_mode(*flat, con.group_index, sizes, kf, accept)
         else:
             # where the untruncated mode (the conditional mean, exact per row) lies in the box it is the answer:
             # no iteration needs to reach it (the dual Newton method can stall at its acceptance level when the
@@ -575,11 +586,12 @@ def truncated_mode(dist: ConstrainedNormal, lower: Tensor, upper: Tensor) -> Ten
                 out: Tensor = (Af.mT @ lam.unsqueeze(-1)).squeeze(-1)
                 return out
 
-            z, _, ok = dual_newton(*flat, kf, matvec, rmatvec, abs_matvec, _dense_solver(Af, flat[1]))
+            z, _, ok = dual_newton(*flat, kf, matvec, rmatvec, abs_matvec, _dense_solver(Af, flat[1]),
+                                   accept=accept)
             z = torch.where(inside.unsqueeze(-1), mean.to(f64).reshape(B, n), z)
             ok = ok | inside
             if cov.is_diagonal and not bool(ok.all()):
-                z, ok = _finish_on_active_set(z, ok, *flat, Af, kf)
+                z, ok = _finish_on_active_set(z, ok, *flat, Af, kf, accept)
         _raise_unless(ok, z, matvec, abs_matvec, kf, batch, "the mode's dual Newton iteration")
         z = z.reshape(batch + (n,))
         if not cov.is_diagonal:
@@ -589,7 +601,7 @@ def truncated_mode(dist: ConstrainedNormal, lower: Tensor, upper: Tensor) -> Ten
             z = torch.where(settled.unsqueeze(-1), z_pd, z)
             z, ok = active_set(mu, cov, A, k, lo, hi, z, batch, done=settled)
             zf = z.reshape(B, n)
-            res_ok = _rows_ok(zf, matvec, abs_matvec, kf, ACCEPT_RTOL)
+            res_ok = _rows_ok(zf, matvec, abs_matvec, kf, accept)
             _raise_unless(ok.reshape(B) & res_ok | inside, zf, matvec, abs_matvec, kf, batch,
                           "the mode's active-set method")
             z = torch.where(inside.reshape(batch).unsqueeze(-1), mean.to(f64), z)
@@ -599,7 +611,7 @@ def truncated_mode(dist: ConstrainedNormal, lower: Tensor, upper: Tensor) -> Ten
 
 
 def _finish_on_active_set(z: Tensor, ok: Tensor, mu: Tensor, v: Tensor, lo: Tensor, hi: Tensor, A: Tensor,
-                          k: Tensor) -> tuple[Tensor, Tensor]:
+                          k: Tensor, accept: float = ACCEPT_RTOL) -> tuple[Tensor, Tensor]:
     r"""Where the dual Newton iteration stalled short of its acceptance level (variances over many decades), the
     exact solution on the active set it identified: the coordinates at a bound stay there, and the free ones are
     the conditional mean of :math:`N(\mu_F, \mathrm{diag}(v_F))` given :math:`A_F z_F = k - A_{\bar F} z_{\bar F}`,
@@ -607,8 +619,8 @@ def _finish_on_active_set(z: Tensor, ok: Tensor, mu: Tensor, v: Tensor, lo: Tens
     than there are rows, the equations alone fix them (the mode is a vertex of the polytope, degenerate when more
     bounds than ``n - a`` are active, and there is no conditional law to take the mean of):
     :math:`z_F = A_F^{-1}(k - A_{\bar F} z_{\bar F})` (least squares for a degenerate vertex), kept when every
-    row meets :data:`ACCEPT_RTOL`. Kept where it lies in the box. One small conditioning (or ``a x a`` solve) per
-    element that needs it; ``z``, ``ok`` ``(B, n)``, ``(B,)``."""
+    row meets ``accept`` (:func:`accept_rtol`). Kept where it lies in the box. One small conditioning (or
+    ``a x a`` solve) per element that needs it; ``z``, ``ok`` ``(B, n)``, ``(B,)``."""
     from ..constraints import LinearConstraint
     from ..distributions.normal import ConstrainedNormal
     from ..errors import NotPSDError
@@ -625,7 +637,7 @@ def _finish_on_active_set(z: Tensor, ok: Tensor, mu: Tensor, v: Tensor, lo: Tens
             if A_free.shape[-1] <= A_free.shape[-2]:  # a vertex: the rows fix the free coordinates
                 zf = (torch.linalg.solve(A_free, rhs) if A_free.shape[-1] == A_free.shape[-2]  # (degenerate: more
                       else torch.linalg.lstsq(A_free, rhs.unsqueeze(-1)).solution.squeeze(-1))  # rows than free)
-                if not bool((((A_free @ zf - rhs).abs() <= ACCEPT_RTOL * (A_free.abs() @ zf.abs() + rhs.abs()))
+                if not bool((((A_free @ zf - rhs).abs() <= accept * (A_free.abs() @ zf.abs() + rhs.abs()))
                              & zf.isfinite().all()).all()):
                     continue
             else:
