@@ -172,7 +172,8 @@ def _eager_floor(loc: torch.Tensor, scale: torch.Tensor, A: torch.Tensor, k: tor
         torch.mm(x, A, out=y)
         z.addcmul_(v, y)
         ok = ((k - z @ A_t).abs() <= 1e-4 * (z[:, :screen].abs() @ abs_A_t + k.abs())).all()
-        return z if bool(ok) else z
+        bool(ok)  # the verdict read back to the host, as hardeq reads its own check's
+        return z
     return call
 
 

@@ -87,6 +87,9 @@ CONVERGED_RTOL = 1e-13
 #: per-row relative residual accepted at the end (round-off of a long row's sum may stall above CONVERGED_RTOL);
 #: at most half the library's float64 tolerance 1e-12 of |A||z|, since |k| <= |A||z| on the plane
 ACCEPT_RTOL = 4e-13
+#: Newton iterations of the diagonal dual method, and iterations of the general active-set method per bound
+MAX_NEWTON = 100
+MAX_ACTIVE_SET_FACTOR = 4
 
 
 def accept_rtol(dtype: torch.dtype) -> float:
@@ -94,10 +97,9 @@ def accept_rtol(dtype: torch.dtype) -> float:
     in ``dtype``: :data:`ACCEPT_RTOL` in float64; in a coarser dtype half its machine epsilon (float32: 6e-8), no
     more than the rounding of the mode to that dtype adds anyway. A float32 problem whose polytope meets the box only
     at a vertex can be empty in exact arithmetic on its rounded data and still feasible to float32 precision."""
-    return max(ACCEPT_RTOL, torch.finfo(dtype).eps / 2) if dtype.is_floating_point else ACCEPT_RTOL
-#: Newton iterations of the diagonal dual method, and iterations of the general active-set method per bound
-MAX_NEWTON = 100
-MAX_ACTIVE_SET_FACTOR = 4
+    return max(ACCEPT_RTOL, torch.finfo(dtype).eps / 2)
+
+
 #: relative Levenberg term of the dual Newton system (a row whose coordinates are all at bounds has J_ii = 0)
 JACOBIAN_RIDGE = 1e-12
 
@@ -635,10 +637,11 @@ def _finish_on_active_set(z: Tensor, ok: Tensor, mu: Tensor, v: Tensor, lo: Tens
         A_free = Ab[:, free]
         try:
             if A_free.shape[-1] <= A_free.shape[-2]:  # a vertex: the rows fix the free coordinates
-                zf = (torch.linalg.solve(A_free, rhs) if A_free.shape[-1] == A_free.shape[-2]  # (degenerate: more
-                      else torch.linalg.lstsq(A_free, rhs.unsqueeze(-1)).solution.squeeze(-1))  # rows than free)
-                if not bool((((A_free @ zf - rhs).abs() <= accept * (A_free.abs() @ zf.abs() + rhs.abs()))
-                             & zf.isfinite().all()).all()):
+                zf = (torch.linalg.solve(A_free, rhs) if A_free.shape[-1] == A_free.shape[-2]
+                      else torch.linalg.lstsq(A_free, rhs.unsqueeze(-1)).solution.squeeze(-1))  # (degenerate)
+                zb = z[b].clone()
+                zb[free] = zf  # kept only if every row of the whole point meets the acceptance level
+                if not bool(((Ab @ zb - k[b]).abs() <= accept * (Ab.abs() @ zb.abs() + k[b].abs())).all()):
                     continue
             else:
                 zf = ConstrainedNormal(mu[b][free], v[b][free].sqrt(), constraint=LinearConstraint(
