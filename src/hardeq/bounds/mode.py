@@ -48,7 +48,11 @@ the bounds' multipliers :math:`\nu`). Batch elements iterate together, with the 
    as the box allows (adding the blocking bound, whose :math:`p_i \ne 0` along a direction in the null space of the
    current rows keeps the rows independent), and at the subproblem's solution drop the bound whose multiplier has
    the wrong sign (:math:`\Sigma^{-1}(z - \mu)` must push into an active lower bound and out of an upper one).
-   Finite; one bound changes per iteration.
+   One bound changes per iteration. In floating point :math:`p_i \ne 0` is not a test: at a degenerate vertex
+   (more bounds active than ``n - a``) a coordinate the rows fix has a step of round-off, and its bound would make
+   the rows dependent. The ratio test therefore skips the coordinates whose conditional variance given the rows
+   is below :data:`DETERMINED_RTOL` of their variance (they are clamped into the box instead); without that the
+   method refused such problems or cycled.
 
 Cost per iteration: :math:`\Sigma R^\top` (``m = a + |W|`` products with :math:`\Sigma`: O(n m) diagonal-plus-low-rank,
 O(n^2 m) full) and an ``m x m`` Cholesky, so O(n m) memory: with many active bounds ``m`` approaches ``n``. Measured
@@ -374,13 +378,17 @@ def _dense_solver(A: Tensor, v: Tensor) -> _Solver:
 
 # ====================================================================== general covariance
 def _eq_qp(mu: Tensor, cov: Covariance, A: Tensor, k: Tensor, W: Tensor, values: Tensor,
-           batch_shape: torch.Size) -> tuple[Tensor, Tensor, Tensor]:
+           batch_shape: torch.Size, determined: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     r"""The equality-constrained QP with the bounds of ``W`` as rows: :math:`z = \mu + \Sigma R^\top y`,
     :math:`(R\Sigma R^\top)y = r - R\mu`, :math:`R = [A; E_W]`, :math:`r = [k; \text{values}_W]`, batched with the
     working sets padded by zero rows; equilibrated Cholesky and two refinement steps. Returns ``(z, nu, ok)``: ``z``
     ``(*batch, n)`` (the ``W`` coordinates set to their values exactly), ``nu`` ``(*batch, n)`` the multipliers of the
     bound rows (0 off ``W``; :math:`\Sigma^{-1}(z - \mu) = A^\top\lambda + \nu`), ``ok`` ``(*batch)`` (factorised:
-    the rows are independent)."""
+    the rows are independent), and with ``determined`` the mask ``(*batch, n)`` of the coordinates the rows fix:
+    those whose conditional variance given :math:`Rz = r`,
+    :math:`\Sigma_{jj} - (\Sigma R^\top)_j (R\Sigma R^\top)^{-1} (R\Sigma)_j`, is at most
+    :data:`DETERMINED_RTOL` of :math:`\Sigma_{jj}` (``None`` without; one more ``m x n`` triangular solve).
+    A determined coordinate's bound is a combination of the rows: adding it would make them dependent."""
     n = mu.shape[-1]
     a = A.shape[-2]
     m = int(W.sum(-1).max()) if W.numel() else 0
@@ -413,11 +421,19 @@ def _eq_qp(mu: Tensor, cov: Covariance, A: Tensor, k: Tensor, W: Tensor, values:
         z = z + (SR @ dy.unsqueeze(-1)).squeeze(-1)
     z = torch.where(W, values, z)
     nu = torch.zeros_like(z).scatter(-1, order, y[..., a:] * valid)
-    return z, nu, ok
+    if not determined:
+        return z, nu, ok, None
+    G = torch.cholesky_solve(SR.mT / s.unsqueeze(-1), L) / s.unsqueeze(-1)  # (*batch, a + m, n): S^-1 R Sigma
+    prior = cov.variance.expand(z.shape)
+    conditional = prior - (SR.mT * G).sum(-2)
+    return z, nu, ok, (conditional <= DETERMINED_RTOL * prior) | W
 
 
 #: iterations of the primal-dual active-set phase before the primal method takes over
 MAX_PDAS = 10
+#: a coordinate whose conditional variance given the working rows is at most this fraction of its variance is
+#: taken as fixed by them (its computed step is round-off; float64 leaves about 1e-16 times the conditioning)
+DETERMINED_RTOL = 1e-10
 
 
 def primal_dual_active_set(mu: Tensor, cov: Covariance, A: Tensor, k: Tensor, lo: Tensor, hi: Tensor, z0: Tensor,
@@ -435,7 +451,7 @@ def primal_dual_active_set(mu: Tensor, cov: Covariance, A: Tensor, k: Tensor, lo
     z = z0.clone()
     for _ in range(MAX_PDAS):
         W = W_lo | W_hi
-        zs, nu, ok = _eq_qp(mu, cov, A, k, W, torch.where(W_lo, lo, hi), batch_shape)
+        zs, nu, ok, _ = _eq_qp(mu, cov, A, k, W, torch.where(W_lo, lo, hi), batch_shape)
         new_lo = (nu + c * (lo - zs) > 0) & torch.isfinite(lo)
         new_hi = (-nu + c * (zs - hi) > 0) & torch.isfinite(hi) & ~new_lo
         settled = ok & (new_lo == W_lo).all(-1) & (new_hi == W_hi).all(-1) & ~done
@@ -471,17 +487,19 @@ def active_set(mu: Tensor, cov: Covariance, A: Tensor, k: Tensor, lo: Tensor, hi
     for it in range(MAX_ACTIVE_SET_FACTOR * n + 10):
         if bool(done.all()):
             break
-        zs, nu, ok = _eq_qp(mu, cov, A, k, W, z, batch_shape)
+        zs, nu, ok, fixed = _eq_qp(mu, cov, A, k, W, z, batch_shape, determined=True)
         if it == 0 and not bool(ok.all()):
             W = torch.where(ok.unsqueeze(-1), W, torch.zeros_like(W))
-            zs, nu, ok = _eq_qp(mu, cov, A, k, W, z, batch_shape)
+            zs, nu, ok, fixed = _eq_qp(mu, cov, A, k, W, z, batch_shape, determined=True)
+        assert fixed is not None
         if bool((~ok & ~done).any()):
             raise ModeNotFound("the working set of the mode's active-set method became linearly dependent with A "
                                "(a degenerate polytope); no exact mode could be found.")
         p = zs - z
-        # ratio test over the bounds not in the working set
-        toward_lo = (p < 0) & ~W & torch.isfinite(lo)
-        toward_hi = (p > 0) & ~W & torch.isfinite(hi)
+        # ratio test over the bounds not in the working set and not fixed by its rows (at a degenerate vertex such
+        # a coordinate's step is round-off, and its bound would make the rows dependent; it is clamped below)
+        toward_lo = (p < 0) & ~fixed & torch.isfinite(lo)
+        toward_hi = (p > 0) & ~fixed & torch.isfinite(hi)
         ratio = torch.full_like(p, float("inf"))
         ratio = torch.where(toward_lo, (lo - z) / torch.where(toward_lo, p, -1.0), ratio)
         ratio = torch.where(toward_hi, (hi - z) / torch.where(toward_hi, p, 1.0), ratio)
@@ -592,7 +610,7 @@ def truncated_mode(dist: ConstrainedNormal, lower: Tensor, upper: Tensor) -> Ten
                                    accept=accept)
             z = torch.where(inside.unsqueeze(-1), mean.to(f64).reshape(B, n), z)
             ok = ok | inside
-            if cov.is_diagonal and not bool(ok.all()):
+            if not bool(ok.all()):  # (a general covariance's start point: the same diagonal problem, finished)
                 z, ok = _finish_on_active_set(z, ok, *flat, Af, kf, accept)
         _raise_unless(ok, z, matvec, abs_matvec, kf, batch, "the mode's dual Newton iteration")
         z = z.reshape(batch + (n,))
@@ -603,9 +621,14 @@ def truncated_mode(dist: ConstrainedNormal, lower: Tensor, upper: Tensor) -> Ten
             z = torch.where(settled.unsqueeze(-1), z_pd, z)
             z, ok = active_set(mu, cov, A, k, lo, hi, z, batch, done=settled)
             zf = z.reshape(B, n)
+            unsettled = ~ok.reshape(B) & ~inside
+            if bool(unsettled.any()):
+                raise ModeNotFound(
+                    f"the mode's active-set method did not settle in {MAX_ACTIVE_SET_FACTOR * n + 10} iterations for "
+                    f"batch element {_element_index(unsettled, batch)} (it can cycle at a degenerate vertex of the "
+                    "polytope {A z = k} ∩ [lower, upper]); no exact mode was found.")
             res_ok = _rows_ok(zf, matvec, abs_matvec, kf, accept)
-            _raise_unless(ok.reshape(B) & res_ok | inside, zf, matvec, abs_matvec, kf, batch,
-                          "the mode's active-set method")
+            _raise_unless(res_ok | inside, zf, matvec, abs_matvec, kf, batch, "the mode's active-set method")
             z = torch.where(inside.reshape(batch).unsqueeze(-1), mean.to(f64), z)
         z = torch.minimum(torch.maximum(z, lo), hi)
         out = z.to(dist._unbroadcasted_loc.dtype)
@@ -639,8 +662,11 @@ def _finish_on_active_set(z: Tensor, ok: Tensor, mu: Tensor, v: Tensor, lo: Tens
             if A_free.shape[-1] <= A_free.shape[-2]:  # a vertex: the rows fix the free coordinates
                 zf = (torch.linalg.solve(A_free, rhs) if A_free.shape[-1] == A_free.shape[-2]
                       else torch.linalg.lstsq(A_free, rhs.unsqueeze(-1)).solution.squeeze(-1))  # (degenerate)
+                # round-off may put a coordinate the rows fix at 0 a hair outside the box: clamped, and the point
+                # kept only if every row of the whole of it then meets the acceptance level
+                zf = torch.minimum(torch.maximum(zf, lo[b][free]), hi[b][free])
                 zb = z[b].clone()
-                zb[free] = zf  # kept only if every row of the whole point meets the acceptance level
+                zb[free] = zf
                 if not bool(((Ab @ zb - k[b]).abs() <= accept * (Ab.abs() @ zb.abs() + k[b].abs())).all()):
                     continue
             else:
@@ -665,7 +691,7 @@ def _raise_unless(ok: Tensor, z: Tensor, matvec: _Operator, abs_matvec: _Operato
     if bool(ok.all()):
         return
     flat = int((~ok).nonzero()[0])
-    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), batch)) if len(batch) else ()
+    index = _element_index(~ok, batch)
     zb = z.reshape(-1, z.shape[-1])
     r = (matvec(zb) - k)[flat]
     scale = (abs_matvec(zb.abs()) + k.abs())[flat]
@@ -676,3 +702,9 @@ def _raise_unless(ok: Tensor, z: Tensor, matvec: _Operator, abs_matvec: _Operato
         f"its right-hand side k = {float(k[flat, row]):.6g} by {float(r[row]):.3g} (relative {float(rel[row]):.3g}) at "
         "the closest point reached. The polytope {A z = k} ∩ [lower, upper] is empty (or too thin for float64); "
         "check the bounds against the constraint.")
+
+
+def _element_index(failed: Tensor, batch: torch.Size) -> tuple[int, ...]:
+    """The batch index of the first ``True`` in the flat ``(B,)`` mask ``failed``."""
+    flat = int(failed.nonzero()[0])
+    return tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), batch)) if len(batch) else ()
