@@ -497,7 +497,9 @@ def active_set(mu: Tensor, cov: Covariance, A: Tensor, k: Tensor, lo: Tensor, hi
                                "(a degenerate polytope); no exact mode could be found.")
         p = zs - z
         # ratio test over the bounds not in the working set and not fixed by its rows (at a degenerate vertex such
-        # a coordinate's step is round-off, and its bound would make the rows dependent; it is clamped below)
+        # a coordinate's step is round-off, or the start's accepted residual in float32, and its bound would make
+        # the rows dependent; it is clamped below). A nearly fixed coordinate with a real step that crosses its
+        # bound ends outside the acceptance level after the clamp, and truncated_mode raises: never a silent miss.
         toward_lo = (p < 0) & ~fixed & torch.isfinite(lo)
         toward_hi = (p > 0) & ~fixed & torch.isfinite(hi)
         ratio = torch.full_like(p, float("inf"))
