@@ -598,3 +598,33 @@ def test_report_prints_the_measured_cost_and_what_the_fid_can_decide():
     minutes = round(s["cost"]["projected_s"]["ddpm"] / 60)
     assert f"| ddpm | {minutes} |" in text
     assert protocol_sections({"config": {"settings": settings(load_config(), "quick")}}) == []
+
+
+def _committed(name):
+    from pathlib import Path
+
+    return json.loads((Path(__file__).resolve().parents[2] / "results" / name).read_text())
+
+
+def test_fid_verdicts_of_the_committed_runs_read_their_evidence():
+    """The FID claims are *not informative* only for a stated reason: a denoiser too weak for FID differences to
+    mean anything (the CIFAR-10 run), or a bootstrap whose smallest p, Holm-adjusted over the tested claims,
+    cannot reach the level (the same MNIST JSON with 100 replicates). With 2,000 replicates, 3 seeds and a
+    10,000-image reference (the MNIST run) they are decided, and a significant result against the paper is
+    *not reproduced at this budget* (the protocol differs), never *refuted*."""
+    from hardeq_studies.claims import decide
+    from hardeq_studies.diffusion.report import claims
+
+    def fid_verdicts(doc):
+        return [d.verdict for d in decide(claims(doc)) if d.claim.extra.get("context")]
+
+    mnist = _committed("diffusion.json")
+    verdicts = fid_verdicts(mnist)
+    assert len(verdicts) == 3 and all(v.startswith("not reproduced at this budget (paired bootstrap") for v in verdicts)
+    for r in mnist["significance"]:
+        r["replicates"] = 100
+    mnist["config"]["settings"]["fid"]["bootstrap"] = 100
+    assert all("Holm over 3 tested claims cannot bring that floor below 0.05" in v for v in fid_verdicts(mnist))
+    cifar = _committed("diffusion-cifar10/diffusion.json")
+    verdicts = fid_verdicts(cifar)
+    assert verdicts and all("the denoiser is too weak for FID differences to mean anything" in v for v in verdicts)
