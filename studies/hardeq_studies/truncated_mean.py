@@ -57,7 +57,9 @@ def sampler_line(label: str, records: Sequence[dict[str, Any]], *, unit: str, ov
     ess = [r["min_ess"] for r in records if r["min_ess"] is not None]
     rhat = [r["max_rhat"] for r in records if r["max_rhat"] is not None]
     detail = [f"smallest effective sample size {min(ess):.1f}"] if ess else []
-    detail += [f"largest split R-hat {max(rhat):.3f}"] if rhat else []
+    if rhat:  # three decimals, as R-hat near 1 is read; a chain that barely moves gives astronomic values
+        detail.append(f"largest split R-hat {max(rhat):.3f}" if max(rhat) < 1e4 else
+                      f"largest split R-hat {max(rhat):.3g}")
     return (f"- {label}: the truncated mean was sampled by {used}"
             + (f" ({'; '.join(detail)}, over every {over})" if detail else "") + ".")
 
