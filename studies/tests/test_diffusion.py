@@ -621,6 +621,9 @@ def test_fid_verdicts_of_the_committed_runs_read_their_evidence():
     mnist = _committed("diffusion.json")
     verdicts = fid_verdicts(mnist)
     assert len(verdicts) == 3 and all(v.startswith("not reproduced at this budget (paired bootstrap") for v in verdicts)
+    assert all("one 0.27 M-parameter U-Net trained 2,000 steps on MNIST" in v for v in verdicts)
+    mnist["model"]["train_steps"] = 40_000  # the protocol's description is the run's own, not a fixed text
+    assert all("trained 40,000 steps on MNIST" in v for v in fid_verdicts(mnist))
     for r in mnist["significance"]:
         r["replicates"] = 100
     mnist["config"]["settings"]["fid"]["bootstrap"] = 100

@@ -146,7 +146,8 @@ def _replicates(doc: Mapping[str, Any], metric: str, r: Mapping[str, Any]) -> in
 
 
 def _p_floor(replicates: int) -> float:
-    """The smallest two-sided p of a bootstrap with ``replicates`` replicates."""
+    """The smallest two-sided p of a bootstrap with ``replicates`` replicates (run.py records it as ``p_floor``
+    with each test; older JSONs lack that field)."""
     return 2 / (replicates + 1)
 
 
@@ -161,13 +162,19 @@ def _weak_denoiser(doc: Mapping[str, Any], table: str, metric: str) -> str:
     return ""
 
 
-#: how this study's protocol differs from the paper's in ways that could decide an image-quality claim, and which
-#: way each could move it (said in every informative FID verdict)
-QUALITY_DIFFERS = ("the protocol differs from the paper's where it could decide this: one 0.27 M-parameter U-Net "
-                   "trained 2,000 steps on MNIST (the paper: 35.7 M parameters, 800k steps, CIFAR-10), whose "
-                   "x0-predictions the constraint moves further than a good model's, and the conditioned steps' "
-                   "variance beta_t, this study's choice (the paper does not specify it), whose extra noise can "
-                   "raise FID")
+def _quality_differs(doc: Mapping[str, Any]) -> str:
+    """How this run's protocol differs from the paper's in ways that could decide an image-quality claim, and
+    which way each could move it (said in every informative FID verdict), from the run's own JSON."""
+    s, model = doc["config"]["settings"], doc.get("model", {})
+    params = model.get("parameters")
+    size = f"{params / 1e6:.2g} M-parameter " if params else ""
+    steps = model.get("train_steps") or s.get("train", {}).get("steps")
+    dataset = {"mnist": "MNIST", "cifar10": "CIFAR-10"}.get(s.get("dataset"), s.get("dataset"))
+    return ("the protocol differs from the paper's where it could decide this: one "
+            f"{size}U-Net trained {steps:,} steps on {dataset} "
+            "(the paper: 35.7 M parameters, 800k steps, CIFAR-10), whose x0-predictions the constraint moves further "
+            "than a good model's, and the conditioned steps' variance beta_t, this study's choice (the paper does not "
+            "specify it), whose extra noise can raise FID")
 
 
 def _boot_claim(doc: Mapping[str, Any], table: str, metric: str, claim: str, paper: str, here: str,
@@ -175,21 +182,21 @@ def _boot_claim(doc: Mapping[str, Any], table: str, metric: str, claim: str, pap
     """A set-metric claim ("``a`` is not worse than / beats ``b``", lower is better) from a paired bootstrap of
     ``a - b``. It is *undecided (not informative at this budget)* where the denoiser is too weak for FID
     differences to mean anything; :func:`claims` also marks it so where the bootstrap's smallest p, Holm-adjusted
-    over the family, cannot reach the level. Otherwise its verdict reads the test, with :data:`QUALITY_DIFFERS`:
+    over the family, cannot reach the level. Otherwise its verdict reads the test, with :func:`_quality_differs`:
     a significant result against the paper is *not reproduced at this budget*, never *refuted*."""
     lo, hi = r["ci95"]
     test = {"n": r["n"], "p": r["p"], "mean_diff": r["mean_diff"], "name": "paired bootstrap over images"}
     context = _fid_context(doc, table, metric, r)
     weak = _weak_denoiser(doc, table, metric)
     return Claim(claim, paper, here + f"; 95% CI of the difference [{_fmt(lo, '.3g')}, {_fmt(hi, '.3g')}]; "
-                 + context, test=test, uninformative=weak and f"{weak}; {context}", differs=QUALITY_DIFFERS,
+                 + context, test=test, uninformative=weak and f"{weak}; {context}", differs=_quality_differs(doc),
                  extra={"replicates": _replicates(doc, metric, r), "context": context})
 
 
 def _floor_decides(out: list[Claim], alpha: float = ALPHA) -> list[Claim]:
     """The bootstrap claims of ``out`` marked *not informative* where their smallest possible p, times the
-    number of tested claims (Holm's smallest multiplier for the smallest p), cannot reach ``alpha``: the floor
-    would then be the verdict."""
+    number of tested claims, cannot reach ``alpha``: Holm multiplies the smallest p by that number and never lowers
+    a later one below it, so every adjusted p would sit above the level and the floor would be the verdict."""
     m = sum(c.test is not None for c in out)
     marked = []
     for c in out:
