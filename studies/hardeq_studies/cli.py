@@ -15,6 +15,12 @@ checkpoints stay, one line gives the command that continues the run (the same ar
 the exit status is 130 (SIGINT) or 143 (SIGTERM), without a traceback. The quick preset says first and last that
 it is a smoke run. ``hardeq report NAME`` draws from where ``hardeq reproduce NAME`` wrote last (recorded in
 ``results/.last/``) unless ``--out`` says otherwise, and says which folder it draws.
+
+Both print a short summary (the report's title and the tally of verdicts of each claims table) and the paths
+they wrote; ``--verbose`` prints the whole Markdown report first.
+
+``hardeq --help`` imports neither torch nor the library (the library's version, for ``--version``, is read
+from the installed package's metadata), so it answers in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -24,12 +30,29 @@ import shlex
 import sys
 from pathlib import Path
 
-from hardeq import __version__ as hardeq_version
-
 from . import __version__
 from .argtypes import positive_int
 
-__all__ = ["main", "build_parser", "resume_command", "LAST_DIR"]
+__all__ = ["main", "build_parser", "resume_command", "summary", "LAST_DIR"]
+
+
+class _Version(argparse.Action):
+    """``--version``: the versions of hardeq-studies and of the library, the latter read from the installed
+    distribution's metadata when asked (importing ``hardeq`` would import torch, seconds on a busy machine)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs) -> None:
+        super().__init__(option_strings, dest=dest, nargs=0, default=argparse.SUPPRESS,
+                         help="show the versions of hardeq-studies and hardeq and exit", **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            library = version("hardeq")
+        except PackageNotFoundError:  # a source tree on sys.path, not installed
+            from hardeq import __version__ as library
+        print(f"hardeq-studies {__version__} (hardeq {library})")  # on stdout, as argparse's version action
+        parser.exit()
 
 
 def _describe(name: str, meta: dict) -> str:
@@ -71,7 +94,7 @@ def _add_common(p: argparse.ArgumentParser, meta: dict) -> None:
     p.add_argument("--allow-dirty", action="store_true",
                    help="write a cpu/paper result from a working tree with uncommitted changes (the JSON says so)")
     p.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda (default: the preset's)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars or tables")
+    _add_output_flags(p)
     p.set_defaults(_default_preset=meta.get("default_preset", "quick"))
 
 
@@ -97,8 +120,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         epilog="studies:\n" + "\n".join(f"  {n:12s}{info(n)['summary']}" for n in names)
                + "\n\nRun `hardeq reproduce STUDY --help` for a study's presets, their durations (measured, or "
                  "projected where a preset was not run in full), flags.")
-    parser.add_argument("--version", action="version",
-                        version=f"hardeq-studies {__version__} (hardeq {hardeq_version})")
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     rep = sub.add_parser("reproduce", help="run one of the paper's studies and write OUT/NAME.{json,md,png}",
                          description="Run a study; writes OUT/NAME.json, OUT/NAME.md and PNG figures. "
@@ -118,8 +140,15 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     rp.add_argument("--out", type=Path, default=None,
                     help="folder holding NAME.json (default: where `hardeq reproduce NAME` wrote last, as recorded "
                          "in results/.last/ of the current folder; else results, the committed results)")
-    rp.add_argument("--quiet", action="store_true")
+    _add_output_flags(rp)
     return parser
+
+
+def _add_output_flags(p: argparse.ArgumentParser) -> None:
+    talk = p.add_mutually_exclusive_group()
+    talk.add_argument("--quiet", action="store_true", help="no progress bars, summary or tables")
+    talk.add_argument("--verbose", action="store_true",
+                      help="print the whole Markdown report (default: a short summary and the paths written)")
 
 
 def _fail(prog: str, message: str) -> int:
@@ -281,10 +310,54 @@ def _report(args: argparse.Namespace, prog: str, meta: dict) -> int:
     except json.JSONDecodeError as exc:
         return _fail(prog, f"{path} is not JSON ({exc})")
     check_requirements(args.study, meta, [m for m in meta.get("requires", []) if m == "matplotlib"])
-    paths = load_study(args.study).report(doc, args.out, quiet=args.quiet)
+    paths = load_study(args.study).report(doc, args.out, quiet=True)
     if not args.quiet:
-        print(f"wrote {', '.join(str(p) for p in paths)} from {path} (no training)")
+        _tell(paths, args.verbose)
+        print(f"wrote {', '.join(str(p) for p in paths)} from {path} (no training)"
+              + ("" if args.verbose else "; --verbose prints the whole report"))
     return 0
+
+
+def summary(markdown: str) -> str:
+    """A few lines for the terminal from a study's Markdown report: its title and, for each claims table (a
+    table whose last column is ``verdict``), the number of claims under each verdict, in the order first met.
+
+    >>> print(summary("# study (cpu preset)\\n\\n## Claims of the paper\\n\\n| claim | p | verdict |\\n|---|---|---|\\n"
+    ...               "| a | 0.01 | reproduced (Wilcoxon) |\\n| b | 0.4 | undecided (more seeds) |\\n"
+    ...               "| c | 0.02 | reproduced |\\n"))
+    study (cpu preset)
+    Claims of the paper: 3 claims: 2 reproduced, 1 undecided
+    """
+    lines = markdown.splitlines()
+    out = [next((line.lstrip("# ").strip() for line in lines if line.startswith("# ")), "(report without a title)")]
+    section = ""
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("#"):
+            section = line.lstrip("# ").strip()
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.lstrip().startswith("|") else []
+        if cells and cells[-1] == "verdict":
+            tally: dict[str, int] = {}
+            i += 2  # the header and its |---| row
+            while i < len(lines) and lines[i].lstrip().startswith("|"):
+                verdict = lines[i].strip().strip("|").split("|")[-1].strip().split(" (")[0]
+                tally[verdict] = tally.get(verdict, 0) + 1
+                i += 1
+            counts = ", ".join(f"{n} {verdict}" for verdict, n in tally.items())
+            out.append(f"{section or 'claims'}: {sum(tally.values())} claims: {counts}")
+            continue
+        i += 1
+    return "\n".join(out)
+
+
+def _tell(paths: list, verbose: bool) -> None:
+    """Print the whole report (``--verbose``) or its :func:`summary`; ``paths[0]`` is the Markdown report."""
+    try:
+        text = Path(paths[0]).read_text()
+    except (IndexError, OSError):
+        return
+    print(text.rstrip("\n") if verbose else summary(text))
 
 
 def _reproduce(args: argparse.Namespace, argv: list[str], prog: str, meta: dict) -> int:
@@ -365,9 +438,11 @@ def _run(args: argparse.Namespace, argv: list[str], prog: str, meta: dict, state
         state["written"] = True
         seconds = time.perf_counter() - t0
         _record_last(args.study, args.out, args.preset, args.command_line)
-        study.report(doc, args.out, quiet=args.quiet)
+        paths = study.report(doc, args.out, quiet=True)
         if not args.quiet:
-            print(f"wrote {args.out / (args.study + '.json')} and its report in {seconds:.1f} s")
+            _tell(paths, args.verbose)
+            print(f"wrote {args.out / (args.study + '.json')} and its report in {seconds:.1f} s: "
+                  f"{', '.join(str(p) for p in paths)}" + ("" if args.verbose else "; --verbose prints the whole report"))
         if smoke:
             print(smoke_line(args.study), flush=True)
     return 0
