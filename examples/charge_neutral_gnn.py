@@ -18,6 +18,8 @@ steps. The script prints, with the claims they check:
   no dependence on the variances at all. Both Jacobians are computed with ``torch.autograd.functional.jacobian``
   and the exact one is checked by central finite differences and against the closed form.
 
+The script exits with status 1, naming the claims that failed, when one does not hold.
+
 Run: ``python examples/charge_neutral_gnn.py [--out DIR] [--seed S]``; needs the ``graphs`` extra
 (``pip install -e ".[graphs]"``: torch_geometric) and matplotlib.
 """
@@ -99,6 +101,34 @@ def mean_shift(loc: torch.Tensor, batch: torch.Tensor, total: torch.Tensor, num_
     return loc + ((total - sums) / sizes)[batch]
 
 
+def claims(r: dict[str, float]) -> list[tuple[str, bool]]:
+    """Each claim the script prints, with whether the numbers ``r`` (what :func:`main` returns) meet it (a NaN
+    meets none)."""
+    tol = r["tol"]
+    return [
+        (f"the predicted charges meet every molecule's total: worst residual {r['worst_mean']:.2e} <= {tol:g}",
+         r["worst_mean"] <= tol),
+        (f"every sample meets every molecule's total: worst residual {r['worst_samples']:.2e} <= {tol:g}",
+         r["worst_samples"] <= tol),
+        (f"the one-atom ion's charge is its total +1 to round-off: max |q - 1| = {r['ion_error']:.1e} <= {tol:g}",
+         r["ion_error"] <= tol),
+        (f"the exact and mean-shift Jacobians differ w.r.t. mu ({r['jacobian_gap_mu']:.3f} > 1e-3) and w.r.t. v "
+         f"({r['jacobian_gap_v']:.3f} > 1e-3)", r["jacobian_gap_mu"] > 1e-3 and r["jacobian_gap_v"] > 1e-3),
+        (f"the exact Jacobian matches central finite differences ({r['fd_error']:.1e} < 1e-6) and I - v 1^T / V "
+         f"({r['closed_form_error']:.1e} < 1e-6)", r["fd_error"] < 1e-6 and r["closed_form_error"] < 1e-6),
+    ]
+
+
+def enforce(checked: list[tuple[str, bool]]) -> None:
+    """Print that every claim holds, or exit with status 1 and the claims that fail (running the script is a
+    check: a claim that does not hold is an error, never just a printed number)."""
+    failed = [claim for claim, ok in checked if not ok]
+    if failed:
+        raise SystemExit(f"{Path(__file__).name}: {len(failed)} of {len(checked)} claims failed:\n"
+                         + "\n".join(f"  - {claim}" for claim in failed))
+    print(f"all {len(checked)} claims hold")
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for the figure")
@@ -144,7 +174,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print(f"test: {test.num_graphs} molecules, {test.num_nodes} atoms; worst per-molecule residual "
           f"|sum q - t| / sum|q|: mean {worst_mean:.2e}, 16 samples {worst_samples:.2e} (claim: <= {tol:g})")
     print(f"one-atom Na+: predicted charge {float(q[ion]):.7f}, network mean before conditioning "
-          f"{float(loc[ion]):.4f}; max |q - 1| over mean and samples {ion_error:.1e} (claim: 0 to round-off)")
+          f"{float(loc[ion]):.4f}; max |q - 1| over mean and samples {ion_error:.1e} (claim: 0 to round-off, "
+          f"<= {tol:g})")
     print(f"test MAE: exact conditional mean {mae_exact:.4f} e, mean-shift of the same means {mae_shift:.4f} e")
 
     # the Jacobian term, on a three-atom molecule, in float64
@@ -168,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print(f"three-atom molecule, variances {[round(v, 4) for v in var3.tolist()]}:")
     print(f"  d mu_bar / d mu, exact conditional mean:\n{J_exact[0]}\n  mean-shift:\n{J_shift[0]}")
     print(f"  d mu_bar / d v, exact:\n{J_exact[1]}\n  mean-shift:\n{J_shift[1]}")
-    print(f"  max |J_exact - J_shift|: w.r.t. mu {jac_gap:.3f}, w.r.t. v {var_gap:.3f} (claim: > 0, they differ)")
+    print(f"  max |J_exact - J_shift|: w.r.t. mu {jac_gap:.3f}, w.r.t. v {var_gap:.3f} (claim: > 1e-3, they differ)")
     print(f"  exact Jacobian vs central finite differences (v): {fd_error:.1e}; vs I - v 1^T / V (mu): "
           f"{closed_error:.1e} (claim: < 1e-6)")
     y3 = test.y[tiny].double()[:3]
@@ -210,9 +241,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     print(f"figure: {path}")
-    return {"worst_mean": worst_mean, "worst_samples": worst_samples, "tol": tol, "ion_error": ion_error,
-            "mae_exact": mae_exact, "mae_shift": mae_shift, "jacobian_gap_mu": jac_gap, "jacobian_gap_v": var_gap,
-            "fd_error": fd_error, "closed_form_error": closed_error, "gradient_gap": grad_gap}
+    numbers = {"worst_mean": worst_mean, "worst_samples": worst_samples, "tol": tol, "ion_error": ion_error,
+               "mae_exact": mae_exact, "mae_shift": mae_shift, "jacobian_gap_mu": jac_gap, "jacobian_gap_v": var_gap,
+               "fd_error": fd_error, "closed_form_error": closed_error, "gradient_gap": grad_gap}
+    enforce(claims(numbers))
+    return numbers
 
 
 if __name__ == "__main__":

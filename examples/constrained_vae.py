@@ -14,7 +14,9 @@ The VAE uses the ``hardeq.nn`` pieces:
 It trains for a few epochs on the negative ELBO and prints, with the claims: the worst per-row residual of the
 posterior samples on the latent plane and of the reconstructions on the data plane (``hardeq.testing``; claim:
 below 1e-5 in float32), the test ELBO per example (a density on the 23-dimensional data plane, in nats), and the
-KL term (finite: prior and posterior share the plane).
+KL term (finite: prior and posterior share the plane), and that training improved the test ELBO (claim: by more
+than 5 nats per example from the first epoch to the last). The script exits with status 1, naming the claims
+that failed, when one does not hold.
 
 Run: ``python examples/constrained_vae.py [--out DIR] [--seed S]``; core install and matplotlib.
 """
@@ -22,6 +24,7 @@ Run: ``python examples/constrained_vae.py [--out DIR] [--seed S]``; core install
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 import torch
@@ -62,6 +65,33 @@ class VAE(nn.Module):
         p = self.observation(mean, log_var)                         # N(m, diag e^v | sum x = TOTAL)
         elbo = p.log_prob(x) - self.latent.kl(q)                    # (batch,)
         return elbo, q, z, p
+
+
+def claims(r: dict[str, float]) -> list[tuple[str, bool]]:
+    """Each claim the script prints, with whether the numbers ``r`` (what :func:`main` returns) meet it (a NaN
+    meets none)."""
+    tol = r["tol"]
+    return [
+        (f"the latent samples lie on sum z = 0: worst per-row residual {r['worst_latent']:.2e} <= {tol:g}",
+         r["worst_latent"] <= tol),
+        (f"the reconstructions keep the total: worst per-row residual {r['worst_recon']:.2e} <= {tol:g}",
+         r["worst_recon"] <= tol),
+        (f"the decoder samples keep the total: worst per-row residual {r['worst_decoded']:.2e} <= {tol:g}",
+         r["worst_decoded"] <= tol),
+        (f"KL(q || p) is finite (got {r['kl']:.2f} nats)", math.isfinite(r["kl"])),
+        (f"training improves the test ELBO by more than 5 nats ({r['first_elbo']:.2f} -> {r['test_elbo']:.2f})",
+         r["test_elbo"] > r["first_elbo"] + 5),
+    ]
+
+
+def enforce(checked: list[tuple[str, bool]]) -> None:
+    """Print that every claim holds, or exit with status 1 and the claims that fail (running the script is a
+    check: a claim that does not hold is an error, never just a printed number)."""
+    failed = [claim for claim, ok in checked if not ok]
+    if failed:
+        raise SystemExit(f"{Path(__file__).name}: {len(failed)} of {len(checked)} claims failed:\n"
+                         + "\n".join(f"  - {claim}" for claim in failed))
+    print(f"all {len(checked)} claims hold")
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -106,8 +136,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     rel_error = float(((recon - x_test).norm(dim=-1) / x_test.norm(dim=-1)).mean())
     print(f"worst per-row residual: latent samples on sum z = 0 {worst_latent:.2e}, reconstructions on "
           f"sum x = {TOTAL:g} {worst_recon:.2e}, decoder samples {worst_decoded:.2e} (claim: <= {tol:g})")
-    print(f"test: ELBO {float(elbo.mean()):.2f} nats, KL(q || p) mean {float(kl.mean()):.2f} nats "
-          f"(finite: same plane), relative reconstruction error {rel_error:.3f}")
+    print(f"test: ELBO {float(elbo.mean()):.2f} nats (claim: above the first epoch's {history[0]:.2f} + 5), "
+          f"KL(q || p) mean {float(kl.mean()):.2f} nats (claim: finite, same plane), relative reconstruction error "
+          f"{rel_error:.3f}")
 
     args.out.mkdir(parents=True, exist_ok=True)
     import matplotlib
@@ -135,9 +166,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     print(f"figure: {path}")
-    return {"worst_latent": worst_latent, "worst_recon": worst_recon, "worst_decoded": worst_decoded, "tol": tol,
-            "test_elbo": float(elbo.mean()), "first_elbo": history[0], "kl": float(kl.mean()),
-            "relative_error": rel_error}
+    numbers = {"worst_latent": worst_latent, "worst_recon": worst_recon, "worst_decoded": worst_decoded, "tol": tol,
+               "test_elbo": float(elbo.mean()), "first_elbo": history[0], "kl": float(kl.mean()),
+               "relative_error": rel_error}
+    enforce(claims(numbers))
+    return numbers
 
 
 if __name__ == "__main__":

@@ -14,10 +14,14 @@ The network is a tiny, randomly initialised ``UNet2DModel`` (the images are nois
 constraint, not image quality). The script runs the same pipeline three ways from the same seed and prints each
 one's worst channel-total error:
 
-* the scheduler conditioned without the box (``final=None``): exact before the pipeline's clamp, broken after it;
-* ``final="box"``: exact in float (claim: ``|sum - k| <= 1e-5 * pixels`` in [0, 1] units, float32);
+* the scheduler conditioned without the box (``final=None``): exact before the pipeline's clamp, broken after it
+  (claim, the contrast: it misses a total by more than 1e-2);
+* ``final="box"``: exact in float (claim: ``|sum - k| <= 1e-5 * pixels`` in [0, 1] units, float32), every pixel
+  in [0, 1];
 * the 8-bit images of the latter from ``to_uint8_exact`` (claim: every channel's integer sum equals
-  ``round(255 k)`` exactly), against plain rounding ``round(255 x)`` for contrast.
+  ``round(255 k)`` exactly, and no pixel moves by a grey level or more).
+
+The script exits with status 1, naming the claims that failed, when one does not hold.
 
 Run: ``python examples/diffusers_pipeline.py [--out DIR] [--seed S]``; needs the ``diffusion`` extra
 (``pip install -e ".[diffusion]"``: diffusers) and matplotlib.
@@ -33,6 +37,33 @@ import torch
 from hardeq.diffusion import ConstrainedScheduler, channel_sum_constraint, to_uint8_exact
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "figures"
+
+
+def claims(r: dict[str, float]) -> list[tuple[str, bool]]:
+    """Each claim the script prints, with whether the numbers ``r`` (what :func:`main` returns) meet it (a NaN
+    meets none)."""
+    return [
+        (f"final=None misses the totals once the pipeline clamps (by {r['err_plain']:.3f} > 1e-2)",
+         r["err_plain"] > 1e-2),
+        (f"final='box' meets every channel total: max error {r['err_boxed']:.2e} <= {r['tol']:.1e}",
+         r["err_boxed"] <= r["tol"]),
+        (f"final='box' keeps every pixel in [0, 1] (got [{r['min_pixel']:.3f}, {r['max_pixel']:.3f}])",
+         0 <= r["min_pixel"] and r["max_pixel"] <= 1),
+        (f"to_uint8_exact meets every integer total round(255 k) exactly (max error {r['err_u8']:g} grey levels)",
+         r["err_u8"] == 0),
+        (f"to_uint8_exact moves no pixel by a grey level or more (largest change {r['level_gap']:.2f})",
+         r["level_gap"] < 1),
+    ]
+
+
+def enforce(checked: list[tuple[str, bool]]) -> None:
+    """Print that every claim holds, or exit with status 1 and the claims that fail (running the script is a
+    check: a claim that does not hold is an error, never just a printed number)."""
+    failed = [claim for claim, ok in checked if not ok]
+    if failed:
+        raise SystemExit(f"{Path(__file__).name}: {len(failed)} of {len(checked)} claims failed:\n"
+                         + "\n".join(f"  - {claim}" for claim in failed))
+    print(f"all {len(checked)} claims hold")
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -76,18 +107,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     u8 = to_uint8_exact(boxed, totals01)
     target = torch.round(255 * totals01).to(torch.int64)
     err_u8 = int((u8.sum((-2, -1), dtype=torch.int64) - target).abs().max())
-    rounded = torch.round(255 * boxed).to(torch.int64)
-    err_round = int((rounded.sum((-2, -1)) - target).abs().max())
     level_gap = float((u8.double() - 255 * boxed).abs().max())
     tol = 1e-5 * m
     print(f"{batch} images {channels} x {size} x {size}, {args.steps} DDPM steps, channel totals in [0, 1] units "
           f"{totals01.tolist()}")
-    print(f"conditioned, final=None (clamped by the pipeline): max |channel sum - total| = {err_plain:.3f}")
+    print(f"conditioned, final=None (clamped by the pipeline): max |channel sum - total| = {err_plain:.3f} "
+          "(claim, the contrast: > 1e-2)")
     print(f"conditioned, final='box': max |channel sum - total| = {err_boxed:.2e} (claim: <= {tol:.1e}); "
-          f"pixels in [{float(boxed.min()):.3f}, {float(boxed.max()):.3f}]")
+          f"pixels in [{float(boxed.min()):.3f}, {float(boxed.max()):.3f}] (claim: in [0, 1])")
     print(f"8-bit, to_uint8_exact: max |integer channel sum - round(255 total)| = {err_u8} grey levels (claim: 0); "
-          f"largest pixel change {level_gap:.2f} grey levels (< 1)")
-    print(f"8-bit, plain rounding round(255 x), for contrast: {err_round} grey levels")
+          f"largest pixel change {level_gap:.2f} grey levels (claim: < 1)")
 
     args.out.mkdir(parents=True, exist_ok=True)
     import matplotlib
@@ -110,9 +139,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     print(f"figure: {path}")
-    return {"err_plain": err_plain, "err_boxed": err_boxed, "tol": tol, "err_u8": float(err_u8),
-            "err_round": float(err_round), "level_gap": level_gap, "min_pixel": float(boxed.min()),
-            "max_pixel": float(boxed.max())}
+    numbers = {"err_plain": err_plain, "err_boxed": err_boxed, "tol": tol, "err_u8": float(err_u8),
+               "level_gap": level_gap, "min_pixel": float(boxed.min()), "max_pixel": float(boxed.max())}
+    enforce(claims(numbers))
+    return numbers
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ at every step, which needs the untrained model's box probability not to be tiny 
 
 On the held-out days it prints the worst per-row residual ``|sum w - 1| / sum |w|`` of the mode and of samples
 (claim: below 1e-5 in float32), the smallest and largest weight (claim: in [0, 1], exactly, no clipping), and
-the mean daily return of the mode portfolio against equal weights.
+the mean daily return of the mode portfolio against equal weights. The script exits with status 1, naming the
+claims that failed, when one does not hold.
 
 Run: ``python examples/long_only_portfolio.py [--out DIR] [--seed S]``; core install and matplotlib.
 """
@@ -39,6 +40,30 @@ def make_returns(days: int, assets: int, factors: int, generator: torch.Generato
     drift = torch.linspace(-0.002, 0.002, assets)
     r = drift + x @ B + 0.01 * torch.randn(days, assets, generator=generator)
     return x, r
+
+
+def claims(r: dict[str, float]) -> list[tuple[str, bool]]:
+    """Each claim the script prints, with whether the numbers ``r`` (what :func:`main` returns) meet it (a NaN
+    meets none)."""
+    tol = r["tol"]
+    return [
+        (f"the mode's weights sum to one: worst per-row residual {r['worst_mode']:.2e} <= {tol:g}",
+         r["worst_mode"] <= tol),
+        (f"every sample's weights sum to one: worst per-row residual {r['worst_samples']:.2e} <= {tol:g}",
+         r["worst_samples"] <= tol),
+        (f"every weight lies in [0, 1] (got [{r['w_min']:.3g}, {r['w_max']:.3g}])",
+         0 <= r["w_min"] and r["w_max"] <= 1),
+    ]
+
+
+def enforce(checked: list[tuple[str, bool]]) -> None:
+    """Print that every claim holds, or exit with status 1 and the claims that fail (running the script is a
+    check: a claim that does not hold is an error, never just a printed number)."""
+    failed = [claim for claim, ok in checked if not ok]
+    if failed:
+        raise SystemExit(f"{Path(__file__).name}: {len(failed)} of {len(checked)} claims failed:\n"
+                         + "\n".join(f"  - {claim}" for claim in failed))
+    print(f"all {len(checked)} claims hold")
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -118,8 +143,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     print(f"figure: {path}")
-    return {"worst_mode": worst_mode, "worst_samples": worst_samples, "tol": tol, "w_min": w_min, "w_max": w_max,
-            "negative_share": negative, "return_model_bp": 1e4 * ret_model, "return_equal_bp": 1e4 * ret_equal}
+    numbers = {"worst_mode": worst_mode, "worst_samples": worst_samples, "tol": tol, "w_min": w_min, "w_max": w_max,
+               "negative_share": negative, "return_model_bp": 1e4 * ret_model, "return_equal_bp": 1e4 * ret_equal}
+    enforce(claims(numbers))
+    return numbers
 
 
 if __name__ == "__main__":

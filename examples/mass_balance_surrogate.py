@@ -16,7 +16,8 @@ the flows conditioned on the balances and truncated to ``z >= 0``. It is trained
 squared error of the untruncated conditional law (``dist.base.expected_l2``) and predicts with the truncated
 law's ``mode`` (the most probable non-negative flows that meet both balances) and samples. The script prints
 the worst per-row residual ``|(Az - k)_i| / (|A||z|)_i`` of the predictions and of samples for every balance row
-(claim: below 1e-5 in float32), the smallest flow (claim: >= 0, exactly) and the test error.
+(claim: below 1e-5 in float32), the smallest flow (claim: >= 0, exactly) and the test error. It exits with status
+1, naming the claims that failed, when one does not hold.
 
 Run: ``python examples/mass_balance_surrogate.py [--out DIR] [--seed S]``; core install and matplotlib.
 """
@@ -50,6 +51,29 @@ def plant(x: torch.Tensor) -> torch.Tensor:
     p1 = (feed - waste) * share
     p2 = feed - waste - p1
     return torch.stack([m, p1, p2, r, waste], -1)
+
+
+def claims(r: dict[str, float]) -> list[tuple[str, bool]]:
+    """Each claim the script prints, with whether the numbers ``r`` (what :func:`main` returns) meet it (a NaN
+    meets none)."""
+    tol = r["tol"]
+    return [
+        (f"the predicted flows meet both balances: worst per-row residual {r['worst_mode']:.2e} <= {tol:g}",
+         r["worst_mode"] <= tol),
+        (f"every sample meets both balances: worst per-row residual {r['worst_samples']:.2e} <= {tol:g}",
+         r["worst_samples"] <= tol),
+        (f"every predicted or sampled flow is >= 0 (smallest {r['min_flow']:.3g})", r["min_flow"] >= 0),
+    ]
+
+
+def enforce(checked: list[tuple[str, bool]]) -> None:
+    """Print that every claim holds, or exit with status 1 and the claims that fail (running the script is a
+    check: a claim that does not hold is an error, never just a printed number)."""
+    failed = [claim for claim, ok in checked if not ok]
+    if failed:
+        raise SystemExit(f"{Path(__file__).name}: {len(failed)} of {len(checked)} claims failed:\n"
+                         + "\n".join(f"  - {claim}" for claim in failed))
+    print(f"all {len(checked)} claims hold")
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -138,8 +162,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     print(f"figure: {path}")
-    return {"worst_mode": max(worst_mode), "worst_samples": max(worst_samples), "tol": tol, "min_flow": min_flow,
-            "negative_share": negative, "mae_mode": mae_mode, "mae_mean": mae_mean}
+    numbers = {"worst_mode": max(worst_mode), "worst_samples": max(worst_samples), "tol": tol, "min_flow": min_flow,
+               "negative_share": negative, "mae_mode": mae_mode, "mae_mean": mae_mean}
+    enforce(claims(numbers))
+    return numbers
 
 
 if __name__ == "__main__":

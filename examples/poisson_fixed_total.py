@@ -12,6 +12,8 @@ totals) and checks, with numbers it prints:
    hand and agrees with its Monte Carlo estimate from the samples (within 4 standard errors);
 4. the sample frequencies of one coordinate match its ``Binomial(k, p)`` marginal.
 
+Each claim is checked: the script exits with status 1, naming the claims that failed, when one does not hold.
+
 Run: ``python examples/poisson_fixed_total.py [--out DIR] [--seed S]``; needs only the core install (SciPy and
 matplotlib for the figure: ``pip install matplotlib``).
 """
@@ -46,6 +48,33 @@ def multinomial_log_pmf(counts: list[int], probs: list[float]) -> float:
 def binomial_expected_l1(k: int, p: float, y: float) -> float:
     """Independent reference: ``E|Z - y|`` for ``Z ~ Bin(k, p)``, summed over the support with ``math.comb``."""
     return sum(math.comb(k, j) * p ** j * (1 - p) ** (k - j) * abs(j - y) for j in range(k + 1))
+
+
+def claims(r: dict[str, float]) -> list[tuple[str, bool]]:
+    """Each claim the script prints, with whether the numbers ``r`` (what :func:`main` returns) meet it (a NaN
+    meets none)."""
+    return [
+        (f"every sample is a non-negative integer vector (got {r['integer']:g}, 1 = yes)", r["integer"] == 1),
+        (f"every group sum equals its total exactly (largest error {r['max_total_error']:g})",
+         r["max_total_error"] == 0),
+        (f"log_prob equals the multinomial log-pmf to < 1e-10 (got {r['max_logpmf_error']:.2e})",
+         r["max_logpmf_error"] < 1e-10),
+        (f"expected_l1 equals the binomial sum to < 1e-12 (got {r['max_l1_error']:.2e})", r["max_l1_error"] < 1e-12),
+        (f"expected_l1 is within 4 standard errors of the Monte Carlo mean (got {r['max_l1_z']:.2f})",
+         r["max_l1_z"] < 4),
+        (f"one coordinate's frequencies are within 4 standard errors at worst of its binomial pmf "
+         f"(got {r['max_freq_error']:.4f}, bound {r['freq_bound']:.4f})", r["max_freq_error"] < r["freq_bound"]),
+    ]
+
+
+def enforce(checked: list[tuple[str, bool]]) -> None:
+    """Print that every claim holds, or exit with status 1 and the claims that fail (running the script is a
+    check: a claim that does not hold is an error, never just a printed number)."""
+    failed = [claim for claim, ok in checked if not ok]
+    if failed:
+        raise SystemExit(f"{Path(__file__).name}: {len(failed)} of {len(checked)} claims failed:\n"
+                         + "\n".join(f"  - {claim}" for claim in failed))
+    print(f"all {len(checked)} claims hold")
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -113,8 +142,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     values = support[:, None, None].expand(-1, 2, 7).minimum(k_node)    # inside every coordinate's support
     pmf = marginal.log_prob(values)[:, 0, 2].exp()
     max_freq_error = float((freq - pmf).abs().max())
+    freq_bound = 4 * 0.5 / math.sqrt(args.samples)                    # the standard error is <= 0.5 / sqrt(S)
     print(f"max |frequency - Binomial(12, {float(p_node[0, 2]):.3f}) pmf| of coordinate 2: {max_freq_error:.4f} "
-          f"(claim: < {4 * 0.5 / math.sqrt(args.samples):.4f}, four standard errors at worst)")
+          f"(claim: < {freq_bound:.4f}, four standard errors at worst)")
 
     args.out.mkdir(parents=True, exist_ok=True)
     import matplotlib
@@ -122,23 +152,26 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
     axes[0].bar(support - 0.2, freq, width=0.4, label=f"{args.samples} samples")
     axes[0].bar(support + 0.2, pmf, width=0.4, label="Binomial(12, p) pmf")
     axes[0].set(xlabel="z_2 (group 0, total 12)", ylabel="probability", title="a coordinate's marginal")
-    axes[0].legend()
     x = torch.arange(7)
     axes[1].bar(x - 0.2, mc_mean[0], width=0.4, yerr=2 * mc_se[0], label="Monte Carlo mean (2 se)")
     axes[1].bar(x + 0.2, l1[0].detach(), width=0.4, label="expected_l1 (closed form)")
     axes[1].set(xlabel="coordinate", ylabel="E|z_i - y_i|", title="expected L1 loss, batch element 0")
-    axes[1].legend()
+    for ax in axes:  # the legends above the axes, clear of the bars
+        ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.12), ncol=2, fontsize=8, frameon=False)
     fig.tight_layout()
     path = args.out / "poisson_fixed_total.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     print(f"figure: {path}")
-    return {"max_total_error": max_total_error, "max_logpmf_error": max_logpmf_error, "max_l1_error": max_l1_error,
-            "max_l1_z": max_l1_z, "max_freq_error": max_freq_error, "samples": float(args.samples)}
+    numbers = {"integer": float(integer), "max_total_error": max_total_error, "max_logpmf_error": max_logpmf_error,
+               "max_l1_error": max_l1_error, "max_l1_z": max_l1_z, "max_freq_error": max_freq_error,
+               "freq_bound": freq_bound, "samples": float(args.samples)}
+    enforce(claims(numbers))
+    return numbers
 
 
 if __name__ == "__main__":

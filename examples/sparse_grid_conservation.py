@@ -11,8 +11,10 @@ A prior ``N(mu, diag(sigma^2))`` on the fluxes (a uniform drift plus noise of va
 ``D f = s`` with ``hardeq.SparseConstraint``: O(nnz) products, an ``(N^2 - 1)``-square Cholesky factor, never
 an edges x edges matrix. The script prints the worst per-row residual
 ``max_c |(D f - s)_c| / (|D| |f|)_c`` of the conditional mean and of every sample (``hardeq.testing``; claim:
-below 1e-12 in float64), the last (dropped) cell's balance, and the same residual of the unconditioned prior
-draws for contrast.
+below 1e-12 in float64), the last (dropped) cell's balance (claim: its residual is at most the other rows'
+bounds summed, as the rows of ``D`` sum to zero), and the same residual of the unconditioned prior draws, which
+are far off the plane (claim: above 1e-3). The script exits with status 1, naming the claims that failed, when
+one does not hold.
 
 Run: ``python examples/sparse_grid_conservation.py [--out DIR] [--seed S] [--grid N]``; core install and
 matplotlib.
@@ -48,6 +50,31 @@ def incidence(N: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     return torch.stack([rows, cols]), vals, E
 
 
+def claims(r: dict[str, float]) -> list[tuple[str, bool]]:
+    """Each claim the script prints, with whether the numbers ``r`` (what :func:`main` returns) meet it (a NaN
+    meets none)."""
+    return [
+        (f"the conditional mean meets every conservation row: worst per-row residual {r['worst_mean']:.2e} "
+         f"<= {r['tol']:g}", r["worst_mean"] <= r["tol"]),
+        (f"every sample meets every conservation row: worst per-row residual {r['worst_sample']:.2e} <= {r['tol']:g}",
+         r["worst_sample"] <= r["tol"]),
+        (f"the dropped last cell balances: |(Df - s)_last| = {r['last_cell_error']:.2e} <= {r['last_cell_bound']:.2e}",
+         r["last_cell_error"] <= r["last_cell_bound"]),
+        (f"the unconditioned prior draws are far off the plane: worst per-row residual {r['worst_prior']:.2f} > 1e-3",
+         r["worst_prior"] > 1e-3),
+    ]
+
+
+def enforce(checked: list[tuple[str, bool]]) -> None:
+    """Print that every claim holds, or exit with status 1 and the claims that fail (running the script is a
+    check: a claim that does not hold is an error, never just a printed number)."""
+    failed = [claim for claim, ok in checked if not ok]
+    if failed:
+        raise SystemExit(f"{Path(__file__).name}: {len(failed)} of {len(checked)} claims failed:\n"
+                         + "\n".join(f"  - {claim}" for claim in failed))
+    print(f"all {len(checked)} claims hold")
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for the figure")
@@ -63,9 +90,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     N = args.grid
 
     idx, vals, E = incidence(N)
-    D_full = torch.sparse_coo_tensor(idx, vals, (N * N, E)).coalesce()
+    # COO matrices whose indices torch checks once here (check_invariants: an index out of range is an error,
+    # not memory corruption); SparseConstraint converts its D to CSR itself
+    D_full = torch.sparse_coo_tensor(idx, vals, (N * N, E), check_invariants=True).coalesce()
     keep = idx[0] < N * N - 1                                             # drop the last cell's row
-    D = torch.sparse_coo_tensor(idx[:, keep], vals[keep], (N * N - 1, E)).to_sparse_csr()
+    D = torch.sparse_coo_tensor(idx[:, keep], vals[keep], (N * N - 1, E), check_invariants=True).coalesce()
 
     s = torch.zeros(N * N, dtype=torch.float64)
     s[(N // 4) * N + N // 4] = 1.0                                         # a source ...
@@ -87,15 +116,20 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     worst_sample = float(row_residual_ratio(constraint, f).max())
     div = lambda x: torch.sparse.mm(D_full, x.T.contiguous()).T              # noqa: E731  (S, N^2)
     last = float((div(f)[:, -1] - s[-1]).abs().max())
-    last_scale = float(torch.sparse.mm(D_full.abs(), f.abs().T.contiguous()).T[:, -1].min())
+    scales = torch.sparse.mm(D_full.abs(), f.abs().T.contiguous()).T          # (|D||f|)_c per sample, (S, N^2)
+    last_scale = float(scales[:, -1].min())
+    # the rows of D sum to zero and so does s: the last row's residual is minus the sum of the others', each at
+    # most tol (|D||f|)_c
+    last_bound = float(tol * scales[:, :-1].sum(-1).max())
     free = prior.sample((args.samples,))
     worst_prior = float(row_residual_ratio(constraint, free).max())
     print(f"grid {N} x {N}: {E} edge fluxes, {N * N - 1} conservation rows, "
           f"nnz(D) = {D.values().numel()}")
     print(f"worst per-row residual max_c |(Df - s)_c| / (|D||f|)_c, conditional mean: {worst_mean:.2e}")
     print(f"worst per-row residual over {args.samples} samples: {worst_sample:.2e} (claim: <= {tol:g})")
-    print(f"dropped last cell: max |(Df - s)_last| = {last:.2e} (scale (|D||f|)_last >= {last_scale:.2f})")
-    print(f"unconditioned prior draws, for contrast: worst per-row residual {worst_prior:.2f}")
+    print(f"dropped last cell: max |(Df - s)_last| = {last:.2e} (scale (|D||f|)_last >= {last_scale:.2f}; "
+          f"claim: <= {last_bound:.1e}, the other rows' bounds summed)")
+    print(f"unconditioned prior draws, for contrast: worst per-row residual {worst_prior:.2f} (claim: > 1e-3)")
 
     args.out.mkdir(parents=True, exist_ok=True)
     import matplotlib
@@ -115,29 +149,34 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         w[1:, :] += v / 2
         return u, w
 
-    fig, axes = plt.subplots(1, 3, figsize=(12, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.2))
     lim = float(div(free[:1]).abs().max())
-    for ax, x, title in ((axes[0], free[0], "prior draw: divergence"), (axes[1], f[0], "conditioned draw: divergence")):
-        im = ax.imshow(div(x.unsqueeze(0))[0].reshape(N, N), cmap="RdBu_r", vmin=-lim, vmax=lim)
-        ax.set_title(title)
+    for ax, x, title in ((axes[0], free[0], "prior draw"), (axes[1], f[0], "conditioned draw")):
+        im = ax.imshow(div(x.unsqueeze(0))[0].reshape(N, N).numpy(), cmap="RdBu_r", vmin=-lim, vmax=lim)
+        ax.set_title(f"{title}:\nnet outflow per cell")
         ax.set_xticks([])
         ax.set_yticks([])
-    fig.colorbar(im, ax=axes[:2], shrink=0.8)
+    bar = fig.colorbar(im, ax=axes[:2], shrink=0.8)
+    bar.set_label("(D f)_c = outflow - inflow of cell c")
     u, w = cell_vectors(mean)
     yy, xx = torch.meshgrid(torch.arange(N), torch.arange(N), indexing="ij")
-    axes[2].quiver(xx, yy, u, -w, angles="xy")
+    axes[2].quiver(xx.numpy(), yy.numpy(), u.numpy(), -w.numpy(), angles="xy")
     axes[2].invert_yaxis()
     axes[2].set_aspect("equal")
-    axes[2].set_title("conditional mean flux (source, sink)")
-    axes[2].plot([N // 4, 3 * N // 4], [N // 4, 3 * N // 4], "o", color="tab:red")
+    axes[2].set_title("conditional mean flux")
+    axes[2].plot([N // 4], [N // 4], "o", color="tab:red", ms=8, label="source (s = +1)")
+    axes[2].plot([3 * N // 4], [3 * N // 4], "s", color="tab:blue", ms=8, label="sink (s = -1)")
+    axes[2].legend(loc="lower center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=8, frameon=False)
     axes[2].set_xticks([])
     axes[2].set_yticks([])
     path = args.out / "sparse_grid_conservation.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     print(f"figure: {path}")
-    return {"worst_mean": worst_mean, "worst_sample": worst_sample, "tol": tol, "last_cell_error": last,
-            "worst_prior": worst_prior}
+    numbers = {"worst_mean": worst_mean, "worst_sample": worst_sample, "tol": tol, "last_cell_error": last,
+               "last_cell_bound": last_bound, "worst_prior": worst_prior}
+    enforce(claims(numbers))
+    return numbers
 
 
 if __name__ == "__main__":

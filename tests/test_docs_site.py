@@ -184,22 +184,139 @@ def test_backslash_escape_in_a_docstring_fails_the_build(rst, caplog):
 
 # ----------------------------------------------------------------------------------------------- the build
 
-def test_mkdocs_build_strict(tmp_path):
-    """`mkdocs build --strict` into a temporary folder: any warning (broken link or anchor, missing reference,
-    a page outside the nav, a docstring griffe cannot parse) fails it."""
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """The site, built once by `mkdocs build --strict` into a temporary folder: any warning (broken link or anchor,
+    missing reference, a page outside the nav, a docstring griffe cannot parse) fails it."""
     for module in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python"):
         pytest.importorskip(module, reason="the docs extra is not installed")
-    site = tmp_path / "site"
+    site = tmp_path_factory.mktemp("site")
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
     proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return site
+
+
+def test_mkdocs_build_strict(site):
     reference = (site / "reference" / "hardeq" / "index.html").read_text()
     assert "ConstrainedNormal" in reference and 'class="arithmatex"' in reference and ":math:" not in reference
     assert (site / "results" / "mof_curves.png").is_file()  # copied by the hook from results/
     guide = (site / "guide" / "constraints" / "index.html").read_text()
     assert "Adding a constraint" in guide  # the section included from docs/api.md
     assert "<!-- include:" not in guide
+
+
+#: elements whose attribute makes the browser fetch something when the page is shown (an <a href> does not)
+RESOURCE = re.compile(r"<(script|link|img|iframe|source|video|audio|embed|object|track|input)\b[^>]*?"
+                      r"\s(src|href|data|srcset|poster)\s*=\s*[\"']([^\"']+)[\"']", re.I)
+CSS_URL = re.compile(r"(?:url\(\s*[\"']?|@import\s+[\"'])([^\"')]+)", re.I)
+
+
+def _external(url: str) -> bool:
+    return bool(re.match(r"^(?:[a-z][a-z0-9+.-]*:)?//", url.strip(), re.I)) and not url.startswith("data:")
+
+
+def test_the_site_requests_nothing_from_another_host(site):
+    """Offline, or behind a firewall, every page shows its math: no script, stylesheet, font, image or frame of
+    the built site comes from another host (an external <a href> is a link, not a request), and every local
+    one exists. The math is KaTeX, shipped in docs/assets/katex."""
+    pages = sorted(site.rglob("*.html"))
+    assert len(pages) > 30
+    external, missing = [], []
+    for page in pages:
+        text = page.read_text()
+        for tag, attr, url in RESOURCE.findall(text):
+            for one in (u.split()[0] for u in url.split(",")) if attr.lower() == "srcset" else (url,):
+                if _external(one):
+                    external.append(f"{page.relative_to(site)}: <{tag} {attr}={one}>")
+                elif not one.startswith(("data:", "#")):
+                    path = one.split("#")[0].split("?")[0]
+                    target = site / path.lstrip("/") if path.startswith("/") else page.parent / path  # 404.html
+                    if not target.exists():
+                        missing.append(f"{page.relative_to(site)}: {one}")
+    for css in sorted(site.rglob("*.css")):
+        for url in CSS_URL.findall(css.read_text()):
+            if _external(url):
+                external.append(f"{css.relative_to(site)}: url({url})")
+            elif not url.startswith(("data:", "#")) and not (css.parent / url.split("#")[0].split("?")[0]).exists():
+                missing.append(f"{css.relative_to(site)}: url({url})")
+    assert external == [], f"resources from other hosts: {external[:20]}"
+    assert missing == [], f"local resources that the site lacks: {missing[:20]}"
+    home = (site / "index.html").read_text()
+    for path in ("assets/katex/katex.min.js", "assets/katex/contrib/auto-render.min.js", "javascripts/katex.js",
+                 "assets/katex/katex.min.css"):
+        assert path in home and (site / path).is_file(), path
+    assert (site / "assets" / "katex" / "LICENSE").is_file()
+    assert "fonts.googleapis.com" not in home and "fonts.gstatic.com" not in home
+
+
+#: node script: render every formula of the built site (argv[2]) with the shipped KaTeX (argv[1]); print the
+#: number of formulas and one line per formula KaTeX refuses
+KATEX_CHECK = r"""
+const katex = require(process.argv[1]);
+const fs = require("fs"), path = require("path");
+const walk = (d) => fs.readdirSync(d, {withFileTypes: true}).flatMap((e) => e.isDirectory()
+  ? walk(path.join(d, e.name)) : e.name.endsWith(".html") ? [path.join(d, e.name)] : []);
+const unescape = (s) => s.replace(/&lt;/g, "<").replace(/&gt;/g, ">").replace(/&quot;/g, '"')
+  .replace(/&#39;/g, "'").replace(/&amp;/g, "&");
+let n = 0;
+for (const file of walk(process.argv[2])) {
+  const html = fs.readFileSync(file, "utf8");
+  const formula = /<(span|div) class="arithmatex">([\s\S]*?)<\/\1>/g;
+  let m;
+  while ((m = formula.exec(html))) {
+    const tex = unescape(m[2]).trim();
+    const display = tex.startsWith("\\[");
+    n++;
+    try {
+      katex.renderToString(tex.slice(2, -2), {displayMode: display, throwOnError: true});
+    } catch (e) {
+      console.log("REFUSED " + path.relative(process.argv[2], file) + ": " + tex.slice(0, 120) + " -- "
+                  + e.message.split("\n")[0]);
+    }
+  }
+}
+console.log("FORMULAS " + n);
+"""
+
+
+def test_katex_renders_every_formula_of_the_site(site):
+    """Every formula of the built site renders with the shipped KaTeX (which supports most but not all of
+    MathJax's TeX: an unsupported command would show as red source text). Needs node to run KaTeX here."""
+    import shutil
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed: KaTeX cannot be run outside a browser here")
+    proc = subprocess.run([node, "-e", KATEX_CHECK, str(ROOT / "docs" / "assets" / "katex" / "katex.min.js"),
+                           str(site)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    refused = [line for line in proc.stdout.splitlines() if line.startswith("REFUSED")]
+    count = int(re.search(r"FORMULAS (\d+)", proc.stdout).group(1))
+    assert count > 300 and refused == [], refused[:20]
+
+
+def test_the_offline_scan_finds_external_resources(tmp_path):
+    """The scan of the test above is not a formality: CDN scripts, stylesheets, fonts and protocol-relative URLs
+    are found; links and local files are not."""
+    html = ('<script src="https://cdn.jsdelivr.net/npm/mathjax@3/es5/tex-mml-chtml.js"></script>'
+            '<link rel="stylesheet" href="//fonts.googleapis.com/css?family=Roboto">'
+            '<a href="https://example.org">a link</a><script src="assets/katex/katex.min.js"></script>'
+            '<img alt="x" src="figures/method.png">')
+    found = [url for _, _, url in RESOURCE.findall(html) if _external(url)]
+    assert found == ["https://cdn.jsdelivr.net/npm/mathjax@3/es5/tex-mml-chtml.js",
+                     "//fonts.googleapis.com/css?family=Roboto"]
+    css = '@font-face{src:url(fonts/KaTeX_AMS-Regular.woff2)} @import "https://x.org/a.css"; b{background:url("data:,")}'
+    assert [u for u in CSS_URL.findall(css) if _external(u)] == ["https://x.org/a.css"]
+
+
+def test_the_landing_page_has_an_install_line_code_and_the_picture(site):
+    home = (ROOT / "docs" / "index.md").read_text()
+    assert "pip install torch==2.13.0 -e ." in home and "```python\nimport torch\nimport hardeq\n" in home
+    assert "![" in home and "(figures/method.png)" in home
+    assert (ROOT / "docs" / "figures" / "method.py").is_file()
+    assert (site / "figures" / "method.png").is_file()
 
 
 def test_getting_started_example_is_the_readme_example():

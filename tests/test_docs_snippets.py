@@ -272,6 +272,17 @@ def test_markers_are_known_and_stand_before_python_blocks():
         pytest.skip("; ".join(unmet))
 
 
+#: pages a new reader meets first; their code must fit a 1280-pixel-wide window (Material's content column shows
+#: about 88 characters of code there) without scrolling sideways
+FIRST_PAGES = ("README.md", "docs/index.md", "docs/getting-started.md")
+
+
+def test_code_of_the_first_pages_fits_88_columns():
+    long = [f"{b.where}+{i}: {len(line)} characters" for b in ALL if b.page in FIRST_PAGES and b.language in PYTHON
+            for i, line in enumerate(b.code.splitlines(), 1) if len(line) > 88]
+    assert long == [], f"code lines wider than 88 columns (wrap the comment): {long}"
+
+
 def test_the_block_reader_finds_indented_and_tilde_fences_and_markers(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("# t\n\n- item\n\n    ```python\n    x = 1\n      y = 2\n    ```\n\n"

@@ -1,5 +1,8 @@
 """The scripts in examples/: each runs as a subprocess (``--out tmp_path``), prints its numbers with the claims they
-check, and saves its figure. These tests parse the printed numbers and check the claims and the figure.
+check, checks those claims itself (exit status 1 and the failed claims on stderr when one does not hold) and saves
+its figure. These tests parse the printed numbers and check the claims again, independently, and the figure; and
+they show that a script fails when its claim does (a library broken on purpose, and every script's claims fed
+NaN).
 
 The two fastest run by default; the others (10-30 s each on a loaded 2-core machine) are ``slow``
 (``pytest -m slow tests/test_examples.py``). Examples whose extra is missing (torch_geometric, diffusers) or
@@ -8,6 +11,8 @@ without matplotlib are skipped.
 
 from __future__ import annotations
 
+import collections
+import importlib.util
 import math
 import os
 import re
@@ -24,16 +29,21 @@ NUMBER = r"([-+]?(?:\d+\.?\d*(?:e[-+]?\d+)?|nan|inf))"
 pytestmark = pytest.mark.cpu_only(reason="the examples are CPU scripts run as subprocesses")
 
 
-def run_example(name: str, out: Path, *args: str, needs: tuple[str, ...] = ()) -> str:
-    """Run ``examples/<name>.py --out out`` and return its stdout; fail with its output if it fails."""
+def run_example(name: str, out: Path, *args: str, needs: tuple[str, ...] = (), warnings: bool = False) -> str:
+    """Run ``examples/<name>.py --out out`` and return its stdout; fail with its output if it fails. With
+    ``warnings``, Python's warnings are shown and the script must print none."""
     pytest.importorskip("matplotlib")
     for module in needs:
         pytest.importorskip(module)
     # the scripts default to --threads 1; OMP_NUM_THREADS=1 also keeps any other OpenMP pool from spinning
-    env = dict(os.environ, PYTHONWARNINGS="ignore", MPLBACKEND="Agg", OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONWARNINGS="default" if warnings else "ignore", MPLBACKEND="Agg",
+               OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, str(EXAMPLES / f"{name}.py"), "--out", str(out), *args],
                           capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr}"
+    if warnings:
+        assert "Warning" not in proc.stderr, proc.stderr
+    assert re.search(r"^all \d+ claims hold$", proc.stdout, re.M), proc.stdout
     assert (out / f"{name}.png").is_file(), f"{name} saved no figure in {out}:\n{proc.stdout}"
     assert (out / f"{name}.png").stat().st_size > 1000
     return proc.stdout
@@ -45,6 +55,62 @@ def number(pattern: str, text: str, group: int = 1) -> float:
     m = re.search(regex, text)
     assert m is not None, f"no match for {pattern!r} in:\n{text}"
     return float(m.group(group))
+
+
+def load_example(name: str):
+    """Import ``examples/<name>.py`` as a module (its ``main`` does not run)."""
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in EXAMPLES.glob("*.py")))
+def test_every_claim_of_every_example_can_fail(name, capsys):
+    """Fed NaN for every number, each claim of a script fails (none is vacuous), and ``enforce`` exits with a
+    non-zero status that lists them; fed the claims all true, it says so."""
+    module = load_example(name)
+    checked = module.claims(collections.defaultdict(lambda: math.nan))
+    assert len(checked) >= 3 and not any(ok for _, ok in checked), [c for c, ok in checked if ok]
+    with pytest.raises(SystemExit) as exc:
+        module.enforce(checked)
+    message = str(exc.value.code)
+    assert exc.value.code != 0 and f"{len(checked)} of {len(checked)} claims failed" in message
+    assert all(claim in message for claim, _ in checked)
+    module.enforce([(claim, True) for claim, _ in checked])
+    assert capsys.readouterr().out == f"all {len(checked)} claims hold\n"
+
+
+BREAK_POISSON = """
+import runpy, sys
+import hardeq
+
+original = hardeq.ConstrainedPoisson.expected_l1
+
+
+def broken(self, *args, **kwargs):  # a library bug: the closed-form expected L1 loss 0.1% too large
+    return original(self, *args, **kwargs) * 1.001
+
+
+hardeq.ConstrainedPoisson.expected_l1 = broken
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_an_example_exits_non_zero_when_its_claim_fails(tmp_path):
+    """examples/poisson_fixed_total.py run against a library whose expected L1 loss is 0.1% off: the script exits
+    with status 1 and names the claim that failed, instead of printing the number and exiting 0."""
+    pytest.importorskip("matplotlib")
+    env = dict(os.environ, PYTHONWARNINGS="ignore", MPLBACKEND="Agg", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", BREAK_POISSON, str(EXAMPLES / "poisson_fixed_total.py"),
+                           "--out", str(tmp_path), "--samples", "2000"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 1, (proc.returncode, proc.stdout, proc.stderr)
+    assert "poisson_fixed_total.py: 1 of 6 claims failed:" in proc.stderr, proc.stderr
+    assert "  - expected_l1 equals the binomial sum to < 1e-12 (got " in proc.stderr, proc.stderr
+    assert "claims hold" not in proc.stdout and "Traceback" not in proc.stderr
+    assert (tmp_path / "poisson_fixed_total.png").is_file()  # the figure is still drawn, to look at
 
 
 def test_every_example_has_a_page_a_readme_row_and_a_committed_figure():
@@ -70,7 +136,7 @@ def test_poisson_fixed_total(tmp_path):
 
 
 def test_sparse_grid_conservation(tmp_path):
-    out = run_example("sparse_grid_conservation", tmp_path, "--grid", "24")
+    out = run_example("sparse_grid_conservation", tmp_path, "--grid", "24", warnings=True)  # no sparse warnings
     assert "grid 24 x 24" in out
     assert number("conditional mean:", out) <= 1e-12
     assert number("over 16 samples:", out) <= 1e-12
@@ -109,6 +175,7 @@ def test_diffusers_pipeline(tmp_path):
     lo, hi = number(r"pixels in \[{num}, {num}\]", out), number(r"pixels in \[{num}, {num}\]", out, group=2)
     assert 0 <= lo <= hi <= 1
     assert number("round(255 total)| =", out) == 0
+    assert "for contrast" not in out  # plain rounding met the totals here: no contrast to show
 
 
 @pytest.mark.slow
