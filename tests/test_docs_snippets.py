@@ -192,8 +192,7 @@ for line in sys.stdin:
 
 
 def _env() -> dict[str, str]:
-    return dict(os.environ, MPLBACKEND="Agg", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    return dict(os.environ, MPLBACKEND="Agg", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 
 
 class PageRunner:
