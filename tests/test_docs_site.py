@@ -307,7 +307,8 @@ def test_the_offline_scan_finds_external_resources(tmp_path):
     found = [url for _, _, url in RESOURCE.findall(html) if _external(url)]
     assert found == ["https://cdn.jsdelivr.net/npm/mathjax@3/es5/tex-mml-chtml.js",
                      "//fonts.googleapis.com/css?family=Roboto"]
-    css = '@font-face{src:url(fonts/KaTeX_AMS-Regular.woff2)} @import "https://x.org/a.css"; b{background:url("data:,")}'
+    css = ('@font-face{src:url(fonts/KaTeX_AMS-Regular.woff2)} @import "https://x.org/a.css"; '
+           'b{background:url("data:,")}')
     assert [u for u in CSS_URL.findall(css) if _external(u)] == ["https://x.org/a.css"]
 
 

@@ -442,7 +442,8 @@ def _run(args: argparse.Namespace, argv: list[str], prog: str, meta: dict, state
         if not args.quiet:
             _tell(paths, args.verbose)
             print(f"wrote {args.out / (args.study + '.json')} and its report in {seconds:.1f} s: "
-                  f"{', '.join(str(p) for p in paths)}" + ("" if args.verbose else "; --verbose prints the whole report"))
+                  f"{', '.join(str(p) for p in paths)}"
+                  + ("" if args.verbose else "; --verbose prints the whole report"))
         if smoke:
             print(smoke_line(args.study), flush=True)
     return 0
