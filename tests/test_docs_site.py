@@ -312,6 +312,18 @@ def test_the_offline_scan_finds_external_resources(tmp_path):
     assert [u for u in CSS_URL.findall(css) if _external(u)] == ["https://x.org/a.css"]
 
 
+def test_the_landing_page_picture_is_made_by_its_script(tmp_path):
+    """docs/figures/method.py still runs against the library (it checks that the repaired and the conditioned
+    samples lie on the line) and draws the picture."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "method.png"
+    env = dict(os.environ, MPLBACKEND="Agg", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "docs" / "figures" / "method.py"), str(out)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert out.stat().st_size > 20_000
+
+
 def test_the_landing_page_has_an_install_line_code_and_the_picture(site):
     home = (ROOT / "docs" / "index.md").read_text()
     assert "pip install torch==2.13.0 -e ." in home and "```python\nimport torch\nimport hardeq\n" in home
