@@ -247,7 +247,8 @@ def test_extreme_scales_in_float32_work_or_raise_precisely(scale_value, kind):
         c = Conditioner(DiagonalCovariance(scale), con)
         z = c.condition(torch.randn(n) + scale * torch.randn(100, n))
     except NotPSDError as e:  # a precise error is acceptable, a silent NaN is not
-        assert "dtype" in str(e)
+        # (a CPU that flushes subnormals to zero holds 1e-40 as 0: then the scales are all zero, and it says so)
+        assert "dtype" in str(e) or (bool((scale == 0).all()) and "not all zero" in str(e))
         return
     assert bool(torch.isfinite(z).all())
     assert rel_residual(con.dense_matrix(), k, z) <= 1e-5
