@@ -212,3 +212,25 @@ def test_plane_transform_is_an_isometry_onto_the_plane(kind, dtype):
     torch.testing.assert_close(J.mT @ J, torch.eye(n - a, dtype=torch.float64).expand(5, -1, -1), atol=1e-12, rtol=0)
     A = c.to(dtype=torch.float64).dense_matrix()
     assert (A @ J).abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("autoguide", [AutoDelta, AutoNormal, AutoMultivariateNormal])
+def test_autoguides_in_a_plate_with_a_total_per_row(autoguide):
+    """Per-row totals (k of shape (3, 1)) under pyro.plate: each row of every guide value sums to its own total."""
+    pyro.set_rng_seed(1)
+    totals = torch.tensor([[1.0], [2.0], [-3.0]], dtype=DTYPE)
+    c = SumConstraint(torch.zeros(4, dtype=torch.long), totals)
+    obs = torch.randn(3, 4, generator=torch.Generator().manual_seed(1), dtype=DTYPE)
+
+    def rows_model():
+        with pyro.plate("rows", 3):
+            b = pyro.sample("b", ConstrainedNormal(torch.zeros(4, dtype=DTYPE), 1.0, constraint=c))
+            pyro.sample("y", pdist.Normal(b, 0.5).to_event(1), obs=obs)
+
+    guide = autoguide(rows_model)
+    svi = SVI(rows_model, guide, ClippedAdam({"lr": 0.05}), Trace_ELBO())
+    for _ in range(10):
+        svi.step()
+    b = guide()["b"].detach()
+    assert b.shape == (3, 4) and bool(c.check(b).all())
+    torch.testing.assert_close(b.sum(-1), totals[:, 0], rtol=0, atol=1e-12 * 4)
