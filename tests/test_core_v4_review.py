@@ -251,7 +251,8 @@ def kl_error_bound(q: ConstrainedNormal, p: ConstrainedNormal) -> float | None:
         logs = s.square().log()
         parts[name] = dict(
             s=s, eta=eta, mean=mean, Ls=logs.sum().item(), Ls_abs=logs.abs().sum().item(), LS=torch.logdet(S).item(),
-            LS_abs=(S.diagonal().log().abs().sum() + a * s.square().max().log().abs() + torch.logdet(S_eq).abs()).item(),
+            LS_abs=(S.diagonal().log().abs().sum() + a * s.square().max().log().abs()
+                    + torch.logdet(S_eq).abs()).item(),
             dmean=(2 * eta * R + (a * kappa) ** 0.5 * (n + 2) * u * ((mu / s).norm() + (k / dS).norm()).item()
                    + 2 * u * (mean / s).norm().item()))
     pq, pp = parts["q"], parts["p"]

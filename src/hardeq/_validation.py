@@ -81,7 +81,7 @@ def check_device(device: Any, name: str = "device") -> None:
         built = torch.version.cuda
         why = (f"this torch ({torch.__version__}) was built without CUDA" if built is None else
                f"this torch ({torch.__version__}, CUDA {built}) finds no usable GPU")
-        raise ValueError(f"{name}={str(device)!r} asks for a GPU, but {why}: use {name}='cpu', or run on a machine with a "
-                         "GPU and a CUDA build of torch (https://pytorch.org/get-started/locally/).")
+        raise ValueError(f"{name}={str(device)!r} asks for a GPU, but {why}: use {name}='cpu', or run on a machine "
+                         "with a GPU and a CUDA build of torch (https://pytorch.org/get-started/locally/).")
     if dev.index is not None and dev.index >= torch.cuda.device_count():
         raise ValueError(f"{name}={str(device)!r}: this machine has {torch.cuda.device_count()} CUDA device(s).")

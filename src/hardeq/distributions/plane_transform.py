@@ -170,7 +170,8 @@ class PlaneTransform(Transform):
 
     def forward_shape(self, shape: torch.Size | tuple[int, ...]) -> torch.Size:
         if len(shape) < 1 or shape[-1] != self.n - self.a:
-            raise ValueError(f"PlaneTransform maps vectors of size n - a = {self.n - self.a}, got shape {tuple(shape)}.")
+            raise ValueError(f"PlaneTransform maps vectors of size n - a = {self.n - self.a}, got shape "
+                             f"{tuple(shape)}.")
         return torch.Size(shape[:-1]) + (self.n,)
 
     def inverse_shape(self, shape: torch.Size | tuple[int, ...]) -> torch.Size:
