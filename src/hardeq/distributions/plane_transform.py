@@ -17,11 +17,12 @@ works without Pyro (``torch.distributions.biject_to(d.support)``).
 
 ``N`` is never formed (it would be ``n x (n - a)``):
 
-* a :class:`~hardeq.SumConstraint` uses, per group ``g`` of size ``m``, the Householder reflection
-  :math:`H_g = I - 2vv^\top / v^\top v`, :math:`v = e_1 - \mathbf 1/\sqrt m`, which maps :math:`e_1` to
-  :math:`\mathbf 1/\sqrt m`; its other ``m - 1`` columns are an orthonormal basis of :math:`\{x : \sum x = 0\}`.
-  ``y`` fills the group's slots after its first; applying all :math:`H_g` is one scatter and one gather, O(n) per
-  vector (a group of one has no free coordinate: it gets its total);
+* a grouped sum (a :class:`~hardeq.SumConstraint`: :attr:`~hardeq.EqualityConstraint.group_index` set) uses,
+  per group ``g`` of size ``m``, the Householder reflection :math:`H_g = I - 2vv^\top / v^\top v`,
+  :math:`v = e_1 - \mathbf 1/\sqrt m`, which maps :math:`e_1` to :math:`\mathbf 1/\sqrt m`; its other ``m - 1``
+  columns are an orthonormal basis of :math:`\{x : \sum x = 0\}`. ``y`` fills the group's slots after its first;
+  applying all :math:`H_g` is one scatter and one gather, O(n) per vector (a group of one has no free coordinate:
+  it gets its total);
 * any other constraint uses the Householder QR of :math:`A^\top` (``torch.geqrf``, float64, O(a^2 n) once): ``N``
   is the last ``n - a`` columns of ``Q``, applied with ``torch.ormqr`` in O(n a) per vector.
 
@@ -37,7 +38,7 @@ from torch import Tensor
 from torch.distributions import constraints
 from torch.distributions.transforms import Transform
 
-from ..constraints import EqualityConstraint, SumConstraint
+from ..constraints import EqualityConstraint
 from .normal import _AffineSubspace
 from .truncated import _BoxOnPlane
 
@@ -45,17 +46,20 @@ __all__ = ["PlaneTransform"]
 
 
 class _GroupedBasis:
-    """The per-group Householder basis of a :class:`SumConstraint` (see the module docstring); O(n) memory."""
+    """The per-group Householder basis of a grouped-sum constraint (:attr:`~hardeq.EqualityConstraint.group_index`
+    not ``None``: a :class:`~hardeq.SumConstraint`; see the module docstring); O(n) memory."""
 
-    def __init__(self, constraint: SumConstraint) -> None:
-        index, n, a = constraint.index, constraint.event_size, constraint.num_constraints
+    def __init__(self, constraint: EqualityConstraint, index: Tensor) -> None:
+        n, a = constraint.event_size, constraint.num_constraints
         dtype = constraint.k.dtype
         position = torch.arange(n, device=index.device)
         first = torch.full((a,), n, dtype=torch.long, device=index.device).scatter_reduce(0, index, position, "amin")
         is_first = position == first[index]
         # the n - a free slots (not a group's first), in order; a stable sort needs no host read
         self.free = torch.argsort(is_first.to(torch.int8), stable=True)[: n - a]
-        counts = constraint.counts.to(device=index.device, dtype=dtype)
+        sizes = constraint.group_sizes
+        assert sizes is not None  # (a grouped constraint has group sizes)
+        counts = sizes.to(device=index.device, dtype=dtype)
         s = counts.rsqrt()
         self.v = is_first.to(dtype) - s[index]  # (n,)
         vtv = 2.0 - 2.0 * s  # (a,): 0 for a group of one (its reflection is the identity)
@@ -133,8 +137,8 @@ class PlaneTransform(Transform):
         super().__init__(cache_size=cache_size)
         self.constraint = constraint
         self.n, self.a = constraint.event_size, constraint.num_constraints
-        self._basis = _GroupedBasis(constraint) if isinstance(constraint, SumConstraint) else _HouseholderBasis(
-            constraint)
+        index = constraint.group_index  # grouped sums (a SumConstraint) have an O(n) basis
+        self._basis = _HouseholderBasis(constraint) if index is None else _GroupedBasis(constraint, index)
         self._z0 = constraint.particular_solution()  # (*batch, n)
 
     @constraints.dependent_property(is_discrete=False, event_dim=1)
