@@ -7,6 +7,8 @@ import math
 import torch
 from torch import Tensor
 
+from ._validation import not_a_tensor
+
 __all__ = ["batch_mv", "validate_default", "check_tensor", "check_finite", "check_same_dtype_device",
            "check_group_index"]
 
@@ -60,7 +62,7 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def check_tensor(name: str, value: object, *, min_dim: int = 0, floating: bool = True) -> Tensor:
     """Raise ``TypeError``/``ValueError`` naming ``name`` unless ``value`` is a suitable tensor."""
     if not isinstance(value, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}.")
+        raise not_a_tensor(name, value)
     if floating and value.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be a floating-point tensor (float16, bfloat16, float32 or float64), got dtype "
                         f"{value.dtype}.")

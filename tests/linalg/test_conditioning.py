@@ -15,7 +15,6 @@ from hardeq.linalg import conditioning, covariance
 from hardeq.linalg.conditioning import Conditioner
 from hardeq.linalg.covariance import DiagonalCovariance, FullCovariance, LowRankCovariance
 from hardeq.testing import dense_conditional, random_spd
-from tests.device import device
 
 
 def rel_residual(A, k, z):
@@ -78,18 +77,21 @@ def test_qr_fallback_when_the_cholesky_fails_float64():
 
 
 def test_residual_check_escalates_when_a_factor_is_accepted_too_eagerly(monkeypatch):
-    """Force the float32 Cholesky path on an ill-conditioned S (accept any kappa): the residual check must
-    detect the violation, refine, and escalate (cholesky -> cholesky64 -> qr) until the sample is exact."""
+    """Accept any kappa for the float32 Cholesky on an ill-conditioned S: whichever path round-off picks, every
+    conditioned vector meets every row. Where the float32 potrf succeeds (LAPACK here: pivot-ratio estimate ~1.7e7,
+    so eps32 kappa ~ 2 and the factor is useless), only the residual check stands between its output and the
+    user, so the rows being met shows the check caught it; where it fails outright (cuSOLVER, some BLAS), it is
+    never accepted."""
     monkeypatch.setitem(conditioning.KAPPA_MAX, "working", float("inf"))
-    # the float32 factorisation succeeds here (LAPACK: pivot-ratio estimate ~1.7e7), but is far too inaccurate
     loc, scale, A, k = ill_conditioned(torch.float32, decades=8.0, dependence=3e-3)
     c = Conditioner(DiagonalCovariance(scale), hardeq.LinearConstraint(A, k))
-    # a factorisation that fails outright (cuSOLVER's float32 potrf here, not LAPACK's) is never accepted
-    assert c.method == "cholesky" or (device().type != "cpu" and c.method == "cholesky64")
+    assert c.method in ("cholesky", "cholesky64")
+    if c.method == "cholesky":
+        assert c.factor.kappa < float("inf")
     torch.manual_seed(1)
     z = c.condition(loc + scale * torch.randn(1000, 12))
-    assert c.method in ("cholesky64", "qr")  # escalated
-    assert rel_residual(A, k, z) <= 1e-5
+    z64, A64, k64 = z.double(), A.double(), k.double()  # every row to its own tolerance
+    assert bool(((z64 @ A64.mT - k64).abs() <= 1e-5 * (z64.abs() @ A64.abs().mT + k64.abs())).all())
 
 
 def test_refinement_runs_only_when_the_check_asks(monkeypatch):
@@ -245,7 +247,8 @@ def test_extreme_scales_in_float32_work_or_raise_precisely(scale_value, kind):
         c = Conditioner(DiagonalCovariance(scale), con)
         z = c.condition(torch.randn(n) + scale * torch.randn(100, n))
     except NotPSDError as e:  # a precise error is acceptable, a silent NaN is not
-        assert "dtype" in str(e)
+        # (a CPU that flushes subnormals to zero holds 1e-40 as 0: then the scales are all zero, and it says so)
+        assert "dtype" in str(e) or (bool((scale == 0).all()) and "not all zero" in str(e))
         return
     assert bool(torch.isfinite(z).all())
     assert rel_residual(con.dense_matrix(), k, z) <= 1e-5
@@ -310,13 +313,41 @@ def test_fused_sample_every_structure(structure, kind):
     assert rel_residual(con.dense_matrix(), k, c.sample(loc, (20,))) <= 1e-12
 
 
-def test_a_failed_factorisation_is_never_accepted(monkeypatch):
-    """Even with no limit on the condition number, a Cholesky factorisation that fails (a non-positive pivot: the
-    estimate is infinite) is passed over for the next step of the plan, never used."""
+def float32_singular_gram():
+    r"""Two rows whose Gram matrix is singular once rounded to float32, on any IEEE machine, and regular in float64.
+
+    ``A = [[1, 1, 1, 1, 0], [1, 1, 1, 1, 2^-13]]`` with unit scales: :math:`S = [[4, 4], [4, 4 + 2^{-26}]]`. Every
+    product is exact, and every partial sum of :math:`S_{22}` that holds a 1 rounds :math:`2^{-26}` away (half an
+    ulp of 1 is :math:`2^{-24}`), in any order, with or without FMA or a wider accumulator rounded back: the float32
+    :math:`S` is ``[[4, 4], [4, 4]]``, its equilibrated form (``d = 2``, exact) is all ones, and Cholesky meets a
+    zero pivot (:math:`1 - 1\cdot 1`, exact). Even from the float64 :math:`S` rounded to float32, the correlation
+    :math:`1 - 2^{-29}` rounds to 1. In float64 :math:`\kappa(\tilde S) \approx 2^{30}`, within float64's limit."""
+    A = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0, 2.0 ** -13]])
+    k = torch.tensor([0.0, 2.0 ** -13])  # the plane: z_5 = 1, z_1 + ... + z_4 = 0
+    return torch.zeros(5), torch.ones(5), A, k
+
+
+@pytest.mark.parametrize("problem", ["float32_singular", "ill_conditioned"])
+def test_a_failed_factorisation_is_never_accepted(monkeypatch, problem):
+    """Even with no limit on the condition number, a factorisation that fails (a non-positive pivot: the estimate is
+    infinite) is passed over for the next step of the plan, never used. What holds whichever path round-off picks:
+    the accepted factor has a finite kappa estimate and a finite log-determinant, and every conditioned vector
+    meets every row to the float32 tolerance. Where the float32 Gram matrix is singular on every IEEE machine
+    (:func:`float32_singular_gram`), the float32 Cholesky cannot be the one accepted."""
     monkeypatch.setitem(conditioning.KAPPA_MAX, "working", float("inf"))
-    loc, scale, A, k = ill_conditioned(torch.float32, decades=8.0, dependence=1e-3)  # float32 potrf fails
+    if problem == "float32_singular":
+        loc, scale, A, k = float32_singular_gram()
+    else:  # float32 potrf fails on some CPUs and not on others: either way the checks below hold
+        loc, scale, A, k = ill_conditioned(torch.float32, decades=8.0, dependence=1e-3)
     c = Conditioner(DiagonalCovariance(scale), hardeq.LinearConstraint(A, k))
-    assert c.method == "cholesky64" and c.factor.kappa < float("inf")
+    factor = getattr(c.factor, "base", c.factor)  # (the null-space form wraps a factor of S)
+    assert factor.name in ("cholesky", "cholesky64", "qr")
+    if problem == "float32_singular":
+        assert factor.name in ("cholesky64", "qr")
+    if factor.name != "qr":
+        assert factor.kappa < float("inf")
+    assert bool(torch.isfinite(c.logdet()).all())
     torch.manual_seed(1)
-    z = c.condition(loc + scale * torch.randn(100, 12))
-    assert rel_residual(A, k, z) <= 1e-5
+    z = c.condition(loc + scale * torch.randn(100, A.shape[-1]))
+    z64, A64, k64 = z.double(), A.double(), k.double()  # every row to its own tolerance
+    assert bool(((z64 @ A64.mT - k64).abs() <= 1e-5 * (z64.abs() @ A64.abs().mT + k64.abs())).all())

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .._utils import batch_mv, check_finite, check_same_dtype_device, check_tensor, validate_default
+from .._validation import check_device, check_not_transposed
 from ..ops.gram_pairs import gram_from_pairs, row_pairs
 from . import pairs
 from ._cache import PerTensorCache
@@ -77,6 +78,7 @@ class LinearConstraint(EqualityConstraint):
         check_tensor("k", k, min_dim=1)
         check_same_dtype_device(A=A, k=k)
         a, n = A.shape[-2:]
+        check_not_transposed(A.shape, k.shape)
         if k.shape[-1] != a:
             raise ValueError(
                 f"k must have shape (..., a) with a = A.shape[-2] = {a}, got k.shape = {tuple(k.shape)} "
@@ -283,6 +285,7 @@ class LinearConstraint(EqualityConstraint):
         return new
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> LinearConstraint:
+        check_device(device)
         A, k = self.A.to(device=device, dtype=dtype), self.k.to(device=device, dtype=dtype)
         if A is self.A and k is self.k:
             return self

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from .._utils import check_finite, check_same_dtype_device, check_tensor, validate_default
+from .._validation import check_device, check_not_transposed
 from . import pairs
 from ._cache import PerTensorCache
 from .base import EqualityConstraint, config_dtype, dtype_name, register_constraint_kind, require_keys
@@ -276,6 +277,7 @@ class SparseConstraint(EqualityConstraint):
         check_tensor("k", k, min_dim=1)
         check_same_dtype_device(A=A, k=k)
         a, n = A.shape
+        check_not_transposed(A.shape, k.shape)
         if k.shape[-1] != a:
             raise ValueError(f"k must have shape (*batch, a) with a = A.shape[0] = {a}, "
                              f"got k.shape = {tuple(k.shape)}.")
@@ -549,6 +551,7 @@ class SparseConstraint(EqualityConstraint):
         """This constraint on ``device`` / in ``dtype``. Float64 on the same device, for an ``A`` without gradient,
         reuses the cached float64 copies of ``A`` and ``A^T`` and keeps one cache dictionary for them per ``A``
         (the conditioner's float64 residual check and factor then prepare their blocks once per ``A``)."""
+        check_device(device)
         same_device = device is None or torch.device(device) == self._A.device
         if dtype == torch.float64 and self.dtype != torch.float64 and same_device and not self._A.requires_grad:
             A64, At64 = self._float64()

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from .._utils import check_finite, check_group_index, check_tensor, group_sizes, is_tracing, validate_default
+from .._validation import check_device, not_a_tensor
 from ..ops.group_sum import SUM_CHUNK, GroupSum
 from ._cache import PerTensorCache
 from .base import EqualityConstraint, config_dtype, dtype_name, register_constraint_kind, require_keys
@@ -157,7 +158,7 @@ class SumConstraint(EqualityConstraint):
 
     def __init__(self, index: Tensor, total: Tensor, *, validate_args: bool | None = None) -> None:
         if not isinstance(index, Tensor):
-            raise TypeError(f"index must be a torch.Tensor of dtype torch.long, got {type(index).__name__}.")
+            raise not_a_tensor("index", index, "a torch.Tensor of dtype torch.long")
         if index.dtype != torch.long:
             raise TypeError(f"index must have dtype torch.long, got {index.dtype}.")
         if index.dim() != 1:
@@ -310,6 +311,7 @@ class SumConstraint(EqualityConstraint):
         return new
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> SumConstraint:
+        check_device(device)
         index, k = self.index.to(device=device), self.k.to(device=device, dtype=dtype)
         if index is self.index and k is self.k:
             return self

@@ -26,6 +26,12 @@ restricted to a box, from :meth:`ConstrainedNormal.truncate`) is scored by its r
 reparametrised sampler. A :class:`ConstrainedPoisson` site is discrete (its
 ``log_prob`` is the conditional pmf; as a latent, Trace_ELBO uses the score-function estimator).
 
+Autoguides: ``AutoDelta``, ``AutoNormal``, ``AutoMultivariateNormal`` and the other autoguides that learn in an
+unconstrained space work with a :class:`ConstrainedNormal` latent: ``biject_to(site.support)`` is
+:class:`hardeq.distributions.PlaneTransform`, the isometry :math:`y \mapsto z_0 + Ny` of :math:`\mathbb R^{n-a}`
+onto the plane (log-det Jacobian 0), registered by ``import hardeq``. A truncated latent (a box on the plane) has
+none: an autoguide raises ``NotImplementedError`` asking for a hand-written guide.
+
 Cost: none beyond the hardeq distribution's own; Pyro's plate broadcasting calls :meth:`expand`, which shares
 the factorisation of the conditioner where the parameters are shared.
 """

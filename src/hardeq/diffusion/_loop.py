@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .._validation import check_device
 from ..constraints import EqualityConstraint
 from .box import check_final
 from .image_constraints import validate_image_constraint
@@ -65,6 +66,7 @@ def setup_loop(model: object, shape: object, constraint: EqualityConstraint | No
     """Check the arguments, derive the conditioning stream (from the main stream's state, before anything is
     drawn from it), draw :math:`x_T` from the main stream (unless ``noise`` is given)."""
     dtype, device, deterministic = options.dtype, options.device, options.deterministic
+    check_device(device)
     if not callable(model):
         raise TypeError(f"model must be callable as model(x_t, t), got {type(model).__name__}.")
     check_generator("generator", generator)

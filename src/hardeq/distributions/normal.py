@@ -14,6 +14,7 @@ from torch.distributions import Distribution, constraints
 from torch.distributions.utils import lazy_property
 
 from .._utils import LOG_2PI, check_finite, check_same_dtype_device, check_tensor
+from .._validation import image_flatten_hint, not_a_tensor
 from ..constraints import EqualityConstraint
 from ..estimators import normal as _normal_estimators  # noqa: F401  (registers the estimators)
 from ..estimators.registry import get_estimator
@@ -178,8 +179,8 @@ class ConstrainedNormal(Distribution):
         elif isinstance(scale, numbers.Real) and not isinstance(scale, bool):  # as torch.distributions.Normal
             scale = torch.tensor(float(scale), dtype=loc.dtype, device=loc.device)
         elif scale is not None and not isinstance(scale, torch.Tensor):
-            raise TypeError(f"scale must be a torch.Tensor, got {type(scale).__name__} (a real Python number is also "
-                            "accepted, as in torch.distributions.Normal).")
+            raise not_a_tensor("scale", scale, note=" (a real Python number is also accepted, as in "
+                               "torch.distributions.Normal)")
         validate = Distribution._validate_args if validate_args is None else validate_args
         covariance = _build_covariance(n, scale, covariance, scale_tril, cov_factor, covariance_matrix,
                                        precision_matrix, validate)
@@ -194,7 +195,7 @@ class ConstrainedNormal(Distribution):
         if constraint.event_size != n:
             raise ValueError(
                 f"constraint acts on vectors of size {constraint.event_size}, but loc has size n = {n} "
-                f"(loc.shape = {tuple(loc.shape)})."
+                f"(loc.shape = {tuple(loc.shape)}){image_flatten_hint('loc', loc.shape, constraint.event_size)}."
             )
         try:
             batch_shape = _broadcast_shapes(loc.shape[:-1], covariance.batch_shape, constraint.batch_shape)

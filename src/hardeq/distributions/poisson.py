@@ -10,6 +10,7 @@ from torch import Tensor
 from torch.distributions import Binomial, Distribution, constraints
 
 from .._utils import check_finite, check_group_index
+from .._validation import not_a_tensor
 from ..constraints import EqualityConstraint, SumConstraint
 from ..estimators import poisson as _poisson_estimators  # noqa: F401  (registers the estimators)
 from ..ops import MAX_EXACT_COUNT, binomial_sample, gather, group_probs, group_sum, multinomial_log_pmf
@@ -139,7 +140,7 @@ class ConstrainedPoisson(Distribution):
         elif total is None:
             raise ValueError("total (with optional index=) or constraint= must be given.")
         if not isinstance(rate, Tensor):
-            raise TypeError(f"rate must be a torch.Tensor, got {type(rate).__name__}.")
+            raise not_a_tensor("rate", rate)
         if not rate.is_floating_point():
             raise TypeError(
                 f"rate must be a floating-point tensor (float32 or float64), got dtype {rate.dtype}."
@@ -352,7 +353,7 @@ class ConstrainedPoisson(Distribution):
         # Shapes, values that are non-negative integers, and group sums equal to the totals (the support),
         # as ConstrainedNormal.log_prob rejects points off the plane.
         if not isinstance(value, Tensor):
-            raise TypeError(f"value must be a torch.Tensor, got {type(value).__name__}.")
+            raise not_a_tensor("value", value)
         n = self.event_shape[0]
         expected = self.batch_shape + self.event_shape
         if value.dim() < 1 or value.shape[-1] != n:

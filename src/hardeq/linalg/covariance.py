@@ -37,6 +37,7 @@ from torch import Tensor
 from torch.distributions import constraints
 
 from .._utils import batch_mv, check_same_dtype_device, check_tensor, is_tracing, stale_without_graph
+from .._validation import check_device
 from ..ops.gram_pairs import gram_from_pairs, row_pairs
 from .triangular import tri_solve_vec
 
@@ -137,6 +138,7 @@ class Covariance(ABC):
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "Covariance":
         """A copy on ``device`` / in ``dtype`` (like ``Tensor.to``); ``self`` when nothing changes."""
+        check_device(device)
         moved = tuple(t.to(device=device, dtype=dtype) for t in self.tensors())
         if all(m is t for m, t in zip(moved, self.tensors())):
             return self
