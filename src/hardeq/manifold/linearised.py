@@ -108,7 +108,8 @@ def linearised_rsample(target: ManifoldTarget, mode: Tensor, sample_shape: torch
     nu, ok = return_to_manifold(target, y, N_rows)
     z = _implicit(target, y, N_rows, nu)
     if not bool(ok.all()):  # draws with no solution along the normal space: the Sigma-nearest point instead
-        z = torch.where(ok.unsqueeze(-1), z, project(target, y))
+        x = torch.where(ok.unsqueeze(-1), z.detach(), y)  # (a feasible z is its own nearest point: no iterations)
+        z = torch.where(ok.unsqueeze(-1), z, project(target, x))
     target.constraint.assert_feasible(z.detach(), "a linearised draw")
     return z
 

@@ -104,7 +104,8 @@ class _Whitened:
             S = (G @ G.mT).to(torch.float64)
             L, info = torch.linalg.cholesky_ex(S)
             half_logdet = L.diagonal(dim1=-2, dim2=-1).log().sum(-1)
-            (g,) = torch.autograd.grad(half_logdet.sum(), uu, allow_unused=True)
+            g = torch.autograd.grad(half_logdet.sum(), uu, allow_unused=True)[0] if half_logdet.requires_grad \
+                else None  # (an affine h: a constant Gram matrix)
         grad = uu.detach() if g is None else uu.detach() + g
         U = 0.5 * u.square().sum(-1) + half_logdet.detach().to(u.dtype)
         return U, grad
