@@ -116,6 +116,16 @@ class ManifoldNormal(Distribution):
         scale, covariance, scale_tril, cov_factor: the covariance, as for :class:`~hardeq.ConstrainedNormal`.
         constraint: a :class:`~hardeq.NonlinearConstraint` of ``loc``'s dtype and device.
         validate_args: value checks (finite ``loc``, ``log_prob`` arguments on the manifold).
+
+    Example:
+        >>> circle = NonlinearConstraint(lambda z: (z ** 2).sum(-1, keepdim=True),
+        ...                              torch.tensor([4.0], dtype=torch.float64))
+        >>> d = ConstrainedNormal(torch.tensor([1.0, 0.5], dtype=torch.float64), 0.5, constraint=circle)
+        >>> type(d).__name__, d.mode.shape, bool(circle.check(d.mode))
+        ('ManifoldNormal', torch.Size([2]), True)
+        >>> z = d.rsample((4,))
+        >>> z.shape, bool(circle.check(z).all())
+        (torch.Size([4, 2]), True)
     """
 
     has_rsample = True

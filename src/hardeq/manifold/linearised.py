@@ -69,9 +69,9 @@ def return_to_manifold(target: ManifoldTarget, y: Tensor, N_rows: Tensor) -> tup
             J = con.jacobian(z)
             ratio = con.row_ratio(z, value, J)
             worst = ratio.amax(-1)
-            feasible = worst <= tol
-            ok = ok | (feasible & ~done)
-            done = done | feasible | ~torch.isfinite(worst) | ((i >= 3) & (worst > 0.5 * previous))
+            ok = torch.where(done, ok, worst <= tol)
+            # stop at a sixteenth of the tolerance (a margin, one quadratic step more), or when not contracting
+            done = done | (worst <= tol / 16) | ~torch.isfinite(worst) | ((i >= 3) & (worst > 0.5 * previous))
             previous = worst
             if bool(done.all()):
                 break
@@ -80,6 +80,7 @@ def return_to_manifold(target: ManifoldTarget, y: Tensor, N_rows: Tensor) -> tup
             good = (info == 0) & torch.isfinite(step).all(-1)
             done = done | ~good
             nu = torch.where(done.unsqueeze(-1), nu, nu + step.to(y.dtype))
+        ok = ok & done  # (an element still iterating at the cap was not checked at its last nu)
     return nu, ok
 
 

@@ -21,7 +21,7 @@ Lelièvre, Rousset and Stoltz 2019): with :math:`P_q` the orthogonal projection 
 
 1. :math:`v = P_{q_0}(p_0 - \tfrac\epsilon2\nabla U(q_0))`;
 2. :math:`q_1 = q_0 + \epsilon v + G(q_0)^\top\nu` with :math:`g(q_1) = k` (Newton in :math:`\nu \in \mathbb R^a`,
-   matrix :math:`G(q_1)G(q_0)^\top`, until every row is feasible to the per-row tolerance; it fails when the
+   matrix :math:`G(q_1)G(q_0)^\top`, until every row is within a sixteenth of the per-row tolerance; it fails when the
    worst row's ratio stops halving after three iterations, or after 30);
 3. reversibility: the same position step from :math:`(q_1, -P_{q_1}(q_1 - q_0)/\epsilon)` must return to
    :math:`q_0` (within ``100 tol (1 + |q_0|_\infty)``); otherwise, or when a Newton solve fails, the whole
@@ -124,13 +124,12 @@ class _Whitened:
             z = self.z(q)
             value = self.con.value(z)
             J = self.con.jacobian(z).detach()
-            ratio = self.con.row_ratio(z, value, J)
-            feasible = (ratio <= tol).all(-1)
-            ok = ok | (feasible & ~done)
-            worst = ratio.amax(-1)
-            # failure: not finite, or (past the first steps) not contracting -- no nearby solution along G0^T
+            worst = self.con.row_ratio(z, value, J).amax(-1)
+            ok = torch.where(done, ok, worst <= tol)
+            # stop at a sixteenth of the tolerance (a margin); failure: not finite, or (past the first steps) not
+            # contracting -- no nearby solution along G0^T
             stalled = ~torch.isfinite(worst) | ((i >= 3) & (worst > 0.5 * previous))
-            done = done | feasible | stalled
+            done = done | (worst <= tol / 16) | stalled
             previous = worst
             if bool(done.all()):
                 break
@@ -140,7 +139,7 @@ class _Whitened:
             done = done | ~good
             nu = torch.where(done.unsqueeze(-1), nu, nu + step.to(q0.dtype))
             q = base + (nu.unsqueeze(-2) @ G0).squeeze(-2)
-        return q, ok & active
+        return q, ok & active & done  # (an element still iterating at the cap was not checked at its last q)
 
 
 def _proj(G: Tensor, v: Tensor) -> Tensor:
