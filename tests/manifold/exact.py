@@ -21,9 +21,9 @@ def circle_moments(mu, sigma, r):
     dens = circle_density(mu, sigma, r)
     raw = si.quad(dens, -np.pi, np.pi, epsabs=0, epsrel=1e-12, limit=200)[0]
     funcs = [lambda t: r * np.cos(t), lambda t: r * np.sin(t)]
-    mean = np.array([si.quad(lambda t: f(t) * dens(t), -np.pi, np.pi, epsabs=0, epsrel=1e-12, limit=200)[0]
+    mean = np.array([si.quad(lambda t, f=f: f(t) * dens(t), -np.pi, np.pi, epsabs=0, epsrel=1e-12, limit=200)[0]
                      for f in funcs]) / raw
-    second = np.array([[si.quad(lambda t: f(t) * g(t) * dens(t), -np.pi, np.pi, epsabs=0, epsrel=1e-12,
+    second = np.array([[si.quad(lambda t, f=f, g=g: f(t) * g(t) * dens(t), -np.pi, np.pi, epsabs=0, epsrel=1e-12,
                                 limit=200)[0] for g in funcs] for f in funcs]) / raw
     gauss_norm = 1.0 / (2 * np.pi * sigma[0] * sigma[1])
     Z = raw * r * gauss_norm / (2 * r)  # arc length r dt, density / |J| with |J| = 2 r

@@ -232,9 +232,10 @@ class NonlinearConstraint:
         return (self.row_ratio(z) <= tol).all(-1)
 
     def assert_feasible(self, z: Tensor, what: str = "z", value: Tensor | None = None,
-                        J: Tensor | None = None) -> None:
-        """``ManifoldError`` naming the batch element, the row, the residual and the tolerance unless every row of
-        every element of ``z`` is feasible (one host read)."""
+                        J: Tensor | None = None, error: type[Exception] = ManifoldError) -> None:
+        """``error`` (default :class:`ManifoldError`; ``ValueError`` for a user's argument) naming the batch element,
+        the row, the residual and the tolerance unless every row of every element of ``z`` is feasible (one host
+        read)."""
         ratio = self.row_ratio(z, value, J)
         tol = feasibility_tol(z.dtype)
         bad = ~(ratio <= tol)
@@ -244,7 +245,7 @@ class NonlinearConstraint:
                 value = self.value(z)
             res = (value - self.k).expand(ratio.shape)[where].item()
             s = self.scale(z, value, J).expand(ratio.shape)[where].item()
-            raise ManifoldError(
+            raise error(
                 f"{what} is not on the manifold h(z) = k: at batch index {where[:-1]}, row {where[-1]}, "
                 f"|h(z) - k| = {abs(res):.3e} exceeds tol * s = {tol:.0e} * {s:.3e} "
                 f"({int(bad.any(-1).sum())} element(s) fail).")

@@ -197,7 +197,7 @@ class ManifoldNormal(Distribution):
         return project(self.target, self.loc)
 
     # ------------------------------------------------------------------ sampling
-    def rsample(self, sample_shape: torch.Size | list[int] | tuple[int, ...] = torch.Size(), method: str = "linearised",
+    def rsample(self, sample_shape: torch.Size | list[int] | tuple[int, ...] = (), method: str = "linearised",
                 noise: Tensor | None = None) -> Tensor:
         """Differentiable draws of the ``"linearised"`` law, ``sample_shape + batch_shape + (n,)``; ``noise``: the
         tangent plane sampler's standard normal noise (:meth:`hardeq.ConstrainedNormal.rsample`)."""
@@ -206,12 +206,13 @@ class ManifoldNormal(Distribution):
                              f"{method!r}; use sample(method='manifold_hmc').")
         return linearised_rsample(self.target, self.mode, torch.Size(sample_shape), noise)
 
-    def sample(self, sample_shape: torch.Size | list[int] | tuple[int, ...] = torch.Size(), method: str = "linearised",
+    def sample(self, sample_shape: torch.Size | list[int] | tuple[int, ...] = (), method: str = "linearised",
                **kwargs: Any) -> Tensor:
         """Detached draws; see :meth:`sample_with_info`."""
         return self.sample_with_info(sample_shape, method, **kwargs).samples
 
-    def sample_with_info(self, sample_shape: torch.Size | list[int] | tuple[int, ...] = torch.Size(), method: str = "linearised",
+    def sample_with_info(self, sample_shape: torch.Size | list[int] | tuple[int, ...] = (),
+                         method: str = "linearised",
                          *, chains: int | None = None, burn_in: int = 100, thin: int = 1, step_size: float = 0.3,
                          num_steps: int = 8, generator: torch.Generator | None = None) -> ManifoldSamples:
         r"""Draws and how they were made.
@@ -251,7 +252,7 @@ class ManifoldNormal(Distribution):
         Differentiable in ``value``, ``loc`` and the covariance."""
         value = self._as_points("value", value)
         if self._validate_args:
-            self.constraint.assert_feasible(value.detach(), "value")
+            self.constraint.assert_feasible(value.detach(), "value", error=ValueError)
         n = self.event_shape[0]
         J = self.constraint.jacobian(value)
         log_n = -0.5 * (n * _LOG_2PI + self.covariance.logdet() + self.covariance.inv_quad(value - self.loc))
@@ -267,7 +268,8 @@ class ManifoldNormal(Distribution):
           with a relative error of the order of the curvature of :math:`\mathcal M` times the spread of the law
           (docs/nonlinear.md gives it on the test cases); ``stderr`` is 0 (not an error bound).
         * ``"importance"``: the Laplace value times :math:`\mathbb E[w]`, ``w`` the importance weights of
-          ``num_samples`` linearised draws against the exact density (:func:`~hardeq.manifold.linearised.importance_weights`);
+          ``num_samples`` linearised draws against the exact density
+          (:func:`~hardeq.manifold.linearised.importance_weights`);
           ``stderr`` is the delta-method Monte Carlo standard error of :math:`\log Z`. It covers the part of
           :math:`\mathcal M` the return map reaches (mass beyond it is missed).
         """

@@ -45,7 +45,8 @@ MAX_RETURN_ITER = 30
 
 
 def tangent_distribution(target: ManifoldTarget, mode: Tensor) -> tuple[ConstrainedNormal, Tensor]:
-    r"""The linear conditional :math:`\mathcal N(\mu, \Sigma) \mid J_* y = J_* z^*` and :math:`J_*` (``(*batch, a, n)``)."""
+    r"""The linear conditional :math:`\mathcal N(\mu, \Sigma) \mid J_* y = J_* z^*` and :math:`J_*`
+    (``(*batch, a, n)``)."""
     J = target.constraint.jacobian(mode)
     k_lin = (J @ mode.unsqueeze(-1)).squeeze(-1)
     plane = LinearConstraint(J, k_lin, validate_args=False)

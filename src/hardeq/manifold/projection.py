@@ -87,12 +87,13 @@ def _tangent_cg(target: ManifoldTarget, gram: TangentGram, hvp: Any, b: Tensor, 
         Tp = p + gram.tangent(cov.matvec(hvp(p)))
         pTp = (p * cov.inv_matvec(Tp)).sum(-1)
         indefinite = indefinite | (~done & ~(pTp > 0))
-        alpha = torch.where(done | indefinite, torch.zeros_like(rr), rr / torch.where(pTp > 0, pTp, torch.ones_like(pTp)))
+        stopped = done | indefinite
+        alpha = torch.where(stopped, torch.zeros_like(rr), rr / torch.where(pTp > 0, pTp, torch.ones_like(pTp)))
         u = u + alpha.unsqueeze(-1) * p
         r = r - alpha.unsqueeze(-1) * Tp
         r = gram.tangent(r)  # keep it in ker J against round-off
         rr_new = (r * cov.inv_matvec(r)).sum(-1)
-        beta = torch.where(done | indefinite, torch.zeros_like(rr), rr_new / torch.where(rr > 0, rr, torch.ones_like(rr)))
+        beta = torch.where(stopped, torch.zeros_like(rr), rr_new / torch.where(rr > 0, rr, torch.ones_like(rr)))
         p = torch.where((done | indefinite).unsqueeze(-1), p, r + beta.unsqueeze(-1) * p)
         rr = torch.where(done | indefinite, rr, rr_new)
     return u, indefinite
