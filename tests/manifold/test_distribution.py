@@ -67,6 +67,19 @@ def test_log_prob_gradient_in_loc():
     assert torch.autograd.gradcheck(lambda m: ConstrainedNormal(m, scale, constraint=con).log_prob(z), (loc,))
 
 
+def test_mode_first_used_without_grad_keeps_the_gradient():
+    con = energy_balance(torch.float64)
+    loc = torch.tensor([0.4, 0.5, 3.0, 1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    scale = torch.tensor([0.1, 0.1, 0.5, 0.5, 0.5], dtype=torch.float64)
+    d = ConstrainedNormal(loc, scale, constraint=con)
+    with torch.no_grad():
+        z = d.sample((2,))  # uses the mode without a graph
+    (g,) = torch.autograd.grad(d.log_prob(z).sum(), loc)
+    fresh = ConstrainedNormal(loc, scale, constraint=con)
+    (g_fresh,) = torch.autograd.grad(fresh.log_prob(z).sum(), loc)
+    torch.testing.assert_close(g, g_fresh)
+
+
 def test_errors():
     con = sphere(1.0)
     with pytest.raises(TypeError, match="constraint has dtype torch.float64 but loc has dtype torch.float32"):

@@ -13,9 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.distributions import Distribution, constraints
-from torch.distributions.utils import lazy_property
 
-from .._utils import check_finite, check_same_dtype_device, check_tensor
+from .._utils import check_finite, check_same_dtype_device, check_tensor, stale_without_graph
 from ..linalg.covariance import Covariance, DiagonalCovariance, FullCovariance, LowRankCovariance
 from .constraint import NonlinearConstraint
 from .linearised import importance_weights, linearised_rsample
@@ -191,10 +190,16 @@ class ManifoldNormal(Distribution):
         (implicitly) w.r.t. ``x``, ``k`` and the covariance."""
         return project(self.target, self._as_points("x", x), max_iter=max_iter)
 
-    @lazy_property
+    @property
     def mode(self) -> Tensor:
-        """``project(loc)``, ``batch_shape + (n,)`` (see the class docstring)."""
-        return project(self.target, self.loc)
+        """``project(loc)``, ``batch_shape + (n,)`` (see the class docstring); computed once, and again when it was
+        computed under ``torch.no_grad()`` and a gradient is wanted now (so a detached first use never cuts the
+        gradient of a later :meth:`log_prob` or :meth:`rsample`)."""
+        cached: Tensor | None = self.__dict__.get("_mode")
+        if stale_without_graph(cached, self.loc, self.constraint.k, *self.covariance.tensors()):
+            cached = self.__dict__["_mode"] = project(self.target, self.loc)
+        assert cached is not None  # (set just above when missing)
+        return cached
 
     # ------------------------------------------------------------------ sampling
     def rsample(self, sample_shape: torch.Size | list[int] | tuple[int, ...] = (), method: str = "linearised",
