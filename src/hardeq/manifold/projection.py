@@ -68,17 +68,19 @@ def hessian_vector_operator(constraint: NonlinearConstraint, z: Tensor, lam: Ten
     return apply
 
 
-def _tangent_cg(target: ManifoldTarget, gram: TangentGram, hvp: Any, b: Tensor, max_iter: int
-                ) -> tuple[Tensor, Tensor]:
+def _tangent_cg(target: ManifoldTarget, gram: TangentGram, hvp: Any, b: Tensor, max_iter: int,
+                forcing: Tensor | None = None) -> tuple[Tensor, Tensor]:
     r"""Solve :math:`(I + P\Sigma M) u = b` on :math:`\ker J` (``b`` in it) by CG in the :math:`\Sigma^{-1}` inner
-    product. Returns ``(u, indefinite)``; ``indefinite`` marks elements where a direction of non-positive curvature
-    was met (their ``u`` is not a solution)."""
+    product, to a relative residual ``forcing`` (per element; default ``4 eps``: an inexact Newton step uses a
+    larger one far from the solution). Returns ``(u, indefinite)``; ``indefinite`` marks elements where a direction
+    of non-positive curvature was met (their ``u`` is not a solution)."""
     cov = target.covariance
     u = torch.zeros_like(b)
     r = b.clone()
     p = r.clone()
     rr = (r * cov.inv_matvec(r)).sum(-1)
-    stop = rr * (4 * torch.finfo(b.dtype).eps) ** 2
+    floor = 4 * torch.finfo(b.dtype).eps
+    stop = rr * (floor if forcing is None else forcing.clamp(min=floor)) ** 2
     indefinite = torch.zeros_like(rr, dtype=torch.bool)
     for _ in range(max_iter):
         done = (rr <= stop) | indefinite
@@ -139,7 +141,11 @@ def kkt_solve(target: ManifoldTarget, x: Tensor, *, z0: Tensor | None = None, ma
         if newton:
             hvp = hessian_vector_operator(con, z, lam)
             b = -gram.tangent(zx + cov.matvec(hvp(d_n)))
-            d_t, indefinite = _tangent_cg(target, gram, hvp, b, cg_iter)
+            # inexact Newton (Eisenstat-Walker): CG to a relative residual sqrt(|b| / (1 + |z - x|)), at most 1/2,
+            # which keeps the local convergence superlinear and spends few CG steps far from the solution
+            b_norm = (b * cov.inv_matvec(b)).sum(-1).clamp(min=0).sqrt()
+            forcing = (b_norm / (1 + cov.inv_quad(zx).clamp(min=0).sqrt())).sqrt().clamp(max=0.5)
+            d_t, indefinite = _tangent_cg(target, gram, hvp, b, cg_iter, forcing)
             d_gn = -gram.tangent(zx)  # the Gauss-Newton tangential step (M = 0)
             d_t = torch.where(indefinite.unsqueeze(-1), d_gn, d_t)
             d = d_n + d_t
