@@ -52,6 +52,30 @@ def test_circle_float64():
     assert out.acceptance.shape == (2,) and bool((out.acceptance > 0.3).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, pytest.param(torch.float32, marks=pytest.mark.slow)])
+def test_ellipse_jacobian_factor(dtype):
+    # h(z) = z1^2 / a^2 + z2^2 = 1, z = (a cos t, sin t): |J| = 2 sqrt(cos^2 t / a^2 + sin^2 t) varies along the
+    # ellipse and the arc length is sqrt(a^2 sin^2 t + cos^2 t) dt, so N(z) / |J| dH gives the angle t the density
+    # N(z(t)) * a (the two factors cancel): without the 1 / |J| factor the law would be N(z(t)) * arc length instead.
+    a, mu, sigma = 3.0, np.array([1.0, 0.3]), np.array([1.5, 0.6])
+    con = NonlinearConstraint(lambda z: (z[..., :1] / a) ** 2 + z[..., 1:] ** 2, torch.tensor([1.0], dtype=dtype))
+    d = ConstrainedNormal(torch.tensor(mu, dtype=dtype), torch.tensor(sigma, dtype=dtype), constraint=con)
+    z = d.sample((300,), "manifold_hmc", burn_in=25, generator=torch.Generator().manual_seed(6))
+    assert con.row_ratio(z).max() <= feasibility_tol(dtype)
+    t = np.arctan2(z[:, 1].double().numpy(), z[:, 0].double().numpy() / a)
+    grid = np.linspace(-np.pi, np.pi, 4001)
+    dens = np.exp(-0.5 * (((a * np.cos(grid) - mu[0]) / sigma[0]) ** 2 + ((np.sin(grid) - mu[1]) / sigma[1]) ** 2))
+    cdf = np.concatenate([[0.0], np.cumsum((dens[1:] + dens[:-1]) / 2 * np.diff(grid))])
+    assert scipy.stats.kstest(t, lambda x: np.interp(x, grid, cdf / cdf[-1])).pvalue > FAILURE_RATE
+    wrong = cdf_with(grid, dens * np.sqrt(a ** 2 * np.sin(grid) ** 2 + np.cos(grid) ** 2))
+    assert np.abs(wrong - cdf / cdf[-1]).max() > 0.1  # the test can tell the two laws apart at this size
+
+
+def cdf_with(grid, dens):
+    cdf = np.concatenate([[0.0], np.cumsum((dens[1:] + dens[:-1]) / 2 * np.diff(grid))])
+    return cdf / cdf[-1]
+
+
 @pytest.mark.slow
 def test_circle_float32():
     _circle(torch.float32, chains=600, burn_in=60, seed=1)
