@@ -63,8 +63,9 @@ def run_mici() -> tuple[float, float, float]:
     mode = MU / np.linalg.norm(MU) * np.sqrt(R2)  # a feasible start (mici projects nothing at the start)
     init = [mode.copy() for _ in range(CHAINS)]
     start = time.perf_counter()
-    _, traces, stats = sampler.sample_chains(WARM, MAIN, init, adapters=[mici.adapters.DualAveragingStepSizeAdapter(0.8)],
-                                             n_process=1, display_progress=False)
+    adapters = [mici.adapters.DualAveragingStepSizeAdapter(0.8)]
+    _, traces, stats = sampler.sample_chains(WARM, MAIN, init, adapters=adapters, n_process=1,
+                                             display_progress=False)
     seconds = time.perf_counter() - start
     pos = np.stack([np.asarray(t) for t in traces["pos"]], 1)  # (draws, chains, 3)
     ess = float(effective_sample_size(torch.from_numpy(pos)).min())
@@ -97,14 +98,16 @@ def projection_table() -> None:
         con = NonlinearConstraint(lambda u: torch.stack([u.sum(-1), (u * u).sum(-1)], -1),
                                   torch.tensor([mass, energy], dtype=torch.float64))
         u0 = truth + 0.1 * torch.randn(B, n, dtype=torch.float64, generator=gen)  # "flow samples" near the manifold
-        target = ManifoldTarget(torch.zeros(n, dtype=torch.float64), DiagonalCovariance(torch.ones(n, dtype=torch.float64)), con)
+        unit = DiagonalCovariance(torch.ones(n, dtype=torch.float64))
+        target = ManifoldTarget(torch.zeros(n, dtype=torch.float64), unit, con)
         start = time.perf_counter()
         z, _ = kkt_solve(target, u0)
         t_ours = time.perf_counter() - start
         start = time.perf_counter()
-        z_gn, it = gauss_newton_pcfm(lambda u: con.residual(u), u0)
+        z_gn, it = gauss_newton_pcfm(con.residual, u0)
         t_gn = time.perf_counter() - start
-        for name, zz, its, t in (("hardeq project (nearest point)", z, "-", t_ours), ("PCFM-style Gauss-Newton", z_gn, it, t_gn)):
+        for name, zz, its, t in (("hardeq project (nearest point)", z, "-", t_ours),
+                                 ("PCFM-style Gauss-Newton", z_gn, it, t_gn)):
             ratio = float(con.row_ratio(zz).max())
             moved = float((zz - u0).norm(dim=-1).mean())
             print(f"| {B} x {n} | {name} | {ratio:.1e} | {moved:.5f} | {its} | {t:.3f} |")

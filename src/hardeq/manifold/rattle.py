@@ -175,6 +175,7 @@ def manifold_hmc(target: ManifoldTarget, start: Tensor, *, num_samples: int, bur
     chains_batch = q.shape[:-1]
     batch = target.batch_shape
     dtype, device = q.dtype, q.device
+    draw_device = device if generator is None else generator.device  # (a CPU generator drives a CUDA chain too)
     log_eps = torch.full(batch, math.log(step_size), dtype=torch.float64, device=device)
     U, grad = w.potential_and_grad(q)
     G = w.G(q)
@@ -185,11 +186,11 @@ def manifold_hmc(target: ManifoldTarget, start: Tensor, *, num_samples: int, bur
     n_kept_iter = 0
     total = burn_in + num_samples * thin
     for it in range(total):
-        xi = torch.randn(q.shape, dtype=dtype, device=device, generator=generator)
+        xi = torch.randn(q.shape, dtype=dtype, device=draw_device, generator=generator).to(device)
         p = _proj(G, xi)
         H0 = U + 0.5 * p.square().sum(-1)
-        L = int(torch.randint(1, num_steps + 1, (), generator=generator))
-        jitter = 0.9 + 0.2 * torch.rand((), dtype=torch.float64, generator=generator).item()
+        L = int(torch.randint(1, num_steps + 1, (), device=draw_device, generator=generator))
+        jitter = 0.9 + 0.2 * torch.rand((), dtype=torch.float64, device=draw_device, generator=generator).item()
         eps = (log_eps.exp() * jitter).to(dtype).expand(chains_batch)
         qc, pc, Uc, gc, Gc = q, p, U, grad, G
         alive = torch.ones(chains_batch, dtype=torch.bool, device=device)
@@ -210,7 +211,7 @@ def manifold_hmc(target: ManifoldTarget, start: Tensor, *, num_samples: int, bur
         H1 = Uc + 0.5 * pc.square().sum(-1)
         log_ratio = (H0 - H1).to(torch.float64)
         prob = torch.where(alive & torch.isfinite(log_ratio), log_ratio.clamp(max=0).exp(), torch.zeros_like(log_ratio))
-        accept = torch.rand(prob.shape, dtype=torch.float64, device=device, generator=generator) < prob
+        accept = torch.rand(prob.shape, dtype=torch.float64, device=draw_device, generator=generator).to(device) < prob
         q = torch.where(accept.unsqueeze(-1), qc, q)
         U, grad = torch.where(accept, Uc, U), torch.where(accept.unsqueeze(-1), gc, grad)
         G = torch.where(accept.unsqueeze(-1).unsqueeze(-1), Gc, G)
