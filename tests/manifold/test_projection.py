@@ -10,7 +10,7 @@ import torch
 
 from hardeq import (ConstrainedNormal, DiagonalCovariance, FullCovariance, LinearConstraint, LowRankCovariance,
                     NonlinearConstraint)
-from hardeq.manifold import ManifoldError, ManifoldTarget, feasibility_tol, project
+from hardeq.manifold import ManifoldError, ManifoldTarget, feasibility_tol, kkt_solve, project
 
 from .cases import energy_balance, sphere, two_rows
 
@@ -139,3 +139,34 @@ def test_float32_every_row_feasible():
     d = ConstrainedNormal(loc, torch.rand(200, 5, generator=gen) + 0.1, constraint=con)
     ratio = con.row_ratio(d.mode)
     assert ratio.max() <= feasibility_tol(torch.float32)
+
+
+def test_large_batch_converges_and_matches_single_elements():
+    # regression: at the round-off floor the merit line search could refuse every step for one element of a large
+    # batch (BLAS blocking changes the round-off with the batch size), which then never declared convergence
+    gen = torch.Generator().manual_seed(7)
+    con = energy_balance(torch.float64)
+    loc = torch.tensor([0.35, 0.65, 1.0, 2.0, 1.5], dtype=torch.float64) + 0.5 * torch.randn(
+        512, 5, dtype=torch.float64, generator=gen)
+    scale = torch.full((5,), 0.37, dtype=torch.float64)
+    z = ConstrainedNormal(loc, scale, constraint=con).mode
+    assert con.row_ratio(z).max() <= feasibility_tol(torch.float64)
+    for i in torch.randint(0, 512, (6,), generator=gen).tolist():
+        single = ConstrainedNormal(loc[i], scale, constraint=con).mode
+        torch.testing.assert_close(single, z[i], rtol=1e-10, atol=1e-12)
+
+
+def test_local_phase_takes_full_steps():
+    # from a feasible start a tangential 1e-9 away from the solution, the merit function cannot see the decrease
+    # (its changes are round-off); full Newton steps converge in a few iterations
+    con = sphere(4.0)
+    scale = torch.tensor([1.0, 2.0, 0.5], dtype=torch.float64)
+    target = ManifoldTarget(torch.zeros(3, dtype=torch.float64), DiagonalCovariance(scale), con)
+    x = torch.tensor([[3.0, 1.0, -2.0]], dtype=torch.float64).expand(64, 3)
+    z_star, _ = kkt_solve(target, x)
+    gen = torch.Generator().manual_seed(8)
+    tangent = torch.linalg.cross(z_star, torch.randn(64, 3, dtype=torch.float64, generator=gen))
+    start = z_star + 1e-9 * tangent / tangent.norm(dim=-1, keepdim=True)
+    start = 2 * start / start.norm(dim=-1, keepdim=True)  # feasible
+    z, _ = kkt_solve(target, x, z0=start, max_iter=6)
+    torch.testing.assert_close(z, z_star, rtol=0, atol=1e-12)

@@ -20,7 +20,9 @@ The multipliers come from the step: :math:`\lambda^+ = -S^{-1}J(z - x + d + \Sig
 
 **Globalisation.** A backtracking (Armijo) line search on the exact :math:`\ell_1` merit function
 :math:`\phi(z) = \tfrac12\|z - x\|^2_{\Sigma^{-1}} + \rho\|h(z) - k\|_1`, :math:`\rho \ge 2\|\lambda\|_\infty`, with a
-second-order correction (one more normal step at the trial point) against the Maratos effect. Converged: every row
+second-order correction (one more normal step at the trial point) against the Maratos effect; from a feasible
+iterate whose step is below :math:`\sqrt\varepsilon` (relative) full steps are taken (the merit function's changes
+are round-off there). Converged: every row
 feasible (:mod:`~hardeq.manifold.constraint`) and the step :math:`\|d\|_{\Sigma^{-1}} \le 10^3\,\varepsilon\,(1 +
 \|z\|_{\Sigma^{-1}} + \|x\|_{\Sigma^{-1}})`. Locally quadratic; at most ``max_iter`` iterations (one host read
 each), then :class:`~hardeq.manifold.ManifoldError` naming the element, the row and the residual -- which is what a
@@ -158,17 +160,21 @@ def kkt_solve(target: ManifoldTarget, x: Tensor, *, z0: Tensor | None = None, ma
         # convergence: feasible now and the step is round-off
         step = cov.inv_quad(d).sqrt()
         feasible = (con.row_ratio(z, c + con.k, J) <= tol).all(-1)
-        small = step <= 1e3 * eps * (1 + cov.inv_quad(z).sqrt() + x_norm)
+        size = 1 + cov.inv_quad(z).sqrt() + x_norm
+        small = step <= 1e3 * eps * size
         converged = converged | (feasible & small)
         if bool(converged.all()):
             break
+        # the local phase: feasible and a step below sqrt(eps) -- full Newton steps, no line search (the merit
+        # function's changes are round-off there, and the line search could refuse every step)
+        local = feasible & (step <= eps ** 0.5 * size) & ~converged
         # line search on the l1 merit, with a second-order correction
         rho = torch.maximum(rho, 2 * lam_new.abs().amax(-1))
         phi0, _ = _merit(target, z, x, rho)
         slope = (d * cov.inv_matvec(zx)).sum(-1) - rho * c.abs().sum(-1)
         alpha = torch.ones_like(rho)
-        accepted = converged.clone()
-        z_new = z.clone()
+        accepted = converged | local
+        z_new = torch.where(local.unsqueeze(-1), z + d, z)
         for trial in range(MAX_LINE_SEARCH):
             cand = z + alpha.unsqueeze(-1) * d
             phi, c_cand = _merit(target, cand, x, rho)
