@@ -15,8 +15,8 @@ tangential step :math:`d_t \in \ker J` solving :math:`(I + P\Sigma M) d_t = -P(z
 (:math:`M = \sum_i\lambda_i\nabla^2 h_i`, applied by Hessian-vector products) by conjugate gradients in the
 :math:`\Sigma^{-1}` inner product, in which the operator is self-adjoint. No ``n x n`` matrix is formed. Where CG
 meets non-positive curvature it is solved again with the Hessian shifted by :math:`\mu\Sigma^{-1}`,
-:math:`\mu = 1, 10, 100`, and failing that the step is the Gauss-Newton one (:math:`M = 0`: the tangent-plane conditioning
-:math:`z = x - \Sigma J^\top S^{-1}(J(x - z) + c)`, always a descent direction of the merit function).
+:math:`\mu = 1, 10, 100`, and failing that the step is the Gauss-Newton one (:math:`M = 0`: the tangent-plane
+conditioning :math:`z = x - \Sigma J^\top S^{-1}(J(x - z) + c)`, always a descent direction of the merit function).
 The multipliers come from the step: :math:`\lambda^+ = -S^{-1}J(z - x + d + \Sigma M d)`.
 
 **Start.** Feasibility first (:func:`_restore`): normal steps from ``x`` (or ``z0``) with a backtracking search on
@@ -80,8 +80,8 @@ def _tangent_cg(target: ManifoldTarget, gram: TangentGram, hvp: Any, b: Tensor, 
     r"""Solve :math:`(I + P\Sigma M) u = b` on :math:`\ker J` (``b`` in it) by CG in the :math:`\Sigma^{-1}` inner
     product, to a relative residual ``forcing`` (per element; default ``4 eps``: an inexact Newton step uses a
     larger one far from the solution); ``shift`` solves :math:`((1 + \mathrm{shift}) I + P\Sigma M) u = b` instead (a
-    modified Hessian :math:`H + \mathrm{shift}\,\Sigma^{-1}`). Returns ``(u, indefinite)``; ``indefinite`` marks elements where a direction
-    of non-positive curvature was met (their ``u`` is not a solution)."""
+    modified Hessian :math:`H + \mathrm{shift}\,\Sigma^{-1}`). Returns ``(u, indefinite)``; ``indefinite`` marks
+    elements where a direction of non-positive curvature was met (their ``u`` is not a solution)."""
     cov = target.covariance
     u = torch.zeros_like(b)
     r = b.clone()
