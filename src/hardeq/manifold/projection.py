@@ -14,14 +14,9 @@ with KKT conditions :math:`F(z, \lambda) = [\Sigma^{-1}(z - x) + J^\top\lambda;\
 tangential step :math:`d_t \in \ker J` solving :math:`(I + P\Sigma M) d_t = -P(z - x + \Sigma M d_n)`
 (:math:`M = \sum_i\lambda_i\nabla^2 h_i`, applied by Hessian-vector products) by conjugate gradients in the
 :math:`\Sigma^{-1}` inner product, in which the operator is self-adjoint. No ``n x n`` matrix is formed. Where CG
-meets non-positive curvature it is solved again with the Hessian shifted by :math:`\mu\Sigma^{-1}`,
-:math:`\mu = 1, 10, 100`, and failing that the step is the Gauss-Newton one (:math:`M = 0`: the tangent-plane
-conditioning :math:`z = x - \Sigma J^\top S^{-1}(J(x - z) + c)`, always a descent direction of the merit function).
+meets non-positive curvature the step is the Gauss-Newton one (:math:`M = 0`: the tangent-plane conditioning
+:math:`z = x - \Sigma J^\top S^{-1}(J(x - z) + c)`, always a descent direction of the merit function).
 The multipliers come from the step: :math:`\lambda^+ = -S^{-1}J(z - x + d + \Sigma M d)`.
-
-**Start.** Feasibility first (:func:`_restore`): normal steps from ``x`` (or ``z0``) with a backtracking search on
-the worst row, until every row is feasible; then the SQP iteration from that point of the manifold (from an
-infeasible point near the centre of a curved manifold the l1 merit can stall).
 
 **Globalisation.** A backtracking (Armijo) line search on the exact :math:`\ell_1` merit function
 :math:`\phi(z) = \tfrac12\|z - x\|^2_{\Sigma^{-1}} + \rho\|h(z) - k\|_1`, :math:`\rho \ge 2\|\lambda\|_\infty`, with a
@@ -76,12 +71,11 @@ def hessian_vector_operator(constraint: NonlinearConstraint, z: Tensor, lam: Ten
 
 
 def _tangent_cg(target: ManifoldTarget, gram: TangentGram, hvp: Any, b: Tensor, max_iter: int,
-                forcing: Tensor | None = None, shift: float = 0.0) -> tuple[Tensor, Tensor]:
+                forcing: Tensor | None = None) -> tuple[Tensor, Tensor]:
     r"""Solve :math:`(I + P\Sigma M) u = b` on :math:`\ker J` (``b`` in it) by CG in the :math:`\Sigma^{-1}` inner
     product, to a relative residual ``forcing`` (per element; default ``4 eps``: an inexact Newton step uses a
-    larger one far from the solution); ``shift`` solves :math:`((1 + \mathrm{shift}) I + P\Sigma M) u = b` instead (a
-    modified Hessian :math:`H + \mathrm{shift}\,\Sigma^{-1}`). Returns ``(u, indefinite)``; ``indefinite`` marks
-    elements where a direction of non-positive curvature was met (their ``u`` is not a solution)."""
+    larger one far from the solution). Returns ``(u, indefinite)``; ``indefinite`` marks elements where a direction
+    of non-positive curvature was met (their ``u`` is not a solution)."""
     cov = target.covariance
     u = torch.zeros_like(b)
     r = b.clone()
@@ -94,7 +88,7 @@ def _tangent_cg(target: ManifoldTarget, gram: TangentGram, hvp: Any, b: Tensor, 
         done = (rr <= stop) | indefinite
         if bool(done.all()):
             break
-        Tp = (1 + shift) * p + gram.tangent(cov.matvec(hvp(p)))
+        Tp = p + gram.tangent(cov.matvec(hvp(p)))
         pTp = (p * cov.inv_matvec(Tp)).sum(-1)
         indefinite = indefinite | (~done & ~(pTp > 0))
         stopped = done | indefinite
@@ -107,41 +101,6 @@ def _tangent_cg(target: ManifoldTarget, gram: TangentGram, hvp: Any, b: Tensor, 
         p = torch.where((done | indefinite).unsqueeze(-1), p, r + beta.unsqueeze(-1) * p)
         rr = torch.where(done | indefinite, rr, rr_new)
     return u, indefinite
-
-
-def _restore(target: ManifoldTarget, z: Tensor, max_iter: int) -> Tensor:
-    r"""Feasibility first: normal (Gauss-Newton) steps :math:`z \leftarrow z - \alpha\Sigma J^\top S^{-1}(h(z) - k)`,
-    :math:`\alpha` halved until the worst row's ratio decreases, until every row is feasible or ``max_iter`` steps
-    (elements that do not get there are left to the SQP iteration, which reports them)."""
-    con = target.constraint
-    tol = feasibility_tol(z.dtype)
-    for _ in range(max_iter):
-        value = con.value(z)
-        J = con.jacobian(z).detach()
-        worst = con.row_ratio(z, value, J).amax(-1)
-        active = ~(worst <= tol)
-        if not bool(active.any()):
-            break
-        try:
-            d_n = -TangentGram(J, target.sigma_rows(J)).gain(value - con.k)
-        except ManifoldError:
-            break  # (a singular Jacobian: the SQP iteration names the element)
-        alpha = torch.ones_like(worst)
-        moved = ~active
-        z_new = z
-        for _ in range(30):
-            cand = z + alpha.unsqueeze(-1) * d_n
-            better = con.row_ratio(cand).amax(-1) < worst
-            take = better & ~moved
-            z_new = torch.where(take.unsqueeze(-1), cand, z_new)
-            moved = moved | better
-            if bool(moved.all()):
-                break
-            alpha = torch.where(moved, alpha, alpha / 2)
-        if not bool((moved & active).any()):
-            break
-        z = z_new
-    return z
 
 
 def _merit(target: ManifoldTarget, z: Tensor, x: Tensor, rho: Tensor) -> tuple[Tensor, Tensor]:
@@ -167,7 +126,7 @@ def kkt_solve(target: ManifoldTarget, x: Tensor, *, z0: Tensor | None = None, ma
     con, cov = target.constraint, target.covariance
     shape = torch.broadcast_shapes(x.shape, target.batch_shape + (target.n,))
     x = x.detach().expand(shape)
-    z = _restore(target, (x if z0 is None else z0.detach().expand(shape)).clone(), max_iter // 2)
+    z = (x if z0 is None else z0.detach().expand(shape)).clone()
     eps = torch.finfo(x.dtype).eps
     tol = feasibility_tol(x.dtype)
     x_norm = cov.inv_quad(x).sqrt()
@@ -189,12 +148,6 @@ def kkt_solve(target: ManifoldTarget, x: Tensor, *, z0: Tensor | None = None, ma
             b_norm = (b * cov.inv_matvec(b)).sum(-1).clamp(min=0).sqrt()
             forcing = (b_norm / (1 + cov.inv_quad(zx).clamp(min=0).sqrt())).sqrt().clamp(max=0.5)
             d_t, indefinite = _tangent_cg(target, gram, hvp, b, cg_iter, forcing)
-            for shift in (1.0, 10.0, 100.0):  # non-positive curvature: the Hessian shifted by shift * Sigma^-1
-                if not bool(indefinite.any()):
-                    break
-                d_s, still = _tangent_cg(target, gram, hvp, b, cg_iter, forcing, shift)
-                d_t = torch.where((indefinite & ~still).unsqueeze(-1), d_s, d_t)
-                indefinite = indefinite & still
             d_gn = -gram.tangent(zx)  # the Gauss-Newton tangential step (M = 0)
             d_t = torch.where(indefinite.unsqueeze(-1), d_gn, d_t)
             d = d_n + d_t
