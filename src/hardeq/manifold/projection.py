@@ -18,6 +18,10 @@ meets non-positive curvature the step is the Gauss-Newton one (:math:`M = 0`: th
 :math:`z = x - \Sigma J^\top S^{-1}(J(x - z) + c)`, always a descent direction of the merit function).
 The multipliers come from the step: :math:`\lambda^+ = -S^{-1}J(z - x + d + \Sigma M d)`.
 
+**Second chance.** Elements that reach the cap run again from a feasible start (:func:`_restore`: normal steps
+with a backtracking search on the worst row): near a saddle of the distance the merit function can stall at
+infeasible iterates (measured in docs/nonlinear.md). The other elements keep their result.
+
 **Globalisation.** A backtracking (Armijo) line search on the exact :math:`\ell_1` merit function
 :math:`\phi(z) = \tfrac12\|z - x\|^2_{\Sigma^{-1}} + \rho\|h(z) - k\|_1`, :math:`\rho \ge 2\|\lambda\|_\infty`, with a
 second-order correction (one more normal step at the trial point) against the Maratos effect; from a feasible
@@ -103,6 +107,41 @@ def _tangent_cg(target: ManifoldTarget, gram: TangentGram, hvp: Any, b: Tensor, 
     return u, indefinite
 
 
+def _restore(target: ManifoldTarget, z: Tensor, max_iter: int) -> Tensor:
+    r"""Feasibility first: normal (Gauss-Newton) steps :math:`z \leftarrow z - \alpha\Sigma J^\top S^{-1}(h(z) - k)`,
+    :math:`\alpha` halved until the worst row's ratio decreases, until every row is feasible or ``max_iter`` steps
+    (elements that do not get there are left to the SQP iteration, which reports them)."""
+    con = target.constraint
+    tol = feasibility_tol(z.dtype)
+    for _ in range(max_iter):
+        value = con.value(z)
+        J = con.jacobian(z).detach()
+        worst = con.row_ratio(z, value, J).amax(-1)
+        active = ~(worst <= tol)
+        if not bool(active.any()):
+            break
+        try:
+            d_n = -TangentGram(J, target.sigma_rows(J)).gain(value - con.k)
+        except ManifoldError:
+            break  # (a singular Jacobian: the SQP iteration names the element)
+        alpha = torch.ones_like(worst)
+        moved = ~active
+        z_new = z
+        for _ in range(30):
+            cand = z + alpha.unsqueeze(-1) * d_n
+            better = con.row_ratio(cand).amax(-1) < worst
+            take = better & ~moved
+            z_new = torch.where(take.unsqueeze(-1), cand, z_new)
+            moved = moved | better
+            if bool(moved.all()):
+                break
+            alpha = torch.where(moved, alpha, alpha / 2)
+        if not bool((moved & active).any()):
+            break
+        z = z_new
+    return z
+
+
 def _merit(target: ManifoldTarget, z: Tensor, x: Tensor, rho: Tensor) -> tuple[Tensor, Tensor]:
     c = target.constraint.residual(z)
     return 0.5 * target.covariance.inv_quad(z - x) + rho * c.abs().sum(-1), c
@@ -123,10 +162,40 @@ def kkt_solve(target: ManifoldTarget, x: Tensor, *, z0: Tensor | None = None, ma
         ManifoldError: not converged within ``max_iter`` (no point of the manifold, or a singular Jacobian); the
             message names the batch element, the worst row and its residual.
     """
-    con, cov = target.constraint, target.covariance
+    con = target.constraint
     shape = torch.broadcast_shapes(x.shape, target.batch_shape + (target.n,))
     x = x.detach().expand(shape)
-    z = (x if z0 is None else z0.detach().expand(shape)).clone()
+    start = (x if z0 is None else z0.detach().expand(shape)).clone()
+    z, lam, converged = _sqp(target, x, start, max_iter, newton, what)
+    if not bool(converged.all()):
+        # a second chance for the elements that did not converge, from a feasible start (normal steps first):
+        # near a saddle of the distance the merit function can stall at infeasible iterates
+        retry = torch.where(converged.unsqueeze(-1), z, _restore(target, start, max_iter // 2))
+        z2, lam2, converged2 = _sqp(target, x, retry, max_iter, newton, what)
+        keep = converged.unsqueeze(-1)
+        z, lam = torch.where(keep, z, z2), torch.where(keep, lam, lam2)
+        converged = converged | converged2
+    tol = feasibility_tol(x.dtype)
+    if not bool(converged.all()):
+        bad = ~converged
+        ratio = con.row_ratio(z).expand(shape[:-1] + (con.num_constraints,))
+        where = _first_bad(bad) if bad.dim() else ()
+        row = int(ratio[where].argmax())
+        res = float(con.residual(z).expand(ratio.shape)[where + (row,)])
+        raise ManifoldError(
+            f"{what} did not converge in {max_iter} Newton iterations at batch index {where} "
+            f"({int(bad.sum())} element(s) fail): row {row} has |h(z) - k| = {abs(res):.3e}, "
+            f"{float(ratio[where + (row,)]):.3e} times its scale (tol {tol:.0e}). Either no point of the manifold "
+            "h(z) = k exists there (check k), the Jacobian is singular near the iterate, or x is so far from the "
+            "manifold that the iteration sits near a saddle of the distance (raise max_iter, or start nearer).")
+    return z, lam
+
+
+def _sqp(target: ManifoldTarget, x: Tensor, z: Tensor, max_iter: int, newton: bool, what: str
+         ) -> tuple[Tensor, Tensor, Tensor]:
+    """The SQP iteration of :func:`kkt_solve` from ``z``; returns ``(z, lam, converged)``."""
+    con, cov = target.constraint, target.covariance
+    shape = x.shape
     eps = torch.finfo(x.dtype).eps
     tol = feasibility_tol(x.dtype)
     x_norm = cov.inv_quad(x).sqrt()
@@ -193,19 +262,7 @@ def kkt_solve(target: ManifoldTarget, x: Tensor, *, z0: Tensor | None = None, ma
             alpha = torch.where(accepted, alpha, alpha / 2)
         z = torch.where(converged.unsqueeze(-1), z, z_new)
         lam = torch.where(converged.unsqueeze(-1), lam, lam_new)
-    if not bool(converged.all()):
-        bad = ~converged
-        ratio = con.row_ratio(z).expand(shape[:-1] + (con.num_constraints,))
-        where = _first_bad(bad) if bad.dim() else ()
-        row = int(ratio[where].argmax())
-        res = float(con.residual(z).expand(ratio.shape)[where + (row,)])
-        raise ManifoldError(
-            f"{what} did not converge in {max_iter} Newton iterations at batch index {where} "
-            f"({int(bad.sum())} element(s) fail): row {row} has |h(z) - k| = {abs(res):.3e}, "
-            f"{float(ratio[where + (row,)]):.3e} times its scale (tol {tol:.0e}). Either no point of the manifold "
-            "h(z) = k exists there (check k), the Jacobian is singular near the iterate, or x is so far from the "
-            "manifold that the iteration sits near a saddle of the distance (raise max_iter, or start nearer).")
-    return z, lam
+    return z, lam, converged
 
 
 class _Project(torch.autograd.Function):
