@@ -102,3 +102,12 @@ def test_errors():
         d.log_normaliser("exact")
     with pytest.raises(NotImplementedError, match="truncate.*NonlinearConstraint.*reflects on the box walls"):
         d.truncate(0.0, 1.0)
+
+
+def test_sample_with_info_linearised_and_normaliser_arguments():
+    d = ConstrainedNormal(torch.tensor([0.9, 0.3], dtype=torch.float64), 0.2, constraint=sphere(1.0))
+    out = d.sample_with_info((5,))
+    assert out.method == "linearised" and out.samples.shape == (5, 2) and out.ess is None and out.acceptance is None
+    assert not out.samples.requires_grad
+    with pytest.raises(ValueError, match="num_samples must be an int >= 2"):
+        d.log_normaliser("importance", num_samples=1)

@@ -170,3 +170,14 @@ def test_local_phase_takes_full_steps():
     start = 2 * start / start.norm(dim=-1, keepdim=True)  # feasible
     z, _ = kkt_solve(target, x, z0=start, max_iter=6)
     torch.testing.assert_close(z, z_star, rtol=0, atol=1e-12)
+
+
+def test_gauss_newton_option_reaches_the_same_point():
+    con = energy_balance(torch.float64)
+    scale = torch.tensor([0.2, 0.2, 0.5, 0.5, 0.5], dtype=torch.float64)
+    target = ManifoldTarget(torch.zeros(5, dtype=torch.float64), DiagonalCovariance(scale), con)
+    x = torch.tensor([0.4, 0.5, 3.0, 1.0, 2.0], dtype=torch.float64) + 0.05 * torch.randn(
+        20, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    z_newton, _ = kkt_solve(target, x)
+    z_gn, _ = kkt_solve(target, x, newton=False, max_iter=300)
+    torch.testing.assert_close(z_gn, z_newton, rtol=0, atol=1e-9)
