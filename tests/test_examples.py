@@ -49,7 +49,7 @@ def number(pattern: str, text: str, group: int = 1) -> float:
 
 def test_every_example_has_a_page_a_readme_row_and_a_committed_figure():
     scripts = sorted(p.stem for p in EXAMPLES.glob("*.py"))
-    assert len(scripts) == 7
+    assert len(scripts) == 8
     readme = (EXAMPLES / "README.md").read_text()
     for name in scripts:
         assert f"python examples/{name}.py" in readme
