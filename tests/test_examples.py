@@ -115,7 +115,7 @@ def test_an_example_exits_non_zero_when_its_claim_fails(tmp_path):
 
 def test_every_example_has_a_page_a_readme_row_and_a_committed_figure():
     scripts = sorted(p.stem for p in EXAMPLES.glob("*.py"))
-    assert len(scripts) == 7
+    assert len(scripts) == 8
     readme = (EXAMPLES / "README.md").read_text()
     for name in scripts:
         assert f"python examples/{name}.py" in readme
@@ -195,6 +195,13 @@ def test_long_only_portfolio(tmp_path):
     assert number("on each of 32 days", out) <= 1e-5
     assert number("smallest weight", out) >= 0
     assert number("largest", out) <= 1
+
+
+@pytest.mark.slow
+def test_nonlinear_energy_balance(tmp_path):
+    out = run_example("nonlinear_energy_balance", tmp_path)
+    assert "all 5 claims hold" in out
+    assert number(r"samples {num} \(tol", out) <= 1e-5
 
 
 def test_include_source_hook_inlines_a_repository_file_and_refuses_missing_or_outside_ones(tmp_path):

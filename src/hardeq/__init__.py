@@ -21,6 +21,7 @@ from .errors import NotPSDError, NumericalWarning
 from .linalg.block_diagonal import BlockDiagonalCovariance
 from .linalg.covariance import (Covariance, DiagonalCovariance, FullCovariance, LowRankCovariance,
                                 register_trace_inv_mul)
+from .manifold import ManifoldNormal, NonlinearConstraint
 
 if TYPE_CHECKING:
     from . import diffusion, nn, testing
@@ -54,6 +55,8 @@ __all__ = [
     "LinearConstraint",
     "SparseConstraint",
     "SumConstraint",
+    "NonlinearConstraint",
+    "ManifoldNormal",
     "register_pair",
     "NotPSDError",
     "NumericalWarning",

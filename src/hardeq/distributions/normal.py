@@ -154,6 +154,11 @@ class ConstrainedNormal(Distribution):
 
     has_rsample = True
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # a constraint that names its own law (hardeq.NonlinearConstraint: a Gaussian on a manifold) gets that class
+        other = getattr(kwargs.get("constraint"), "distribution_class", None)
+        return other(*args, **kwargs) if cls is ConstrainedNormal and other is not None else super().__new__(cls)
+
     def __init__(
         self,
         loc: Tensor,
