@@ -161,6 +161,7 @@ def markdown(doc: Mapping[str, Any]) -> list[str]:
     from ..bounds_claims import bounds_claims_section
     from ..results import markdown_table
     from ..truncated_mean import RHAT_CAVEAT, sampler_line
+    from .report import paper_claims
 
     part = doc.get("nonnegative_flows")
     if not part:
@@ -195,7 +196,8 @@ def markdown(doc: Mapping[str, Any]) -> list[str]:
            for r in rules.get("sampler") or []):
         samplers.append(f"- {RHAT_CAVEAT}.")
     lines += ["", *samplers] if samplers else []
-    lines += ["", bounds_claims_section("Non-negative flows: do the bounds help?", claims(doc), intro=(
+    family = paper_claims(doc) if doc.get("records") else []  # one Holm family with the study's paper claims
+    lines += ["", bounds_claims_section("Non-negative flows: do the bounds help?", claims(doc), family=family, intro=(
         "Two-sided paired Wilcoxon signed-rank tests of the test MSE over seeds (the rules share the seed's "
         "network).")).rstrip("\n")]
     return lines

@@ -158,6 +158,49 @@ def best_step_summary(doc: Mapping[str, Any]) -> tuple[int, int, int]:
     return at_end, late, total
 
 
+def convergence_counts(doc: Mapping[str, Any]) -> dict[str, int]:
+    """Of every model trained: ``total``; ``last_tenth`` with its best validation step in the last 10% of its
+    step budget; ``at_end`` at the budget's last step; ``before_last_quarter`` before the budget's last quarter."""
+    plans = doc.get("plan", {})
+    out = {"total": 0, "last_tenth": 0, "at_end": 0, "before_last_quarter": 0}
+    for key, best in doc.get("best_step", {}).items():
+        budget = plans.get(key.split("-", 1)[1], {}).get("steps")
+        if budget is None:
+            continue
+        for b in best:
+            out["total"] += 1
+            out["last_tenth"] += b >= 0.9 * budget
+            out["at_end"] += b >= budget
+            out["before_last_quarter"] += b < 0.75 * budget
+    return out
+
+
+#: how many of 100 models must have their best validation step before the last quarter of the budget for the
+#: MAD comparisons to be read as converged (the rest: "undecided: still improving")
+CONVERGED_SHARE = 0.75
+
+
+def still_improving(doc: Mapping[str, Any]) -> str:
+    """Why the run's MAD comparisons cannot be read (its models were still improving when training stopped: fewer
+    than :data:`CONVERGED_SHARE` of them have their best validation step before the budget's last quarter),
+    with the counts; "" when they converged."""
+    n = convergence_counts(doc)
+    if not n["total"] or n["before_last_quarter"] >= CONVERGED_SHARE * n["total"]:
+        return ""
+    steps = doc["config"].get("settings", {}).get("steps")
+    return (f"of {n['total']} models, {n['last_tenth']} have their best validation step in the last 10% of the "
+            f"{steps}-step budget, {n['at_end']} at its last step and {n['before_last_quarter']} before its last "
+            f"quarter; a budget long enough that at least {CONVERGED_SHARE:.0%} stop improving before the last "
+            "quarter decides it")
+
+
+#: comparisons whose protocol matches the paper's on what decides them, with the reason
+MATCHED = {("CL", "Constant", "mad"): (
+    "CL is Raza et al.'s constraint layer on their network, data and the paper's 10 splits, and the constant "
+    "predictor does not train: more training can only lower CL's MAD further from the paper's 0.327, so no budget "
+    "moves this toward the claim")}
+
+
 def confound(doc: Mapping[str, Any]) -> str:
     """What differs between the method groups of this run besides the method (batch size, network, data epochs
     in the step budget), read from the document; "" when every group has the same batch, network and budget."""
@@ -188,6 +231,7 @@ def claims(doc: Mapping[str, Any]) -> list[Claim]:
                + (f", and {at_end} of {total} models have their best validation at the last step: still improving"
                   if at_end else "")) if s.get("steps") else f"the budget is smaller than the paper's ({budget})"
     mixed = confound(doc)
+    improving = still_improving(doc)
     out = []
     for c in cfg.get("claims", []):
         a, metric = c["a"], c["metric"]
@@ -212,7 +256,10 @@ def claims(doc: Mapping[str, Any]) -> list[Claim]:
         here = (f"{_cell(idx.get((a, metric)), spec)} vs {b_text}; a < b on {test['wins']}/{test['n']} splits, "
                 f"median a - b {_num(test['median_diff'], '.4g')}")
         across = mixed and _group_of(doc, a) != _group_of(doc, b)
+        matched = MATCHED.get((a, b, metric), "")
         out.append(Claim(c["claim"], c["evidence"], here, test=test, lower_is_better="<" in c["expect"],
+                         matches_paper=bool(matched) and not across, matched=matched if not across else "",
+                         improving=improving if metric == "mad" and not matched else "",
                          differs=differs + (f"; {mixed}" if across else ""),
                          favours=(f"the confound ({a}'s group sees more data per step and has a larger network)"
                                   if across else ""),

@@ -12,7 +12,7 @@ from ..claims import Claim, claims_section
 from ..figures import save_png
 from ..palette import color
 from ..results import markdown_table, wall_time
-from ..stats import paired_ttest
+from ..stats import EXACT_BESIDE_T, paired_ttest, sign_flip_test
 
 __all__ = ["METRICS", "CLAIMS", "summarise", "rl_curves", "gap_table", "claims", "render_markdown", "plot_images",
            "plot_curves"]
@@ -178,6 +178,26 @@ def _sig(doc: dict[str, Any], model: str, a: str, b: str, k: str) -> dict[str, A
                  if s["dataset"] == model and s["a"] == a and s["b"] == b and s["metric"] == k), None)
 
 
+def _exact(t: dict[str, Any], *pairs: list[float]) -> dict[str, Any] | None:
+    """The exact sign-flip test of ``a - b`` (``pairs``: ``a, b``) beside the paired t-test ``t`` over at most
+    :data:`EXACT_BESIDE_T` trials (:func:`hardeq_studies.stats.sign_flip_test`), else (or without ``pairs``)
+    None."""
+    return sign_flip_test(*pairs) if pairs and int(t["n"]) <= EXACT_BESIDE_T else None
+
+
+def _pairs(doc: dict[str, Any], model: str, a: str, b: str, k: str) -> tuple[list[float], list[float]] | tuple[()]:
+    """The per-trial values of ``a`` and ``b`` (metric ``k``), or ``()`` for a document without them."""
+    trials = doc.get("per_trial", {}).get(model, {})
+    return (trials[a][k], trials[b][k]) if a in trials and b in trials else ()
+
+
+def _time_pairs(doc: dict[str, Any], model: str) -> tuple[list[float], list[float]] | tuple[()]:
+    """Per trial: ours's epoch seconds and :data:`TIME_FACTOR` times the unconstrained model's (the pairs of the
+    time claim's t-test), or ``()`` for a document without them."""
+    t = doc["timing"].get("epoch_seconds_per_trial", {}).get(model, {})
+    return (t["ours"], [TIME_FACTOR * u for u in t["unconstrained"]]) if "ours" in t and "unconstrained" in t else ()
+
+
 def _fmt(r: dict[str, Any] | None, digits: int = 2) -> str:
     return "" if r is None else f"{r['mean']:.{digits}f} ± {r['std']:.{digits}f}"
 
@@ -259,7 +279,8 @@ def claims(doc: dict[str, Any], model: str) -> list[Claim]:
         evidence = (f"Table 2: {_paper_value(doc, model, 'ours', pcol)} vs {_paper_value(doc, model, prow, pcol)}")
         here = f"{a} - {b} = {t['mean_diff']:+.2f} {METRICS[k]}"
         rows.append(Claim(f"{label}: {text}", evidence, here, test=t, lower_is_better=not HIGHER[k],
-                          differs=_differs(doc, family, model), budget=_budget(doc, model)))
+                          differs=_differs(doc, family, model), budget=_budget(doc, model),
+                          exact_test=_exact(t, *_pairs(doc, model, a, b, k))))
     t = _sig(doc, model, "ours", f"{TIME_FACTOR} x unconstrained", "epoch_seconds")
     ratio = doc["timing"]["ratio_ours_to_unconstrained"].get(model)
     if t is not None and ratio is not None:
@@ -268,6 +289,7 @@ def claims(doc: dict[str, Any], model: str) -> list[Claim]:
                           f"Table 8: {100 * (pt[1] / pt[0] - 1):+.1f}%" if pt else "-",
                           f"{100 * (ratio - 1):+.1f}% (median epoch, 1 thread) vs {TIME_FACTOR} x unconstrained",
                           test=t, differs="epoch times on a shared CPU, not the paper's GPU",
+                          exact_test=_exact(t, *_time_pairs(doc, model)),
                           budget="per-trial epoch times on a shared machine; more trials on a dedicated one would "
                                  "decide it"))
     return rows

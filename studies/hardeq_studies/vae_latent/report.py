@@ -11,7 +11,7 @@ from ..figures import save_png
 from ..palette import color
 from ..claims import Claim, claims_section
 from ..results import markdown_table, wall_time
-from ..stats import paired_ttest, paired_wilcoxon
+from ..stats import EXACT_BESIDE_T, paired_ttest, paired_wilcoxon, sign_flip_test
 
 __all__ = ["METRICS", "LABELS", "summarise", "paired_gap_curve", "claims", "gap_rows", "pair_gap_rows",
            "render_markdown", "plot_metrics", "plot_curves", "plot_gap"]
@@ -316,6 +316,17 @@ def _test(doc: dict[str, Any], c: str, a: str, b: str, k: str) -> dict[str, Any]
     return None
 
 
+def _exact_test(doc: dict[str, Any], c: str, a: str, b: str, k: str,
+                t: dict[str, Any]) -> dict[str, Any] | None:
+    """The exact sign-flip test of ``a - b`` over the trials (:func:`hardeq_studies.stats.sign_flip_test`) beside
+    the paired t-test ``t`` where there are at most :data:`EXACT_BESIDE_T` trials and the document holds the
+    per-trial values, else None."""
+    trials = doc.get("per_trial", {}).get(c, {})
+    if int(t["n"]) > EXACT_BESIDE_T or a not in trials or b not in trials:  # (a document without per-trial values)
+        return None
+    return sign_flip_test(trials[a][k], trials[b][k])
+
+
 #: the method name of Constrained Reparametrization's independent-noise reading, as runs may record it
 INDEPENDENT_CR = ("constrained_reparam_independent",)
 #: the paper's estimators besides Marginal Expectation, with Constrained Reparametrization under each reading
@@ -370,7 +381,8 @@ def claims(doc: dict[str, Any]) -> list[Claim]:
         here = (f"{LABELS.get(a, a)} {_mean(doc, c, a, k):.2f} vs {LABELS.get(b, b)} {_mean(doc, c, b, k):.2f}; "
                 f"a - b {t['mean_diff']:+.2f}")
         out.append(Claim(f"{text} (`{c}`, {k})", EVIDENCE, here, test=t, lower_is_better=lower, reading=reading,
-                         no_difference=no_difference, differs=differs, budget=budget))
+                         no_difference=no_difference, differs=differs, budget=budget,
+                         exact_test=_exact_test(doc, c, a, b, k, t)))
 
     for c in cfg["constraints_run"]:
         for k in METRICS:
