@@ -429,7 +429,7 @@ def test_quick_preset_end_to_end(quick_run):
 @pytest.mark.slow
 def test_quick_rerun_uses_the_cached_denoiser_and_resumes_sampling(quick_run, monkeypatch):
     from hardeq_studies.cli import main
-    from hardeq_studies.diffusion import run as run_module
+    from hardeq_studies.diffusion import stages as run_module
     out = quick_run
     first = json.loads((out / "diffusion.json").read_text())
     folder = out / "checkpoints" / "diffusion-mnist-quick-samples"
