@@ -251,7 +251,7 @@ def _nonnegative(doc: Mapping[str, Any]) -> str:
     """The non-negative-flows section (chemical/bounds.py) and a blank line, or "" for a run without it."""
     from .bounds import markdown
 
-    lines = markdown(doc)
+    lines = markdown(doc, family=paper_claims(doc))
     return "\n".join(lines).lstrip("\n") + "\n\n" if lines else ""
 
 

@@ -16,9 +16,10 @@ TABLE_TITLES = {"3": "DDPM and the constrained last step (paper Table 3)",
                 "6": "conditioning schedules of DDIM (paper Table 9)",
                 "7": "Start N End N (paper Table 10)"}
 REAL = "real images (train split)"
-#: the unconstrained samplers, the constrained DDPM step and the projections they are compared with: with
+#: the unconstrained samplers, the constrained DDPM step (also as exact 8-bit images: does its noise cost the FID,
+#: or the clipping and rounding of it?) and the projections they are compared with: with
 #: ``fid.rows = "deciding"`` only these rows (and the headline DDIM schedule, and the real images) get an FID
-DECIDING = ("ddpm", "ddpm+ours", "ddpm+project", "ddim", "ddim+project")
+DECIDING = ("ddpm", "ddpm+ours", "ddpm+ours+u8", "ddpm+project", "ddim", "ddim+project")
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -82,9 +83,11 @@ def comparisons(table: str, variants: list[Variant]) -> dict[str, list[tuple[str
     out: dict[str, list[tuple[str, str]]] = {"residual": [], "residual_u8": [], "set": []}
     if table == "3":
         out["residual"] = [("ddpm+ours", "ddpm"), ("ddpm+ours+box", "ddpm")]
-        out["residual_u8"] = [("ddpm+ours+box", "ddpm+ours"), ("ddpm+ours+box", "ddpm+project+clip")]
+        out["residual_u8"] = [("ddpm+ours+box", "ddpm+ours"), ("ddpm+ours+box", "ddpm+project+clip"),
+                              ("ddpm+ours+u8", "ddpm+ours")]
         out["set"] = [("ddpm+ours", "ddpm"), ("ddpm+ours+det", "ddpm"), ("ddpm+ours+box", "ddpm"),
-                      ("ddpm+ours", "ddpm+project"), ("ddpm+ours+det", "ddpm+project")]
+                      ("ddpm+ours", "ddpm+project"), ("ddpm+ours+det", "ddpm+project"), ("ddpm+project", "ddpm"),
+                      ("ddpm+ours+u8", "ddpm"), ("ddpm+ours+u8", "ddpm+ours")]
     elif table == "4" and head is not None:
         out["residual"] = [(head, "ddim"), (head + "+box", "ddim")]
         out["residual_u8"] = [(head + "+box", head), (head + "+box", "ddim+project+clip")]

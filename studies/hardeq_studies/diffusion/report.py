@@ -89,6 +89,37 @@ def protocol_sections(doc: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def time_accounting(doc: Mapping[str, Any]) -> list[str]:
+    """What the stages of the run cost, as recorded with their results (a cached sampling block keeps the seconds
+    it took when computed, in whichever leg), beside the recorded legs: a stage that came from a cache says so,
+    and stage time beyond the legs' sum is said to be unrecorded legs. Durations only from the JSON."""
+    timing, model = doc.get("timing", {}), doc.get("model", {})
+    groups = timing.get("sampling_s_by_group") or {}
+    if not groups:
+        return []
+    per_step = ", ".join(f"{k}: {_fmt(v, '.3f')} ms" for k, v in timing.get("ms_per_image_step", {}).items())
+    sampled = sum(groups.values())
+    stages = {"data": timing.get("data_s", 0.0), "classifier": timing.get("classifier_s", 0.0),
+              "sampling blocks": sampled, "metrics": timing.get("metrics_s", 0.0)}
+    train = f"training {_fmt(timing.get('train_compute_s'), '.0f')} s ({_fmt(timing.get('train_s_per_step'), '.3f')} " \
+            "s/step)"
+    if model.get("cached"):
+        train += (": the denoiser came from the cache, trained by an earlier run whose time is in none of this run's "
+                  "legs")
+    else:
+        stages["training"] = timing.get("train_compute_s", 0.0)
+    total = sum(stages.values())
+    legs = doc.get("resumed_legs") or []
+    lines = [f"- stages as recorded with their results: sampling blocks {sampled:,.0f} s in all ({per_step} per "
+             f"image and step), whichever leg computed them; {train}. Data, classifier, sampling blocks and metrics"
+             + (" and training" if "training" in stages else "") + f" sum to {total:,.0f} s."]
+    if legs and total > sum(legs):
+        lines.append(f"- those stages exceed the {len(legs)} recorded legs ({sum(legs):,.0f} s) by "
+                     f"{total - sum(legs):,.0f} s: time of legs the JSON does not record, so the run took at least "
+                     f"{total:,.0f} s.")
+    return lines
+
+
 def render_markdown(doc: Mapping[str, Any], out: Path | None = None) -> str:
     """``diffusion.md``: the tables next to the paper's values, the FID checks, the claims, run facts."""
     idx = _index(doc)
@@ -222,17 +253,15 @@ def render_markdown(doc: Mapping[str, Any], out: Path | None = None) -> str:
     def tm(key: str) -> str:
         return _fmt(timing.get(key), ".0f")
 
-    per_step = ", ".join(f"{k}: {_fmt(v, '.3f')} ms per image and step"
-                         for k, v in timing.get("ms_per_image_step", {}).items())
     lines += ["## Run", "",
               f"- command: `{doc.get('command', '')}`; device {doc['environment']['device']}, "
               f"{doc['environment']['threads']} thread(s); git {doc['environment']['git'][:12]}"
               f"{' (uncommitted changes)' if doc['environment'].get('dirty') else ''}.",
-              f"- time: total {_wall(doc, timing.get('total_s'))}; data {tm('data_s')} s; training "
-              f"{tm('train_compute_s')} s "
-              f"({_fmt(timing.get('train_s_per_step'), '.3f')} s/step{', cached' if model.get('cached') else ''}); "
-              f"classifier {tm('classifier_s')} s; sampling {tm('sampling_s')} s ({per_step}); "
-              f"metrics {tm('metrics_s')} s (Inception {tm('inception_s')} s).",
+              f"- time: {_wall(doc, timing.get('total_s'))}. The last leg: data {tm('data_s')} s; denoiser "
+              f"{tm('train_s')} s ({'loaded from the cache' if model.get('cached') else 'trained'}); classifier "
+              f"{tm('classifier_s')} s; sampling {tm('sampling_s')} s; metrics {tm('metrics_s')} s (Inception "
+              f"{tm('inception_s')} s).",
+              *time_accounting(doc),
               f"- images sampled per seed: {', '.join(f'{k}: {v}' for k, v in doc.get('group_sizes', {}).items())}.",
               ""]
     if out is not None:

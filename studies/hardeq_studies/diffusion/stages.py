@@ -159,8 +159,9 @@ def sampling_stage(s: dict[str, Any], data: ImageData, denoiser: Denoiser, table
                     return {"variants": res, "seconds": time.perf_counter() - ts, "n": n}
 
                 blocks[f"seed{si}/{group}/chunk{j}"] = (n, compute)
-    # what a block's images depend on (besides its key and size): a longer run reuses the chunks it shares
-    sample_id = {"train": fingerprint(denoiser.train_id), "seed": seed, "chunk": chunk, "format": 2,
+    # what a block's images depend on (besides its key and size): a longer run reuses the chunks it shares; format 3
+    # adds the DDPM group's "+u8" row, which format-2 blocks (8-bit images of the other rows only) cannot give
+    sample_id = {"train": fingerprint(denoiser.train_id), "seed": seed, "chunk": chunk, "format": 3,
                  **{k: sm[k] for k in ("ddim_steps", "eta", "deterministic")}}
     t1 = time.perf_counter()
     done = [0]

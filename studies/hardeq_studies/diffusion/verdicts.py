@@ -12,7 +12,11 @@ from .report_format import (
     _METRIC_NAMES, STEP_NOTE, _exact, _fmt, _index, _paper, _rate, _set_metric, _sig, paper_table,
 )
 
-__all__ = ["claims", "claims_note", "DEFECT"]
+__all__ = ["claims", "claims_note", "DEFECT", "DET_DDPM", "U8_DDPM"]
+
+#: the deterministic DDPM row (the conditioned last step's mean), and the sampled step rounded to exact 8 bits
+DET_DDPM = "DDPM + ours (last step, deterministic)"
+U8_DDPM = "DDPM + ours (last step) + to_uint8_exact"
 
 
 def _boot_text(r: Mapping[str, Any]) -> str:
@@ -29,11 +33,16 @@ def _fid_context(doc: Mapping[str, Any], table: str, metric: str, r: Mapping[str
     name = _METRIC_NAMES[metric]
     real = idx.get((table, "real images (train split)", metric))
     n_ref = s.get("fid", {}).get("n_reference") if metric == "fid" else None
-    parts = [f"{name} of {r['n']} samples per row" + (f" against a {n_ref:,}-image reference" if n_ref else "")
-             + " (the paper: 50,000 samples)"]
+    seeds = int(s.get("seeds", 1))
+    per = int(r["n"]) // max(seeds, 1)
+    ref = f" against a {n_ref:,}-image reference" if n_ref else ""
+    parts = [(f"each row's {name} is the mean of {seeds} {name}s of {per:,} samples, one per noise seed," if seeds > 1
+              else f"{name} of {per:,} samples per row") + ref + " (the paper: one of 50,000 samples)"]
     if real is not None and real.get("mean") is not None:
-        parts.append(f"{r['n']} real images score {_fmt(real['mean'], '.3g')} against the same reference")
-    parts.append(f"one trained model and {s.get('seeds', 1)} noise seed(s)")
+        values = real.get("per_seed") or [real["mean"]]
+        parts.append(f"{per:,} real images score {' / '.join(f'{v:.2f}' for v in values)} against the same "
+                     "reference" + (" (one per seed)" if len(values) > 1 else ""))
+    parts.append(f"one trained model and {seeds} noise seed(s)")
     reps = _replicates(doc, metric, r)
     if reps:
         parts.append(f"a {reps}-replicate bootstrap, whose p cannot go below {_p_floor(reps):.3g}")
@@ -79,19 +88,88 @@ def _quality_differs(doc: Mapping[str, Any]) -> str:
             "specify it), whose extra noise can raise FID")
 
 
+def _deterministic_fid(doc: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The FID of DDPM's deterministic conditioned last step, from the run: that row's outputs equal DDPM +
+    projection's (``max_abs_diff_to_projection`` 0), so its FID is the projection row's. ``None`` when the run
+    does not show that equality or has no FID of the projection row. Returns the row's FID record, DDPM's, and
+    the paired bootstrap of ``projection - DDPM`` where the run recorded one."""
+    idx = _index(doc)
+    det = idx.get(("3", DET_DDPM, "max_abs_diff_to_projection"))
+    proj, base = idx.get(("3", "DDPM + projection", "fid")), idx.get(("3", "DDPM", "fid"))
+    if det is None or det.get("mean") != 0 or proj is None or base is None:
+        return None
+    return {"row": proj, "base": base, "boot": _sig(doc, "3", "DDPM + projection", "DDPM", "fid")
+            or _sig(doc, "3", DET_DDPM, "DDPM", "fid")}
+
+
+def _last_step_noise(doc: Mapping[str, Any], table: str, metric: str, r: Mapping[str, Any]) -> str:
+    """The design reason of a sampled DDPM last step's worse FID, where the run shows it (the same step without its
+    noise, :func:`_deterministic_fid`, costs less than a quarter of it); "" otherwise."""
+    det = _deterministic_fid(doc) if table == "3" and metric == "fid" else None
+    if det is None:
+        return ""
+    cost = det["row"]["mean"] - det["base"]["mean"]
+    if not r["mean_diff"] > 0 or not cost < 0.25 * r["mean_diff"]:
+        return ""
+    beta0 = doc["config"]["settings"].get("diffusion", {}).get("beta_start")
+    var = f"beta_0 = {beta0:g}" if beta0 is not None else "beta_0"
+    return (f"the conditioned last step samples N(x0_hat, {var} I) (this study's step variance: the paper does not "
+            "specify it, and DDPM's own is 0 at t = 0, where a point mass cannot be conditioned), noise that plain "
+            f"DDPM does not add at t = 0; the same step without it (the deterministic row) scores FID "
+            f"{_fmt(det['row']['mean'], '.4g')} against DDPM's {_fmt(det['base']['mean'], '.4g')} "
+            f"({cost:+.2g}), the sampled one {_fmt(r['mean_a'], '.4g')} ({r['mean_diff']:+.3g})")
+
+
+def _deterministic_claim(doc: Mapping[str, Any]) -> Claim | None:
+    """"DDPM + ours (last step, deterministic): FID not worse than DDPM" from the run's JSON
+    (:func:`_deterministic_fid`): its paired bootstrap over images where the run recorded one, else a paired
+    t-test over the noise seeds' FIDs with the exact sign-flip test beside it."""
+    from ..stats import paired_ttest, sign_flip_test
+
+    det = _deterministic_fid(doc)
+    if det is None:
+        return None
+    row, base, boot = det["row"], det["base"], det["boot"]
+    lo_hi = row.get("ci95_diff")
+    here = (f"FID {_fmt(row['mean'], '.4g')} vs {_fmt(base['mean'], '.4g')} (difference "
+            f"{row['mean'] - base['mean']:+.2g}" + (f"; 95% paired-bootstrap CI over images [{_fmt(lo_hi[0], '.2g')}, "
+                                                    f"{_fmt(lo_hi[1], '.2g')}]" if lo_hi else "")
+            + "), read from DDPM + projection, whose images these are (max abs difference 0)")
+    claim = f"{DET_DDPM}: FID not worse than DDPM (Table {paper_table('3')})"
+    paper = (f"FID {_paper(doc, '3', 'DDPM + ours (last step)', 'fid')} vs {_paper(doc, '3', 'DDPM', 'fid')} "
+             "(the paper samples its conditioned step; this row takes its mean)")
+    reading = "the conditioned step's mean: no last-step noise"
+    if boot is not None:
+        test = {"n": boot["n"], "p": boot["p"], "mean_diff": boot["mean_diff"], "name": "paired bootstrap over images"}
+        return Claim(claim, paper, here, test=test, differs=_quality_differs(doc), reading=reading,
+                     extra={"replicates": boot.get("replicates"), "context": _fid_context(doc, "3", "fid", boot)})
+    a, b = row.get("per_seed") or [], base.get("per_seed") or []
+    if len(a) < 2 or len(a) != len(b):
+        return None
+    t = {**paired_ttest(a, b), "name": "paired t over noise seeds"}
+    flip = sign_flip_test(a, b)
+    here += f"; per noise seed {', '.join(f'{x:.2f} vs {y:.2f}' for x, y in zip(a, b))}"
+    return Claim(claim, paper, here, test=t, exact_test=flip, differs=_quality_differs(doc), reading=reading,
+                 budget=f"{len(a)} noise seeds, each a {row.get('n_samples', '?')}-image FID; a paired bootstrap over "
+                        "images (recorded by runs from this version on) or more seeds would decide it")
+
+
 def _boot_claim(doc: Mapping[str, Any], table: str, metric: str, claim: str, paper: str, here: str,
-                r: Mapping[str, Any]) -> Claim:
+                r: Mapping[str, Any], hypothesis: bool = False) -> Claim:
     """A set-metric claim ("``a`` is not worse than / beats ``b``", lower is better) from a paired bootstrap of
     ``a - b``. It is *undecided (not informative at this budget)* where the denoiser is too weak for FID
     differences to mean anything; :func:`claims` also marks it so where the bootstrap's smallest p, Holm-adjusted
-    over the family, cannot reach the level. Otherwise its verdict reads the test, with :func:`_quality_differs`:
-    a significant result against the paper is *not reproduced at this budget*, never *refuted*."""
+    over the family, cannot reach the level. Otherwise its verdict reads the test: a significant result against
+    the paper *differs by design* where the run shows the design choice that explains it
+    (:func:`_last_step_noise`), else it is *not reproduced at this budget* (:func:`_quality_differs`), never
+    *refuted*."""
     lo, hi = r["ci95"]
     test = {"n": r["n"], "p": r["p"], "mean_diff": r["mean_diff"], "name": "paired bootstrap over images"}
     context = _fid_context(doc, table, metric, r)
     weak = _weak_denoiser(doc, table, metric)
     return Claim(claim, paper, here + f"; 95% CI of the difference [{_fmt(lo, '.3g')}, {_fmt(hi, '.3g')}]; "
                  + context, test=test, uninformative=weak and f"{weak}; {context}", differs=_quality_differs(doc),
+                 design=_last_step_noise(doc, table, metric, r), hypothesis=hypothesis,
                  extra={"replicates": _replicates(doc, metric, r), "context": context})
 
 
@@ -120,17 +198,20 @@ def claims_note(doc: Mapping[str, Any]) -> str:
                "Holm-adjusted, cannot reach the level, or the denoiser is too weak), so each is *undecided (not "
                "informative at this budget)*, its p shown for the record.")
     elif boot:
-        fid = ("The FID rows are decided by their Holm-adjusted p; a significant result against the paper is *not "
-               "reproduced at this budget*, never *refuted*, because the protocol differs from the paper's where it "
-               "could decide image quality (each verdict says how). The real-images row gives the FID of real "
-               "images at the same sample and reference sizes, the floor any sampler's FID sits on here.")
+        fid = ("The FID rows are decided by their Holm-adjusted p. A significant result against the paper *differs "
+               "by design* where the run shows the design choice that explains it (the sampled DDPM last step's "
+               "noise, beside the deterministic row that leaves it out), else it is *not reproduced at this "
+               "budget*, never *refuted*, because the protocol differs from the paper's where it could decide image "
+               "quality (each verdict says how). The real-images row gives the FID of real images at the same "
+               "sample and reference sizes, the floor any sampler's FID sits on here.")
     else:
         fid = ""
     return ("The pairs here are images, not seeds (" + (f"{seeds} noise seeds, their images pooled" if seeds > 1
                                                          else "one noise seed")
             + "; every row of a table starts from the same noise): Wilcoxon signed-rank over images for the "
             "residuals; paired bootstrap over images for FID and classifier FD (the FID where this run computed it, "
-            "else the classifier FD). There is one trained model, so the spread over training is not in any test. "
+            "else the classifier FD), or a paired t-test over the noise seeds' FIDs where the run recorded no "
+            "bootstrap of that pair (it says so). There is one trained model, so the spread over training is not in any test. "
             "The exactness rows hold by construction and carry no test. " + fid + f" Samplers: {STEP_NOTE}.")
 
 
@@ -144,7 +225,7 @@ def claims(doc: Mapping[str, Any]) -> list[Claim]:
     out: list[Claim] = []
     tables = doc["tables"]
     heads = {tk: meta["variants"][1]["label"] for tk, meta in tables.items() if tk in ("3", "4")}
-    det = {"3": "DDPM + ours (last step, deterministic)"}
+    det = {"3": DET_DDPM}
     box = {"3": "DDPM + ours + box (last step)"}
     if "4" in tables:
         labels4 = [v["label"] for v in tables["4"]["variants"]]
@@ -178,28 +259,32 @@ def claims(doc: Mapping[str, Any]) -> list[Claim]:
                                               "the last conditioned one moves the image off the plane")
                    if _exact(end_rates) else Claim(*claim, outcome="against", differs=DEFECT))
     # 3. FID not worse
-    for tk, rows in (("3", [heads.get("3"), det.get("3")]), ("4", [heads.get("4"), det.get("4")])):
+    for tk, rows in (("3", [heads.get("3"), det.get("3"), U8_DDPM]), ("4", [heads.get("4"), det.get("4")])):
         if tk not in tables:
             continue
         metric, base = _set_metric(doc, tk), tables[tk]["baseline"]
         for lab in rows:
             r = _sig(doc, tk, lab, base, metric) if lab else None
             if r is None:
+                if lab == det.get("3") and tk == "3" and metric == "fid" and _deterministic_claim(doc) is not None:
+                    out.append(_deterministic_claim(doc))  # type: ignore[arg-type]
                 continue
             out.append(_boot_claim(
                 doc, tk, metric, f"{lab}: {_METRIC_NAMES[metric]} not worse than {base} (Table {paper_table(tk)})",
                 f"FID {_paper(doc, tk, heads[tk], 'fid')} vs {_paper(doc, tk, base, 'fid')}"
                 + (" (the paper samples its conditioned steps; this row takes their mean)"
-                   if lab == det.get(tk) else ""),
+                   if lab == det.get(tk) else "")
+                + (" (not in the paper: its sampled step, rounded to 8-bit images that meet the totals exactly)"
+                   if lab == U8_DDPM else ""),
                 f"{_METRIC_NAMES[metric]} {_fmt(r['mean_a'], '.4g')} vs {_fmt(r['mean_b'], '.4g')} "
-                f"(difference {_fmt(r['mean_diff'], '.3g')})", r))
+                f"(difference {_fmt(r['mean_diff'], '.3g')})", r, hypothesis=lab == U8_DDPM))
     # 4. the deterministic DDPM last step is the projection
     rec = idx.get(("3", det["3"], "max_abs_diff_to_projection"))
     if rec is not None:
         out.append(Claim(f"{det['3']} vs DDPM + projection (Table 3)", "not in the paper",
                          f"largest abs difference of the outputs from the same noise: {_fmt(rec['mean'], '.2g')} "
-                         "(model units)",
-                         construction="equal: DDPM's last step returns x0_hat with variance 0, and the conditional "
+                         "(model units)", hypothesis=True, tie=rec.get("mean") == 0,
+                         construction="DDPM's last step returns x0_hat with variance 0, and the conditional "
                                       "mean of an isotropic Gaussian is the orthogonal projection; decides nothing "
                                       "about a distribution-aware benefit"))
     # 5. conditioning inside the loop vs projecting after sampling (DDIM)
@@ -211,7 +296,7 @@ def claims(doc: Mapping[str, Any]) -> list[Claim]:
                 out.append(_boot_claim(
                     doc, "4", metric, f"{lab} beats DDIM + projection (Table 4)", "not compared in the paper",
                     f"{_METRIC_NAMES[metric]} {_fmt(r['mean_a'], '.4g')} vs {_fmt(r['mean_b'], '.4g')} "
-                    f"(difference {_fmt(r['mean_diff'], '.3g')})", r))
+                    f"(difference {_fmt(r['mean_diff'], '.3g')})", r, hypothesis=True))
     # 6. box-exact and 8-bit exact
     for tk in ("3", "4"):
         lab, ours = box.get(tk), heads.get(tk)
@@ -226,7 +311,7 @@ def claims(doc: Mapping[str, Any]) -> list[Claim]:
                  f"{_fmt(vals['violation_rate_u8'], '.4g')} (sampled ours: "
                  f"{_fmt(_rate(idx, tk, ours, 'violation_rate_u8'), '.4g')}); 8-bit abs(sum - T) "
                  f"{_fmt(r['mean_b'], '.4g')} -> {_fmt(r['mean_a'], '.4g')} grey levels")
-        out.append(Claim(*claim, construction="the box mode and `to_uint8_exact` meet the totals exactly; "
-                                              "measured 0 on every count")
-                   if _exact(vals) else Claim(*claim, outcome="against", differs=DEFECT))
+        out.append(Claim(*claim, hypothesis=True, construction="the box mode and `to_uint8_exact` meet the totals "
+                                                               "exactly; measured 0 on every count")
+                   if _exact(vals) else Claim(*claim, outcome="against", differs=DEFECT, hypothesis=True))
     return _floor_decides(out)

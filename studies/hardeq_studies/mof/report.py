@@ -112,7 +112,7 @@ def render_markdown(doc: Mapping[str, Any], brief: bool = False) -> str:
               f"- Best rounds: {doc.get('best_epoch')}; early-stopped after round: {doc.get('stopped_epoch')} "
               "(0: never).",
               f"- Wall time {_wall(doc)} "
-              f"(training {doc.get('timing', {}).get('train_s', float('nan')):.0f} s); device "
+              f"(training in the last leg {doc.get('timing', {}).get('train_s', float('nan')):.0f} s); device "
               f"{doc['environment'].get('device')}, {s.get('jobs')} process(es) x {s.get('threads')} thread(s); "
               f"git {doc['environment'].get('git', '?')[:10]} (dirty: {doc['environment'].get('dirty')}).",
               f"- Command: `{doc.get('command')}`.", ""]

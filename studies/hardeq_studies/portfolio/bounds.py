@@ -198,11 +198,11 @@ def _sampler_lines(parts: dict[str, Any]) -> list[str]:
     return ["", *lines] if lines else []
 
 
-def markdown(doc: dict[str, Any]) -> list[str]:
-    """The long-only section of ``portfolio.md`` (lines), or ``[]`` for a document without the variant."""
+def markdown(doc: dict[str, Any], family: list[Any] | tuple[Any, ...] = ()) -> list[str]:
+    """The long-only section of ``portfolio.md`` (lines), or ``[]`` for a document without the variant; ``family``:
+    the study's claims of the paper, in the same Holm family as this section's."""
     from ..bounds_claims import bounds_claims_section
     from ..results import markdown_table
-    from .report import claims as paper_claims
 
     if not doc.get("long_only"):
         return []
@@ -230,7 +230,6 @@ def markdown(doc: dict[str, Any]) -> list[str]:
              markdown_table(["universe", "rule", "test Sharpe", "share of short weights", "max bound violation",
                              "max abs(sum(w) - 1)", "moved"], rows)]
     lines += _sampler_lines(doc["long_only"])
-    family = paper_claims(doc) if doc.get("significance") else []  # one Holm family with the paper's claims
     lines += ["", bounds_claims_section("Long-only variant: do the bounds help?", claims(doc), family=family, intro=(
         f"Two-sided paired Wilcoxon signed-rank tests of the test Sharpe over the {n_runs} runs of each "
         "universe (the rules share the run's network).")).rstrip("\n")]

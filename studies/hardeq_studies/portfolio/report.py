@@ -364,7 +364,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
               "after the last improvement (both capped at the epochs run). `selected epoch: runs` lists "
               "epoch:number of runs. The classical allocations on the same validation windows for reference.", "",
               *_training_lines(doc, trained)]
-    lines += bounds.markdown(doc)
+    lines += bounds.markdown(doc, family=claims(doc))
     lines += ["", "Figures: `portfolio_cumulative.png` (test-period cumulative return of the windows starting every "
               "horizon days, held in sequence; mean over runs, band = ±1 std over runs; one panel per universe), "
               "`portfolio_weights.png` (distribution of N w over runs, windows and stocks, per universe).", ""]
