@@ -428,23 +428,43 @@ def _labelled_grid(rows: list[Any], labels: list[str], path: Path, title: str) -
 
 
 def plot_curves(doc: dict[str, Any], out: Path) -> Path:
-    """Training loss per epoch (mean over trials), one panel per model."""
+    """Training loss per epoch (mean over trials): one panel per model and training objective, since the
+    likelihood (-log p(x | z) + KL, :data:`~.run.LIKELIHOOD`) on R^784, the same on the plane (a density of
+    another dimension, other units) and the sampled squared error (1/2 ||x~ - x||^2 + KL, :data:`~.run.SAMPLED`)
+    are different quantities and never share an axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     from ..palette import integer_epochs
+    from .run import SAMPLED
 
-    models = doc["config"]["models_run"]
-    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 3.6), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        for v, y in doc["curves"].get(model, {}).items():
+    objectives = (("likelihood on R^784", "-log p(x | z) + KL per image",
+                   lambda v: v not in SAMPLED and _density_on(v) == "R^784"),
+                  ("likelihood on the plane", "-log p(x | z) + KL per image (plane)",
+                   lambda v: v not in SAMPLED and _density_on(v) == "plane"),
+                  ("sampled squared error", "1/2 ||x~ - x||^2 + KL per image", lambda v: v in SAMPLED))
+    panels = [(model, name, label, [v for v in doc["curves"].get(model, {}) if keep(v)])
+              for model in doc["config"]["models_run"] for name, label, keep in objectives]
+    panels = [p for p in panels if p[3]]
+    models = list(dict.fromkeys(p[0] for p in panels))  # one row per model, one column per objective it trained
+    cols = max(sum(p[0] == m for p in panels) for m in models)
+    fig, axes = plt.subplots(len(models), cols, figsize=(5 * cols, 3.4 * len(models)), squeeze=False)
+    slots = []
+    for r, m in enumerate(models):
+        mine = [p for p in panels if p[0] == m]
+        slots += [(axes[r][c], p) for c, p in enumerate(mine)]
+        for c in range(len(mine), cols):
+            axes[r][c].axis("off")
+    for ax, (model, name, label, variants) in slots:
+        for v in variants:
+            y = doc["curves"][model][v]
             ax.plot(range(1, len(y) + 1), y, label=v, color=color(v), marker="o", ms=3)
         integer_epochs(ax)
         ax.set_xlabel("epoch")
-        ax.set_ylabel("training loss per image")
-        ax.set_title(MODEL_LABELS.get(model, model))
+        ax.set_ylabel(f"training loss: {label}", fontsize=8)
+        ax.set_title(f"{MODEL_LABELS.get(model, model)}, {name}")
         ax.legend(fontsize=7)
     fig.tight_layout()
     path = Path(out) / "vae-data_curves.png"
