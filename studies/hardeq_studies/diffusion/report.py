@@ -13,7 +13,7 @@ from .figures import GRID_FILES, plot_schedules, plot_training, save_grids
 from .report_format import (
     _METRIC_NAMES, METRICS, STEP_NOTE, _cell, _ci, _fmt, _index, _paper, _rows, _title, _wall, paper_table,
 )
-from .verdicts import claims, claims_note
+from .verdicts import U8_DDPM, claims, claims_note
 
 __all__ = ["paper_table", "render_markdown", "protocol_sections", "plot_schedules", "plot_training", "save_grids",
            "claims", "GRID_FILES"]
@@ -118,6 +118,43 @@ def time_accounting(doc: Mapping[str, Any]) -> list[str]:
                      f"{total - sum(legs):,.0f} s: time of legs the JSON does not record, so the run took at least "
                      f"{total:,.0f} s.")
     return lines
+
+
+def pending_row_cost(doc: Mapping[str, Any]) -> list[str]:
+    """``## What the pending row costs``: for a run without the row ``DDPM + ours (last step) + to_uint8_exact``
+    (:data:`~.verdicts.U8_DDPM`), what a resumed run that adds it takes, from this run's own recorded times: the
+    DDPM group sampled again (its cached blocks hold the 8-bit images of the other rows, not the float output the
+    row needs), the metrics as before plus the new row's Inception images at this run's seconds per image, data
+    and classifier; with the denoiser retrained (training is not in the repository) and with the DDIM blocks
+    sampled again too. ``[]`` for a run that has the row or lacks the times."""
+    timing, fp = doc.get("timing", {}), doc.get("fid_protocol") or {}
+    groups = timing.get("sampling_s_by_group") or {}
+    labels = [v["label"] for v in doc.get("tables", {}).get("3", {}).get("variants", [])]
+    if U8_DDPM in labels or "ddpm" not in groups or not fp.get("tables") or not timing.get("inception_s"):
+        return []
+    seeds = int(fp["seeds"])
+    sizes = {t["n_per_seed"] for t in fp["tables"].values()}
+    images = sum(len(t["rows"]) * t["n_per_seed"] * seeds for t in fp["tables"].values()) + sum(sizes) * seeds
+    per_image = timing["inception_s"] / images
+    n3 = fp["tables"].get("3", {}).get("n_per_seed", 0) * seeds
+    new = n3 * per_image
+    ddpm, ddim = groups["ddpm"], sum(v for k, v in groups.items() if k != "ddpm")
+    base = ddpm + timing.get("metrics_s", 0.0) + new + timing.get("data_s", 0.0) + timing.get("classifier_s", 0.0)
+    train = timing.get("train_compute_s", 0.0)
+
+    def s_h(x: float) -> str:
+        return f"{x:,.0f} s ({x / 3600:.1f} h)"
+
+    return ["## What the pending row costs", "",
+            f"The row {U8_DDPM} (the sampled last step saved through `to_uint8_exact`) is not in this run. A resumed "
+            "run that adds it needs, at this run's recorded rates: the DDPM group sampled again, "
+            f"{ddpm:,.0f} s (its cached blocks hold 8-bit images of the other rows, not the float output the row "
+            f"needs); the metrics as before, {timing.get('metrics_s', 0.0):,.0f} s, plus the row's {n3:,} Inception "
+            f"images at {per_image:.3f} s each ({timing['inception_s']:,.0f} s for this run's {images:,}), "
+            f"{new:,.0f} s; data and classifier "
+            f"{timing.get('data_s', 0.0) + timing.get('classifier_s', 0.0):,.0f} s. That is {s_h(base)} with the "
+            f"denoiser and the DDIM blocks cached, {s_h(base + train)} with the denoiser retrained "
+            f"({train:,.0f} s), and {s_h(base + train + ddim)} from nothing (the DDIM blocks {ddim:,.0f} s).", ""]
 
 
 def render_markdown(doc: Mapping[str, Any], out: Path | None = None) -> str:
@@ -264,6 +301,7 @@ def render_markdown(doc: Mapping[str, Any], out: Path | None = None) -> str:
               *time_accounting(doc),
               f"- images sampled per seed: {', '.join(f'{k}: {v}' for k, v in doc.get('group_sizes', {}).items())}.",
               ""]
+    lines += pending_row_cost(doc)
     if out is not None:
         figs = [f for f in (*GRID_FILES.values(), "diffusion-schedules.png", "diffusion-training.png")
                 if (Path(out) / f).exists()]
