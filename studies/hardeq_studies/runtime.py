@@ -189,7 +189,8 @@ def record_leg(path: Path, seconds: float) -> None:
 
 class LegClock:
     """The wall clock of one leg of a run, written to the legs record ``path`` every ``every`` seconds (a daemon
-    thread) as ``{"legs": [...earlier...], "open": {"elapsed": s}}``, so that a leg killed without a chance to
+    thread; only once the checkpoint folder exists, which it never creates) as ``{"legs": [...earlier...], "open":
+    {"elapsed": s}}``, so that a leg killed without a chance to
     record itself (SIGKILL) still counts, up to its last heartbeat, in the next leg's :func:`earlier_legs`.
     :meth:`stop` ends the heartbeat and returns the leg's seconds; the caller then records or forgets the leg.
 
@@ -212,13 +213,13 @@ class LegClock:
         return time.perf_counter() - self.t0
 
     def _beat(self) -> None:
-        while True:
+        while not self._stop.wait(self.every):
+            if not self.path.parent.is_dir():  # no checkpoints yet: nothing a later leg could resume
+                continue
             try:
                 _write(self.path, {"legs": self._earlier, "open": {"elapsed": self.elapsed()}})
             except OSError:  # a full or vanished disk loses the heartbeat, never the run
                 pass
-            if self._stop.wait(self.every):
-                return
 
     def stop(self) -> float:
         """End the heartbeat (the open entry stays until the caller records or forgets the leg); the leg's
