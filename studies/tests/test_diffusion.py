@@ -639,7 +639,8 @@ def test_fid_verdicts_of_the_committed_runs_read_their_evidence():
     assert "scores FID 28.78 against DDPM's 28.58 (+0.2), the sampled one 47 (+18.4)" in verdicts[0]
     assert all(v.startswith("not reproduced at this budget (paired bootstrap") for v in verdicts[1:])
     assert all("one 0.27 M-parameter U-Net trained 2,000 steps on MNIST" in v for v in verdicts[1:])
-    det = next(d for d in decide(claims(mnist)) if d.claim.claim.startswith("DDPM + ours (last step, deterministic): FID"))
+    det = next(d for d in decide(claims(mnist))
+               if d.claim.claim.startswith("DDPM + ours (last step, deterministic): FID"))
     assert det.claim.test["name"] == "paired t over noise seeds" and det.claim.exact_test["p"] == pytest.approx(0.25)
     assert det.verdict.startswith("undecided (paired t over noise seeds, n = 3")
     # the sampled step's noise explains its FID only while the deterministic row costs a fraction of it

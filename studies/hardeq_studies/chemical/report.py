@@ -16,7 +16,8 @@ from ..claims import Claim, claims_section
 from ..results import markdown_table, wall_time
 from ..stats import paired_wilcoxon
 
-__all__ = ["summarize", "significance", "significance_table", "claims", "paper_claims", "hypotheses", "plot_curves", "render_markdown"]
+__all__ = ["summarize", "significance", "significance_table", "claims", "paper_claims", "hypotheses", "plot_curves",
+           "render_markdown"]
 
 #: the paper's method and the methods its Table 1 says it beats
 PAPER_METHOD = "ours"

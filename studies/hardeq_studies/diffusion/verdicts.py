@@ -211,7 +211,8 @@ def claims_note(doc: Mapping[str, Any]) -> str:
             + "; every row of a table starts from the same noise): Wilcoxon signed-rank over images for the "
             "residuals; paired bootstrap over images for FID and classifier FD (the FID where this run computed it, "
             "else the classifier FD), or a paired t-test over the noise seeds' FIDs where the run recorded no "
-            "bootstrap of that pair (it says so). There is one trained model, so the spread over training is not in any test. "
+            "bootstrap of that pair (it says so). There is one trained model, so the spread over training is not in "
+            "any test. "
             "The exactness rows hold by construction and carry no test. " + fid + f" Samplers: {STEP_NOTE}.")
 
 

@@ -87,8 +87,9 @@ def claims(records: list[dict]) -> str:
 
     Per setting: Marginal Expectation "significantly outperforms the others in all cases" (the paper's words):
     against an estimator whose per-set values equal its own (to round-off) it *holds by construction (tie)*, which
-    is no evidence of outperforming; against the best of the paper's other estimators that is not identical to it, once per reading of Constrained Reparametrization / Constrained
-    Layer (:data:`READINGS`; one row when both readings pick the same rival, so no test is counted twice);
+    is no evidence of outperforming; against the best of the paper's other estimators that is not identical to it,
+    once per reading of Constrained Reparametrization / Constrained Layer (:data:`READINGS`; one row when both
+    readings pick the same rival, so no test is counted twice);
     "Constrained Reparametrization trails Marginal Expectation" under the independent reading where that is not
     already the row above (under the shared reading CR is the pathwise gradient, tested above); and
     "Constrained / Unconstrained Marginal are about as bad as Random" (a claim of no difference). An estimator
