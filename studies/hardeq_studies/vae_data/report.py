@@ -324,8 +324,11 @@ def render_markdown(doc: dict[str, Any]) -> str:
     rows += [Claim(f"{MODEL_LABELS.get(m, m)}: every Table 2 comparison", "Table 2", "not run here",
                    budget=f"`--models {m}`, or `--preset paper`, would decide it")
              for m in cfg["paper"]["values"] if m not in cfg["models_run"]]
+    n = len(cfg["trials"])
+    exact = (f" Beside each, the exact sign-flip test (over {n} trials its smallest p is {2 / 2 ** n:.3g}); where "
+             "the two disagree after Holm's adjustment the row is undecided." if n <= EXACT_BESIDE_T else "")
     lines += [claims_section(rows, intro="Two-sided paired t-tests over trials (same initialisation, data order "
-                                         "and evaluation noise per trial).")]
+                                         "and evaluation noise per trial)." + exact)]
     lines += ["## Results", ""]
     for model in cfg["models_run"]:
         lines += [f"**{MODEL_LABELS.get(model, model)}**", ""]

@@ -193,7 +193,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
                       markdown_table(["epoch", "Constrained Reparametrization (independent noise)",
                                       "Marginal Expectation", "gap", "95% CI"], ind)]
     lines += [claims_section(claims(doc), intro=(
-        "Two-sided paired t-tests over trials, one per row. *Readings*: the paper does not say whether "
+        "Two-sided paired t-tests over trials, one per row, " + _exact_note(len(doc["config"]["trials"]))
+        + " *Readings*: the paper does not say whether "
         "Constrained Reparametrization's proxy reuses the forward sample's noise (*shared noise*: it is then the "
         "pathwise gradient, identical in value and gradient, tested exactly in the library) or draws its own "
         "(*independent noise*: its expected gradient equals Marginal Expectation's, and its spread is larger); "
@@ -325,6 +326,14 @@ def _exact_test(doc: dict[str, Any], c: str, a: str, b: str, k: str,
     if int(t["n"]) > EXACT_BESIDE_T or a not in trials or b not in trials:  # (a document without per-trial values)
         return None
     return sign_flip_test(trials[a][k], trials[b][k])
+
+
+def _exact_note(n: int) -> str:
+    """What the claims table says of the exact test beside the t-test over ``n`` trials."""
+    if n > EXACT_BESIDE_T:
+        return "(more than 5 trials: the t-test alone)."
+    return (f"each with the exact sign-flip test beside it (over {n} trials its smallest p is {2 / 2 ** n:.3g}); "
+            "where the two disagree after Holm's adjustment the row is undecided.")
 
 
 #: the method name of Constrained Reparametrization's independent-noise reading, as runs may record it
