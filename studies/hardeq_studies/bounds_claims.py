@@ -2,34 +2,41 @@
 
 The long-only portfolio and the non-negative flows are not experiments of the paper: their claims are this
 repository's hypotheses ("deciding with the truncated law beats the untruncated model", "... beats clipping then
-projecting"). They are decided exactly as the paper's claims are (paired tests over runs, Holm's adjustment over
-the variant's family, the five verdicts of docs/claims.md), and rendered in their own section, so that they are
-never counted among the paper's.
+projecting"). They are decided exactly as the paper's claims are (paired tests over runs, the six verdicts of
+docs/claims.md) and in the *same* Holm family as the study's claims of the paper (one family per study), but
+rendered in their own section, so that they are never counted among the paper's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
-from .claims import ALPHA, Claim, decide, format_p
+from .claims import ALPHA, VOCABULARY, Claim, decide, family_sentence, family_size, format_p
 from .results import markdown_table
 
-__all__ = ["bounds_claims_section"]
+__all__ = ["bounds_claims_section", "as_hypotheses"]
 
 
-def bounds_claims_section(title: str, claims: Sequence[Claim], intro: str = "", alpha: float = ALPHA) -> str:
+def as_hypotheses(claims: Sequence[Claim]) -> list[Claim]:
+    """``claims`` marked as this repository's hypotheses (:attr:`Claim.hypothesis`)."""
+    return [replace(c, hypothesis=True) for c in claims]
+
+
+def bounds_claims_section(title: str, claims: Sequence[Claim], intro: str = "", alpha: float = ALPHA,
+                          family: Sequence[Claim] = ()) -> str:
     """``## TITLE``: the claims' table (claim, the evidence it is weighed against, here, raw p, Holm-adjusted p,
-    verdict), the verdicts computed by :func:`hardeq_studies.claims.decide` over ``claims`` as one family."""
-    decisions = decide(claims, alpha)
-    m = sum(d.p_raw == d.p_raw for d in decisions)  # tested claims (the NaN of an untested one is not equal)
+    verdict), the verdicts computed by :func:`hardeq_studies.claims.decide` with Holm's adjustment over
+    ``claims`` and ``family`` (the study's claims of the paper) as one family."""
+    mine = as_hypotheses(claims)
+    decisions = decide(mine, alpha, family)
+    m = family_size(list(mine) + list(family))
     rows = [[d.claim.claim, d.claim.paper, d.claim.here, format_p(d.p_raw), format_p(d.p_holm), d.verdict]
             for d in decisions]
     text = (f"## {title}\n\n" + (intro + "\n\n" if intro else "")
-            + (f"These are hypotheses of this repository, not claims of the paper. Each tested one's two-sided paired "
-               f"p is Holm-adjusted over the {m} tested claims of this section; the verdict reads the adjusted p at "
-               f"level {alpha} and" if m else "No claim of this section has a test in this run; each verdict")
-            + " is one of five (docs/claims.md): reproduced (the hypothesis holds), not reproduced at this budget, "
-            "refuted, holds by construction, undecided.\n\n"
+            + "These are hypotheses of this repository, not claims of the paper. "
+            + family_sentence(m, family_size(mine), alpha, "this section's rows" if family else "")
+            + f" is one of six (docs/claims.md; for a hypothesis, reproduced means it holds): {VOCABULARY}.\n\n"
             + markdown_table(["claim (this repository)", "weighed against", "here", "p", "p (Holm)", "verdict"],
                              rows))
     return text

@@ -23,8 +23,9 @@ A run may take several *legs*: a leg that ends without a result (interrupted by 
 records its wall time beside the checkpoints (:func:`~hardeq_studies.runtime.record_leg`), and the ``--resume``
 leg that completes the run writes ``"resumed"`` (bool), ``"resumed_legs"`` (the wall seconds of every leg, the
 last one included) and ``"wall_seconds_total"`` (their sum) into the results document. A run without
-``--resume`` forgets earlier legs; a leg killed outright (SIGKILL, power loss) records nothing, so the total
-counts the legs that were recorded.
+``--resume`` forgets earlier legs. A running leg also rewrites its elapsed time every 30 s
+(:class:`~hardeq_studies.runtime.LegClock`), so a leg killed outright (SIGKILL, power loss) still counts, up to
+its last heartbeat.
 
 ``args`` always carries ``preset`` (``"quick"``, ``"cpu"`` or ``"paper"``), ``seeds`` and ``epochs`` (int or
 None: the preset's), ``out`` (pathlib.Path), ``resume`` (bool), ``device`` (str or None) and ``quiet`` (bool).
@@ -34,7 +35,6 @@ Studies import only hardeq's public API and this package.
 from __future__ import annotations
 
 import argparse
-import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,8 +43,8 @@ from typing import Any
 from .argtypes import nonnegative_int, positive_int
 from .extras import require
 from .results import atomic_write_text, write_json
-from .runtime import (RunSetup, discard_checkpoints, earlier_legs, finish_run, forget_legs, record_leg, setup_run,
-                      study_checkpoints)
+from .runtime import (LegClock, RunSetup, discard_checkpoints, earlier_legs, finish_run, forget_legs, record_leg,
+                      setup_run, study_checkpoints)
 
 __all__ = ["PRESETS", "Preset", "Study", "RunSetup", "positive_int", "nonnegative_int"]
 
@@ -132,11 +132,11 @@ class Study(ABC):
         resumed = run.resume and bool(legs or self.pending_checkpoints(args, run.checkpoint_dir))
         if run.ctx.is_main and not run.resume:
             forget_legs(run.legs)
-        t0 = time.perf_counter()
+        clock = LegClock(run.legs, enabled=run.ctx.is_main)  # a killed leg still counts, to its last heartbeat
         doc: dict[str, Any] = {}
         try:  # the leg's time is kept until its document is written (a stop while summarising it included)
             result = self.execute(run)
-            wall = time.perf_counter() - t0
+            wall = clock.elapsed()
             if run.ctx.is_main:
                 fields = self.document(run, result, wall)
                 config, records = fields.pop("config"), fields.pop("records")
@@ -145,9 +145,11 @@ class Study(ABC):
                 doc = write_json(run.out / f"{self.name}.json", self.name, run.preset, config, records, **fields)
                 self.write_extra(run, result)
         except BaseException:
+            seconds = clock.stop()
             if run.ctx.is_main:
-                record_leg(run.legs, time.perf_counter() - t0)
+                record_leg(run.legs, seconds)
             raise
+        clock.stop()
         if run.ctx.is_main:
             forget_legs(run.legs)
             if not self.keeps_checkpoints:

@@ -115,7 +115,8 @@ def wall_time(doc: Mapping[str, Any], last_leg_seconds: float | None) -> tuple[f
     """The wall time a report prints: ``(seconds, label)``.
 
     A run document that records ``wall_seconds_total`` (top level or under ``timing``; the sum over every leg of
-    a resumed run) gives that total, labelled with the number of legs when ``resumed_legs`` is there too.
+    a resumed run) gives that total, labelled with the legs' seconds when ``resumed_legs`` holds several, and as
+    the last leg alone when the run was resumed (``resumed``) but only one leg was recorded.
     Otherwise the study's own key (``last_leg_seconds``) is all the document has: labelled "last leg" when the
     command ran with ``--resume`` (it then counts only the last leg), else "total".
     """
@@ -124,7 +125,10 @@ def wall_time(doc: Mapping[str, Any], last_leg_seconds: float | None) -> tuple[f
     if total is not None:
         legs = doc.get("resumed_legs", timing.get("resumed_legs")) or []
         if len(legs) > 1:
-            return float(total), f"total across the {len(legs)} legs of a resumed run"
+            return float(total), (f"total across the {len(legs)} legs of a resumed run: "
+                                  + " + ".join(f"{x:,.0f}" for x in legs) + " s")
+        if doc.get("resumed"):
+            return float(total), "the last leg of a resumed run; its earlier legs are not recorded"
         return float(total), "total"
     resumed = "--resume" in str(doc.get("command", ""))
     return (None if last_leg_seconds is None else float(last_leg_seconds),

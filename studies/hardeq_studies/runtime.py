@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,7 @@ from .argtypes import positive_int
 from .harness import DistContext, init_distributed
 
 __all__ = ["RunSetup", "add_run_arguments", "setup_run", "discard_checkpoints", "finish_run", "legs_path",
-           "earlier_legs", "record_leg", "forget_legs", "study_checkpoints"]
+           "earlier_legs", "record_leg", "forget_legs", "study_checkpoints", "LegClock", "HEARTBEAT_S"]
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, *, threads: bool = True) -> None:
@@ -145,24 +147,87 @@ def legs_path(checkpoint_dir: Path, name: str) -> Path:
     return Path(checkpoint_dir) / f"{name}.legs.json"
 
 
-def earlier_legs(path: Path) -> list[float]:
-    """The wall seconds recorded in ``path`` by :func:`record_leg` (``[]`` when there is none or it is unreadable:
-    a lost record only shortens the reported total, it cannot change a result)."""
+#: how often a running leg rewrites its elapsed wall time beside the checkpoints (:class:`LegClock`)
+HEARTBEAT_S = 30.0
+
+
+def _read(path: Path) -> dict[str, Any]:
     try:
-        legs = json.loads(Path(path).read_text()).get("legs", [])
-    except (OSError, ValueError, AttributeError):
-        return []
-    return [float(x) for x in legs if isinstance(x, (int, float))]
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write(path: Path, data: dict[str, Any]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_text(json.dumps(data) + "\n")
+    os.replace(tmp, path)
+
+
+def earlier_legs(path: Path) -> list[float]:
+    """The wall seconds of the earlier legs recorded in ``path``: the legs :func:`record_leg` closed, then a leg
+    that was killed outright (SIGKILL, power loss) while its :class:`LegClock` ran, counted up to its last
+    heartbeat (so at most :data:`HEARTBEAT_S` short). ``[]`` when there is no record or it is unreadable: a lost
+    record only shortens the reported total, it cannot change a result."""
+    data = _read(path)
+    legs = [float(x) for x in data.get("legs", []) if isinstance(x, (int, float))]
+    open_leg = data.get("open")
+    if isinstance(open_leg, dict) and isinstance(open_leg.get("elapsed"), (int, float)):
+        legs.append(float(open_leg["elapsed"]))
+    return legs
 
 
 def record_leg(path: Path, seconds: float) -> None:
-    """Append a leg of ``seconds`` to ``path`` (atomically: a temporary file and ``os.replace``)."""
-    path = Path(path)
-    legs = earlier_legs(path) + [float(seconds)]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"legs": legs}) + "\n")
-    os.replace(tmp, path)
+    """Append a closed leg of ``seconds`` to the closed legs of ``path`` (atomically: a temporary file and
+    ``os.replace``); the open entry of the leg being closed is dropped."""
+    closed = [float(x) for x in _read(path).get("legs", []) if isinstance(x, (int, float))]
+    _write(Path(path), {"legs": closed + [float(seconds)]})
+
+
+class LegClock:
+    """The wall clock of one leg of a run, written to the legs record ``path`` every ``every`` seconds (a daemon
+    thread; only once the checkpoint folder exists, which it never creates) as ``{"legs": [...earlier...], "open":
+    {"elapsed": s}}``, so that a leg killed without a chance to
+    record itself (SIGKILL) still counts, up to its last heartbeat, in the next leg's :func:`earlier_legs`.
+    :meth:`stop` ends the heartbeat and returns the leg's seconds; the caller then records or forgets the leg.
+
+    Only the main rank runs one; ``enabled=False`` makes it a plain clock.
+    """
+
+    def __init__(self, path: Path, *, every: float = HEARTBEAT_S, enabled: bool = True) -> None:
+        self.path, self.every = Path(path), float(every)
+        self.t0 = time.perf_counter()
+        self._stop = threading.Event()
+        self._earlier = earlier_legs(self.path)  # a leg killed before this one becomes a closed leg
+        self._thread = threading.Thread(target=self._beat, daemon=True) if enabled else None
+        if self._thread is not None:
+            if self._earlier:
+                _write(self.path, {"legs": self._earlier})
+            self._thread.start()
+
+    def elapsed(self) -> float:
+        """Seconds since the leg started."""
+        return time.perf_counter() - self.t0
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.every):
+            if not self.path.parent.is_dir():  # no checkpoints yet: nothing a later leg could resume
+                continue
+            try:
+                _write(self.path, {"legs": self._earlier, "open": {"elapsed": self.elapsed()}})
+            except OSError:  # a full or vanished disk loses the heartbeat, never the run
+                pass
+
+    def stop(self) -> float:
+        """End the heartbeat (the open entry stays until the caller records or forgets the leg); the leg's
+        seconds."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        return self.elapsed()
 
 
 def forget_legs(path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Verdicts on the paper's claims (hardeq_studies.claims): the five-word vocabulary, Holm's adjustment against
+"""Verdicts on the paper's claims (hardeq_studies.claims): the six-verdict vocabulary, Holm's adjustment against
 an independent reference, and which protocol facts allow which verdict."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from hardeq_studies.claims import (
-    BY_CONSTRUCTION, NOT_AT_BUDGET, REFUTED, REPRODUCED, UNDECIDED, VERDICTS, Claim, claims_section, decide, holm,
-    smallest_wilcoxon_p,
+    BY_CONSTRUCTION, BY_DESIGN, NOT_AT_BUDGET, REFUTED, REPRODUCED, TIE, UNDECIDED, VERDICTS, Claim, claims_section,
+    decide, holm, smallest_wilcoxon_p,
 )
-from hardeq_studies.stats import paired_ttest, paired_wilcoxon
+from hardeq_studies.stats import paired_ttest, paired_wilcoxon, sign_flip_test
 
 LOWER = paired_wilcoxon([1.0 + 0.01 * i for i in range(10)], [2.0 + 0.02 * i for i in range(10)])  # p = 0.002
 MIXED = paired_wilcoxon([1.0, 3.0, 1.0, 3.0, 2.0, 2.5], [2.0, 2.0, 2.0, 2.0, 2.1, 2.4])
@@ -79,7 +79,11 @@ def test_verdicts_follow_the_sign_the_level_and_the_protocol():
     # the other way: refuted only when the protocol matches the paper's
     assert _one(Claim(**c, test=LOWER, lower_is_better=False, differs="batch 32 vs 128")) == \
         "not reproduced at this budget (Wilcoxon, n = 10; significant the other way, but batch 32 vs 128)"
-    assert _one(Claim(**c, test=LOWER, lower_is_better=False, matches_paper=True)) == "refuted (Wilcoxon, n = 10)"
+    assert _one(Claim(**c, test=LOWER, lower_is_better=False, matches_paper=True, matched="same data")) == \
+        "refuted (protocol-matched): Wilcoxon, n = 10; significant the other way; same data"
+    # a design choice of this study that explains it
+    assert _one(Claim(**c, test=LOWER, lower_is_better=False, design="the variance head")) == \
+        "differs by design: the variance head (Wilcoxon, n = 10; significant the other way)"
     # a difference of protocol that favours the paper's side makes a paper-way result undecided
     assert _one(Claim(**c, test=LOWER, favours="3.8x the data", differs="x")).startswith(
         "undecided (Wilcoxon, n = 10; significant the paper's way, but 3.8x the data could produce it)")
@@ -101,7 +105,12 @@ def test_uninformative_construction_and_untested_claims():
     assert _one(Claim(**c, construction="exact conditioning")) == "holds by construction (exact conditioning)"
     assert _one(Claim(**c, outcome="against", differs="10 of 1000 epochs")) == \
         "not reproduced at this budget (10 of 1000 epochs)"
-    assert _one(Claim(**c, outcome="against", matches_paper=True)) == "refuted"
+    assert _one(Claim(**c, outcome="against", matches_paper=True, matched="same data")) == \
+        "refuted (protocol-matched): same data"
+    assert _one(Claim(**c, outcome="against", design="beta_t noise")) == "differs by design: beta_t noise"
+    assert _one(Claim(**c, construction="same gradient", tie=True)) == "holds by construction (tie): same gradient"
+    assert _one(Claim(**c, test=LOWER, improving="52 of 100 at the last step")) == \
+        "undecided: still improving (52 of 100 at the last step)"
     assert _one(Claim(**c, outcome="for")) == "reproduced"
     assert _one(Claim(**c, budget="`--models ladder` would decide it")) == \
         "undecided (`--models ladder` would decide it)"
@@ -111,6 +120,12 @@ def test_uninformative_construction_and_untested_claims():
         Claim(**c, test=LOWER)
     with pytest.raises(TypeError, match="matches_paper: expected a bool"):
         Claim(**c, test=LOWER, matches_paper="yes")
+    with pytest.raises(ValueError, match="must say on what the protocol matches"):
+        Claim(**c, test=LOWER, matches_paper=True)
+    with pytest.raises(ValueError, match="tie=True needs construction"):
+        Claim(**c, tie=True)
+    with pytest.raises(ValueError, match="exact_test is a second test"):
+        Claim(**c, exact_test=LOWER, differs="x")
     with pytest.raises(ValueError, match="outcome: expected"):
         Claim(**c, outcome="maybe")
 
@@ -120,7 +135,8 @@ def test_no_difference_claims_are_undecided_unless_the_test_rejects():
     assert _one(Claim(**c, test=MIXED, differs="x")).startswith(
         "undecided (Wilcoxon, n = 6; no significant difference, which is not evidence of a tie)")
     worse = paired_wilcoxon([2.0 + 0.01 * i for i in range(10)], [1.0] * 10)
-    assert _one(Claim(**c, test=worse, matches_paper=True)) == "refuted (Wilcoxon, n = 10; the first is higher)"
+    assert _one(Claim(**c, test=worse, matches_paper=True, matched="m")) == \
+        "refuted (protocol-matched): Wilcoxon, n = 10; the first is higher; m"
     assert _one(Claim(**c, test=worse, differs="20 sets")).startswith(
         "not reproduced at this budget (Wilcoxon, n = 10; the first is higher; 20 sets")
 
@@ -134,16 +150,78 @@ def test_holm_decides_the_verdict_not_the_raw_p():
     assert d[0].verdict.startswith(UNDECIDED) and decide(family[:1])[0].verdict.startswith(REPRODUCED)
 
 
-def test_claims_section_shows_raw_and_adjusted_p_and_only_the_five_verdicts():
+def test_holm_runs_over_the_whole_family_including_rows_printed_elsewhere():
+    """One family per study: a hypothesis printed in another section counts in m, so p = 0.0039 in a family of 24
+    (as chemical "plant: ours beats CL") is Holm 0.051, not 0.029 as in the paper's 15 alone."""
+    paper = [Claim(f"c{i}", "p", "h", test={"n": 10, "p": 0.002, "median_diff": -1.0}, differs="x")
+             for i in range(11)]
+    paper.append(Claim("plant", "p", "h", test={"n": 10, "p": 0.0039, "median_diff": -1.0}, differs="x"))
+    paper += [Claim(f"d{i}", "p", "h", test={"n": 10, "p": 0.3, "median_diff": -1.0}, differs="x")
+              for i in range(3)]
+    own = [Claim(f"own{i}", "p", "h", test={"n": 10, "p": 0.9, "median_diff": -1.0}, differs="x", hypothesis=True)
+           for i in range(9)]
+    alone = {d.claim.claim: d for d in decide(paper)}
+    joint = {d.claim.claim: d for d in decide(paper, family=own)}
+    assert alone["plant"].p_holm == pytest.approx(holm([c.p for c in paper])[11])
+    assert joint["plant"].p_holm == pytest.approx(holm([c.p for c in paper + own])[11])
+    assert alone["plant"].verdict.startswith(REPRODUCED) and joint["plant"].verdict.startswith(UNDECIDED)
+    text = claims_section(paper, family=own, family_where="in section X")
+    assert "one family of 24 tested rows (9 of them this repository's own hypotheses, in section X)" in text
+
+
+def test_an_exact_test_that_disagrees_with_the_t_test_leaves_the_claim_undecided():
+    a = [1.0, 1.1, 1.2, 0.9, 1.05]
+    b = [2.0, 2.2, 2.1, 2.05, 1.9]
+    t, flip = paired_ttest(a, b), sign_flip_test(a, b)
+    assert flip["p"] == pytest.approx(2 / 32)  # every difference one way: the smallest p of 5 pairs
+    d = decide([Claim("c", "p", "h", test=t, exact_test=flip, differs="x")])[0]
+    assert d.verdict.startswith(UNDECIDED) and "disagree" in d.verdict and d.p_exact_holm == pytest.approx(0.0625)
+    # with enough pairs both reject: the verdict is the t-test's
+    a8, b8 = a + [1.0, 0.95, 1.1], b + [2.0, 2.1, 1.95]
+    d8 = decide([Claim("c", "p", "h", test=paired_ttest(a8, b8), exact_test=sign_flip_test(a8, b8),
+                       differs="x")])[0]
+    assert d8.verdict == "reproduced (paired t, n = 8)"
+    assert "(exact sign-flip 0.0078)" in claims_section([d8.claim])
+
+
+def test_claims_section_shows_raw_and_adjusted_p_and_only_the_six_verdicts():
     rows = [Claim("ours beats KKT", "Table 1", "1.0 vs 2.0", test=LOWER, differs="x", reading="shared noise"),
             Claim("exact", "0", "0", construction="exact conditioning")]
     text = claims_section(rows, note="A note.")
     assert text.startswith("## Claims of the paper\n") and text.endswith("A note.\n")
     assert "| ours beats KKT (reading: shared noise) | Table 1 | 1.0 vs 2.0 | 0.002 | 0.002 | reproduced (" in text
     assert "| exact | 0 | 0 | - | - | holds by construction (exact conditioning) |" in text
-    assert "over this study's 1 tested claims" in text
+    assert "over this study's one family of 1 tested rows" in text
     untested = claims_section(rows[1:])  # a quick run with one trial: nothing to adjust, and it says so
-    assert "No claim has a test in this run" in untested and "tested claims" not in untested
+    assert "No row has a test in this run" in untested and "tested rows" not in untested
     for d in decide(rows):
         assert d.word in VERDICTS
-    assert {REPRODUCED, NOT_AT_BUDGET, REFUTED, BY_CONSTRUCTION, UNDECIDED} == set(VERDICTS)
+    assert {REPRODUCED, NOT_AT_BUDGET, REFUTED, BY_DESIGN, BY_CONSTRUCTION, UNDECIDED} == set(VERDICTS)
+    assert TIE.startswith(BY_CONSTRUCTION)
+
+
+def test_sign_flip_test_against_enumeration_and_scipy():
+    """The exact sign-flip p against an enumeration written out here and scipy's exact paired permutation test
+    (statistic: the mean difference, two-sided); its floor 2 / 2^n; its errors."""
+    from scipy.stats import permutation_test
+
+    rng = np.random.default_rng(3)
+    for n in (2, 3, 5, 7):
+        for _ in range(5):
+            a, b = rng.normal(0, 1, n), rng.normal(0.3, 1, n)
+            got = sign_flip_test(a, b)
+            d = a - b
+            ref = np.mean([abs(sum(s * x for s, x in zip(signs, d))) >= abs(d.sum()) * (1 - 1e-12)
+                           for signs in itertools.product((1, -1), repeat=n)])
+            assert got["p"] == pytest.approx(ref, abs=1e-12)
+            sp = permutation_test((a, b), lambda x, y: np.mean(x - y), permutation_type="samples",
+                                  alternative="two-sided", n_resamples=10 ** 6)
+            assert got["p"] == pytest.approx(min(1.0, sp.pvalue), abs=1e-9)
+            assert got["mean_diff"] == pytest.approx(d.mean()) and got["n"] == n
+    assert sign_flip_test([1.0] * 5, [2.0] * 5)["p"] == pytest.approx(2 / 32)
+    assert sign_flip_test([1.0, 2.0], [1.0, 2.0])["p"] == 1.0
+    assert math.isnan(sign_flip_test([1.0], [2.0])["p"])
+    with pytest.raises(ValueError, match="paired"):
+        sign_flip_test([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="n <= 20, got n = 21"):
+        sign_flip_test([0.0] * 21, [1.0] * 21)

@@ -186,8 +186,8 @@ def test_preset_settings_and_tables():
     assert [tables[k]["n"] for k in "3467"] == [1000, 1000, 200, 200] and cpu["seeds"] == 3
     assert cpu["fid"]["n_reference"] == 10_000 and cpu["fid"]["bootstrap"] >= 2000
     assert cpu["train"]["steps"] == 2000 and cpu["threads"] == 2
-    assert [len(tables[k]["variants"]) for k in "34"] == [6, 6]
-    assert tables["3"]["fid_rows"] == ["ddpm", "ddpm+ours", "ddpm+project"]
+    assert [len(tables[k]["variants"]) for k in "34"] == [7, 6]
+    assert tables["3"]["fid_rows"] == ["ddpm", "ddpm+ours", "ddpm+ours+u8", "ddpm+project"]
     assert tables["4"]["fid_rows"] == ["ddim", "ddim@StartEnd(3, 3)", "ddim+project"]
     cpu_cifar = settings(config, "cpu", "cifar10")
     assert cpu_cifar["dataset"] == "cifar10" and cpu_cifar["train"]["steps"] == 2500 and cpu_cifar["seeds"] == 1
@@ -255,7 +255,13 @@ def test_ddpm_last_step_branch_is_the_loops_last_step():
     kw = dict(shape=(1, 32, 32), totals=totals, model_totals=model_totals(totals, 1024), seed=3, betas=betas,
               ddim_steps=4, eta=0.0, deterministic=False, device=torch.device("cpu"))
     res = sample_group(unet, "ddpm", n=3, full=4, **kw)
-    assert set(res) == {"ddpm", "ddpm+ours", "ddpm+ours+det", "ddpm+ours+box", "ddpm+project", "ddpm+project+clip"}
+    assert set(res) == {"ddpm", "ddpm+ours", "ddpm+ours+det", "ddpm+ours+box", "ddpm+ours+u8", "ddpm+project",
+                        "ddpm+project+clip"}
+    # the sampled last step through to_uint8_exact: the same float output as "ours", exact as saved 8-bit images
+    u8 = res["ddpm+ours+u8"]
+    torch.testing.assert_close(u8["residual"], res["ddpm+ours"]["residual"], rtol=0, atol=0)
+    assert u8["residual_u8"].max() == 0 and res["ddpm+ours"]["residual_u8"].min() > 0
+    assert torch.equal(u8["images"].to(torch.int64).sum((-2, -1)), (255 * totals).round().to(torch.int64).expand(3, 1))
     assert res["ddpm"]["residual"].min() > 1e-3
     assert res["ddpm+ours"]["residual"].max() < 1e-3 and res["ddpm+project"]["residual"].max() < 1e-3
     assert res["ddpm+project+clip"]["out_of_range"].max() == 0
@@ -366,7 +372,7 @@ def test_quick_preset_end_to_end(quick_run):
         assert (out / name).stat().st_size > 0, name
     viol = _by(doc, "violation_rate")
     exact = {(tk, v["label"]): v["exact"] for tk, t in doc["tables"].items() for v in t["variants"]}
-    assert len(viol) == len(exact) == 6 + 6 + 11 + 7
+    assert len(viol) == len(exact) == 7 + 6 + 11 + 7
     for key, r in viol.items():
         assert r["n_seeds"] == 2 and len(r["per_seed"]) == 2 and r["n_samples"] > 0
         if exact[key]:
@@ -385,6 +391,8 @@ def test_quick_preset_end_to_end(quick_run):
     assert v8[("3", "DDPM + ours + box (last step)")]["mean"] == 0.0
     assert v8[("4", "DDIM + ours + box (Start 3 End 3)")]["mean"] == 0.0
     assert v8[("3", "DDPM + ours (last step)")]["mean"] == 1.0  # plain rounding of an exact float image
+    # the sampled last step through to_uint8_exact (does its noise cost the FID, or the rounding?): exact as saved
+    assert v8[("3", "DDPM + ours (last step) + to_uint8_exact")]["mean"] == 0.0
     assert _by(doc, "max_abs_diff_to_projection")[("3", "DDPM + ours (last step, deterministic)")]["mean"] < 1e-5
     sig = {(r["table"], r["a"], r["b"], r["metric"]) for r in doc["significance"]}
     assert ("4", "DDIM + ours (Start 3 End 3, deterministic)", "DDIM + projection", "classifier_fd") in sig
@@ -397,6 +405,8 @@ def test_quick_preset_end_to_end(quick_run):
     assert doc["samplers"]["DDPM"]["step_variance"].startswith("fixed_small")
     assert "deterministic updates" in doc["samplers"]["DDIM"]["step_variance"]  # eta = 0
     assert ("3", "DDPM + ours + box (last step)", "DDPM + ours (last step)", "residual_u8") in sig
+    assert ("3", "DDPM + ours (last step) + to_uint8_exact", "DDPM", "classifier_fd") in sig
+    assert ("3", "DDPM + projection", "DDPM", "classifier_fd") in sig
     md = (out / "diffusion.md").read_text()
     # the paper's table numbers in its source order: the schedule tables are 9 and 10
     assert "## Table 3:" in md and "## Table 9:" in md and "## Table 10:" in md and "## Table 6:" not in md
@@ -408,7 +418,8 @@ def test_quick_preset_end_to_end(quick_run):
 
     verdicts = [r.rstrip(" |").split(" | ")[-1] for r in rows]
     assert len(rows) >= 10 and all(v.startswith(VERDICTS) for v in verdicts)
-    assert "holds by construction (equal: DDPM's last step" in claims
+    assert "holds by construction (tie): DDPM's last step" in claims
+    assert "| [this repository] DDPM + ours (last step) + to_uint8_exact: classifier FD not worse than DDPM" in claims
     # a set metric from a few hundred images, one model and one seed decides nothing: every such row says so
     fd_rows = [r for r in rows if "not worse than" in r or "beats DDIM + projection" in r]
     assert fd_rows and all("undecided (not informative at this budget: " in r for r in fd_rows)
@@ -429,7 +440,7 @@ def test_quick_preset_end_to_end(quick_run):
 @pytest.mark.slow
 def test_quick_rerun_uses_the_cached_denoiser_and_resumes_sampling(quick_run, monkeypatch):
     from hardeq_studies.cli import main
-    from hardeq_studies.diffusion import run as run_module
+    from hardeq_studies.diffusion import stages as run_module
     out = quick_run
     first = json.loads((out / "diffusion.json").read_text())
     folder = out / "checkpoints" / "diffusion-mnist-quick-samples"
@@ -573,8 +584,8 @@ def test_cost_projection_counts_the_work_of_a_preset():
     # headline counted with Table 4) at 200
     assert p["ddim"] == pytest.approx(3 * (4 * 1000 + 14 * 200) * 50 * 3e-3)
     assert p["inception_reference"] == pytest.approx(0.25 * 10_100)
-    assert p["inception"] == pytest.approx(0.25 * 3 * 1000 * (3 + 3 + 1))  # 6 deciding rows, one real set
-    assert p["fid_bootstrap"] == pytest.approx(2 * 4 * 3 * 2000 * 0.04)
+    assert p["inception"] == pytest.approx(0.25 * 3 * 1000 * (4 + 3 + 1))  # 7 deciding rows, one real set
+    assert p["fid_bootstrap"] == pytest.approx((5 + 4) * 3 * 2000 * 0.04)  # (rows with an FID + real) per table
     assert p["total"] == pytest.approx(sum(v for k, v in p.items() if k != "total"))
     assert s["cost"]["measured"]["ddpm_ms_per_image_step"] > 0  # the committed measurement
 
@@ -610,8 +621,11 @@ def test_fid_verdicts_of_the_committed_runs_read_their_evidence():
     """The FID claims are *not informative* only for a stated reason: a denoiser too weak for FID differences to
     mean anything (the CIFAR-10 run), or a bootstrap whose smallest p, Holm-adjusted over the tested claims,
     cannot reach the level (the same MNIST JSON with 100 replicates). With 2,000 replicates, 3 seeds and a
-    10,000-image reference (the MNIST run) they are decided, and a significant result against the paper is
-    *not reproduced at this budget* (the protocol differs), never *refuted*."""
+    10,000-image reference (the MNIST run) they are decided: the sampled DDPM last step's worse FID *differs by
+    design* (its beta_0 noise; the deterministic row, which leaves it out, costs a fraction of it), the DDIM rows
+    are *not reproduced at this budget* (the protocol differs), never *refuted*; the deterministic row is a tested
+    claim of its own (a paired t-test over the seeds' FIDs beside the exact sign-flip test: this JSON has no
+    bootstrap of that pair)."""
     from hardeq_studies.claims import decide
     from hardeq_studies.diffusion.report import claims
 
@@ -620,14 +634,26 @@ def test_fid_verdicts_of_the_committed_runs_read_their_evidence():
 
     mnist = _committed("diffusion.json")
     verdicts = fid_verdicts(mnist)
-    assert len(verdicts) == 3 and all(v.startswith("not reproduced at this budget (paired bootstrap") for v in verdicts)
-    assert all("one 0.27 M-parameter U-Net trained 2,000 steps on MNIST" in v for v in verdicts)
+    assert len(verdicts) == 3
+    assert verdicts[0].startswith("differs by design: the conditioned last step samples N(x0_hat, beta_0 = 0.0001 I)")
+    assert "scores FID 28.78 against DDPM's 28.58 (+0.2), the sampled one 47 (+18.4)" in verdicts[0]
+    assert all(v.startswith("not reproduced at this budget (paired bootstrap") for v in verdicts[1:])
+    assert all("one 0.27 M-parameter U-Net trained 2,000 steps on MNIST" in v for v in verdicts[1:])
+    det = next(d for d in decide(claims(mnist))
+               if d.claim.claim.startswith("DDPM + ours (last step, deterministic): FID"))
+    assert det.claim.test["name"] == "paired t over noise seeds" and det.claim.exact_test["p"] == pytest.approx(0.25)
+    assert det.verdict.startswith("undecided (paired t over noise seeds, n = 3")
+    # the sampled step's noise explains its FID only while the deterministic row costs a fraction of it
+    proj = next(r for r in mnist["records"] if r["method"] == "DDPM + projection" and r["metric"] == "fid")
+    proj["mean"] += 10.0
+    assert fid_verdicts(mnist)[0].startswith("not reproduced at this budget")
+    proj["mean"] -= 10.0
     mnist["model"]["train_steps"] = 40_000  # the protocol's description is the run's own, not a fixed text
-    assert all("trained 40,000 steps on MNIST" in v for v in fid_verdicts(mnist))
+    assert all("trained 40,000 steps on MNIST" in v for v in fid_verdicts(mnist)[1:])
     for r in mnist["significance"]:
         r["replicates"] = 100
     mnist["config"]["settings"]["fid"]["bootstrap"] = 100
-    assert all("Holm over 3 tested claims cannot bring that floor below 0.05" in v for v in fid_verdicts(mnist))
+    assert all("Holm over 4 tested claims cannot bring that floor below 0.05" in v for v in fid_verdicts(mnist))
     cifar = _committed("diffusion-cifar10/diffusion.json")
     verdicts = fid_verdicts(cifar)
     assert verdicts and all("the denoiser is too weak for FID differences to mean anything" in v for v in verdicts)

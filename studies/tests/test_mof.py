@@ -268,12 +268,18 @@ def test_claims_across_confounded_groups_are_never_reproduced_or_refuted():
     from hardeq_studies.claims import decide
     from hardeq_studies.mof.report import claims, confound
 
+    # models still improving (best step at the budget's end): every MAD verdict is undecided, with the counts
     doc = _claims_doc(batch_b=128, hidden_b=50, best=200)
+    for d in decide(claims(doc)):
+        assert d.verdict.startswith("undecided: still improving (of 2 models, 2 have their best validation step in "
+                                    "the last 10% of the 200-step budget, 2 at its last step and 0 before its last "
+                                    "quarter")
+    doc = _claims_doc(batch_b=128, hidden_b=50, best=120)
     assert "B: batch 128, embedding 10 / hidden 50, 16.7 data epochs" in confound(doc)
     win, loss = (d.verdict for d in decide(claims(doc)))
     assert win.startswith("undecided (Wilcoxon, n = 10; significant the paper's way, but the confound")
     assert loss.startswith("not reproduced at this budget (Wilcoxon, n = 10; significant the other way, but every "
-                           "model gets 200 optimiser steps, far short of 3000 epochs, and 2 of 2 models")
+                           "model gets 200 optimiser steps, far short of 3000 epochs; the method groups differ")
     # the same batch and network for both groups: no confound, so a significant win is reproduced
     doc = _claims_doc(batch_b=32, hidden_b=30, best=120)
     assert confound(doc) == ""
@@ -286,6 +292,31 @@ def test_claims_across_confounded_groups_are_never_reproduced_or_refuted():
     doc["plan"]["b"]["steps_per_epoch"] = 50
     doc["config"]["settings"]["uniform"] = {"arch": {"embedding": 10, "hidden": 30}, "batch_size": 32}
     assert confound(doc) == ""
+
+
+def test_convergence_counts_and_the_protocol_matched_refutation():
+    """The counts behind "undecided: still improving" (last 10%, last step, before the last quarter of the budget),
+    the 75% rule, and CL vs Constant refuted (protocol-matched) even while the models improve: more training only
+    lowers CL's MAD, away from the paper's claim."""
+    from hardeq_studies.claims import decide
+    from hardeq_studies.mof.report import claims, convergence_counts, still_improving
+
+    doc = _claims_doc(batch_b=32, hidden_b=30, best=200)
+    doc["best_step"] = {"s0-a": [200, 180, 179, 149], "s0-b": [10, 100, 140, 150]}
+    assert convergence_counts(doc) == {"total": 8, "last_tenth": 2, "at_end": 1, "before_last_quarter": 4}
+    assert "4 before its last quarter" in still_improving(doc)
+    doc["best_step"]["s0-a"] = [10, 10, 10, 149]  # 7 of 8 before the last quarter: converged
+    assert still_improving(doc) == ""
+    doc["best_step"]["s0-a"] = [200] * 4
+    doc["config"]["groups"]["a"]["methods"] = ["CL", "Constant"]
+    doc["significance"].append({"a": "CL", "b": "Constant", "metric": "mad", "n": 10, "wins": 10,
+                                "median_diff": -0.28, "p": 0.002})
+    doc["config"]["claims"].append({"claim": "CL is no more accurate than predicting 0", "evidence": "x", "a": "CL",
+                                    "b": "Constant", "metric": "mad", "expect": "a > b"})
+    doc["records"] += [{"method": m, "metric": "mad", "mean": 0.05, "std": 0.01} for m in ("CL", "Constant")]
+    verdicts = [d.verdict for d in decide(claims(doc))]
+    assert verdicts[0].startswith("undecided: still improving")
+    assert verdicts[2].startswith("refuted (protocol-matched): Wilcoxon, n = 10; significant the other way; CL is")
 
 
 def test_uniform_settings_give_every_group_the_same_network_and_batch():

@@ -268,6 +268,28 @@ def test_a_resumed_run_records_its_legs_and_total(tmp_path):
 
 
 
+def test_a_leg_killed_outright_still_counts_to_its_last_heartbeat(tmp_path):
+    """SIGKILL gives a leg no chance to record itself: its LegClock's heartbeat (here every 0.02 s) has written
+    its elapsed time beside the checkpoints, and the next leg counts it (closed on start, never twice)."""
+    from hardeq_studies.runtime import LegClock, record_leg
+
+    path = legs_path(tmp_path / "checkpoints", "toy")
+    record_leg(path, 5.0)  # an earlier leg that closed normally
+    clock = LegClock(path, every=0.02)
+    time.sleep(0.2)
+    clock._stop.set()  # the process dies: the thread stops beating, nothing records the leg
+    clock._thread.join()
+    killed = earlier_legs(path)
+    assert len(killed) == 2 and killed[0] == 5.0 and 0.1 <= killed[1] <= clock.elapsed()
+    nxt = LegClock(path, every=0.02)  # the next leg: the killed one is now a closed leg
+    time.sleep(0.05)
+    seconds = nxt.stop()
+    assert earlier_legs(path)[:2] == killed and len(earlier_legs(path)) == 3  # its own open entry, not yet closed
+    record_leg(path, seconds)
+    assert earlier_legs(path) == killed + [seconds]  # closing it replaces its open entry: counted once
+    quiet = LegClock(tmp_path / "other.legs.json", enabled=False)  # a non-main rank writes nothing
+    assert quiet.stop() >= 0 and not (tmp_path / "other.legs.json").exists()
+
 def test_a_stop_while_the_document_is_summarised_records_the_leg(tmp_path):
     """A signal that arrives after the computation but before the JSON is written (vae-data summarising its
     units, say) leaves the checkpoints for --resume, so its leg's time must be recorded too."""

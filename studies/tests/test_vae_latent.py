@@ -200,8 +200,10 @@ def test_pair_gap_rows_are_the_paired_differences_of_the_trial_curves():
 def test_bar_labels_wrap_only_the_long_method_names():
     """The independent-noise Constrained Reparametrization's name, rotated under its bar in one line, took the
     panels' height (the y labels then ran off the figure); it wraps, the committed short names stay as they are."""
-    long = R._tick_label("constrained_reparam_independent")
+    from hardeq_studies.vae_latent.figures import _tick_label
+
+    long = _tick_label("constrained_reparam_independent")
     assert long.replace("\n", " ") == R.LABELS["constrained_reparam_independent"]
     assert long.count("\n") >= 1 and max(len(line) for line in long.splitlines()) <= 20
     for m in ("marginal_expectation", "pathwise", "constrained_marginal", "unconstrained_marginal", "random"):
-        assert R._tick_label(m) == R.LABELS[m]
+        assert _tick_label(m) == R.LABELS[m]

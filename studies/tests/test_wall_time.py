@@ -8,7 +8,11 @@ from hardeq_studies.results import wall_time
 
 def test_total_across_legs_when_recorded_top_level_or_under_timing():
     assert wall_time({"wall_seconds_total": 5520.0, "resumed_legs": [3899.0, 1621.0], "command": "x --resume"},
-                     1621.0) == (5520.0, "total across the 2 legs of a resumed run")
+                     1621.0) == (5520.0, "total across the 2 legs of a resumed run: 3,899 + 1,621 s")
+    # resumed, but only its last leg recorded (the earlier one ran before legs were recorded): said so
+    assert wall_time({"wall_seconds_total": 7092.0, "resumed_legs": [7092.0], "resumed": True,
+                      "command": "x --resume"}, 7092.0) == (
+        7092.0, "the last leg of a resumed run; its earlier legs are not recorded")
     # an uninterrupted run records its one leg: that is the total, not a resumed run
     assert wall_time({"wall_seconds_total": 75.0, "resumed_legs": [75.0], "resumed": False, "command": "x"},
                      75.0) == (75.0, "total")

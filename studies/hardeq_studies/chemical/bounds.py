@@ -156,8 +156,9 @@ def claims(doc: Mapping[str, Any]) -> list:
     return out
 
 
-def markdown(doc: Mapping[str, Any]) -> list[str]:
-    """The non-negative-flows section of ``chemical.md`` (lines), or ``[]`` for a document without it."""
+def markdown(doc: Mapping[str, Any], family: Sequence[Any] = ()) -> list[str]:
+    """The non-negative-flows section of ``chemical.md`` (lines), or ``[]`` for a document without it; ``family``:
+    the study's claims of the paper, in the same Holm family as this section's."""
     from ..bounds_claims import bounds_claims_section
     from ..results import markdown_table
     from ..truncated_mean import RHAT_CAVEAT, sampler_line
@@ -195,7 +196,7 @@ def markdown(doc: Mapping[str, Any]) -> list[str]:
            for r in rules.get("sampler") or []):
         samplers.append(f"- {RHAT_CAVEAT}.")
     lines += ["", *samplers] if samplers else []
-    lines += ["", bounds_claims_section("Non-negative flows: do the bounds help?", claims(doc), intro=(
+    lines += ["", bounds_claims_section("Non-negative flows: do the bounds help?", claims(doc), family=family, intro=(
         "Two-sided paired Wilcoxon signed-rank tests of the test MSE over seeds (the rules share the seed's "
         "network).")).rstrip("\n")]
     return lines

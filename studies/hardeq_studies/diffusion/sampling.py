@@ -72,7 +72,8 @@ def schedule_label(text: str) -> str:
 class Variant:
     """One sampled variant: ``key`` (stable id), ``label`` (printed), ``group`` (the sampling run it comes
     from), ``post`` (a repair of the group's unconstrained output, or the last step's kind: ``"ours"``,
-    ``"ours_det"``, ``"box"``) and ``exact`` (expected to satisfy the constraint to round-off in floating
+    ``"ours_det"``, ``"box"``, ``"ours_u8"``: the sampled last step saved through the 8-bit exact rounding) and
+    ``exact`` (expected to satisfy the constraint to round-off in floating
     point)."""
 
     key: str
@@ -87,6 +88,7 @@ def ddpm_variants() -> list[Variant]:
             Variant("ddpm+ours", "DDPM + ours (last step)", "ddpm", "ours", True),
             Variant("ddpm+ours+det", "DDPM + ours (last step, deterministic)", "ddpm", "ours_det", True),
             Variant("ddpm+ours+box", "DDPM + ours + box (last step)", "ddpm", "box", True),
+            Variant("ddpm+ours+u8", "DDPM + ours (last step) + to_uint8_exact", "ddpm", "ours_u8", True),
             Variant("ddpm+project", "DDPM + projection", "ddpm", "project", True),
             Variant("ddpm+project+clip", "DDPM + projection + clip", "ddpm", "project_clip", False)]
 
@@ -213,7 +215,9 @@ def sample_group(model: nn.Module, group: str, *, shape: tuple[int, int, int], n
         raise ValueError(f"unknown sampling group {group!r}.")
     outs[f"{base}+project"] = diffusion.project_onto(con, outs[base])
     outs[f"{base}+project+clip"] = diffusion.project_and_clip(con, outs[base], -1.0, 1.0)
-    res = {k: _summary(v, totals, box=k.endswith("+box")) for k, v in outs.items()}
+    if base == "ddpm":  # the sampled last step, saved through box projection and to_uint8_exact like the box row
+        outs["ddpm+ours+u8"] = outs["ddpm+ours"]
+    res = {k: _summary(v, totals, box=k.endswith(("+box", "+u8"))) for k, v in outs.items()}
     if base == "ddpm":
         diff = (outs["ddpm+ours+det"].double() - outs["ddpm+project"].double()).abs()
         res["ddpm+ours+det"]["diff_to_projection"] = diff.flatten(1).max(1).values.cpu()

@@ -117,7 +117,7 @@ class MofStudy(Study):
         return render_markdown(doc)
 
     def figures(self, doc: dict[str, Any], out: Path) -> list[Path]:
-        from .report import plot_curves, plot_parity, plot_stopping
+        from .figures import plot_curves, plot_parity, plot_stopping
 
         extra_path = out / "mof.curves.json"
         if not extra_path.exists():

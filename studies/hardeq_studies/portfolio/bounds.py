@@ -198,8 +198,9 @@ def _sampler_lines(parts: dict[str, Any]) -> list[str]:
     return ["", *lines] if lines else []
 
 
-def markdown(doc: dict[str, Any]) -> list[str]:
-    """The long-only section of ``portfolio.md`` (lines), or ``[]`` for a document without the variant."""
+def markdown(doc: dict[str, Any], family: list[Any] | tuple[Any, ...] = ()) -> list[str]:
+    """The long-only section of ``portfolio.md`` (lines), or ``[]`` for a document without the variant; ``family``:
+    the study's claims of the paper, in the same Holm family as this section's."""
     from ..bounds_claims import bounds_claims_section
     from ..results import markdown_table
 
@@ -229,7 +230,7 @@ def markdown(doc: dict[str, Any]) -> list[str]:
              markdown_table(["universe", "rule", "test Sharpe", "share of short weights", "max bound violation",
                              "max abs(sum(w) - 1)", "moved"], rows)]
     lines += _sampler_lines(doc["long_only"])
-    lines += ["", bounds_claims_section("Long-only variant: do the bounds help?", claims(doc), intro=(
+    lines += ["", bounds_claims_section("Long-only variant: do the bounds help?", claims(doc), family=family, intro=(
         f"Two-sided paired Wilcoxon signed-rank tests of the test Sharpe over the {n_runs} runs of each "
         "universe (the rules share the run's network).")).rstrip("\n")]
     return lines

@@ -217,6 +217,15 @@ def claims(doc: dict[str, Any]) -> list[Claim]:
     return out
 
 
+def hypotheses(doc: dict[str, Any]) -> list[Claim]:
+    """This repository's hypotheses tested in the same run (the long-only variant's "bounds help"), which are in
+    the study's Holm family; ``[]`` for a run without them."""
+    from ..bounds_claims import as_hypotheses
+    from .bounds import claims as bound_claims
+
+    return as_hypotheses(bound_claims(doc)) if doc.get("long_only") else []
+
+
 def _epochs(values: list[int]) -> str:
     """``epoch:count`` pairs of the selected epochs, ascending."""
     e, c = np.unique(np.asarray(values), return_counts=True)
@@ -329,9 +338,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
               "mean over the test windows of the annualised Sharpe ratio of the realised daily returns over each "
               "window's horizon (rf 0.03). Classical allocations are deterministic (std 0).", "",
               *_sharpe_lines(doc, methods)]
-    lines += ["", claims_section(claims(doc), intro=(
-        f"Two-sided paired Wilcoxon signed-rank tests of the test Sharpe over the {n_runs} runs of each universe."
-    )).rstrip("\n")]
+    lines += ["", claims_section(claims(doc), family=hypotheses(doc), family_where="in the long-only section",
+                                 intro=("Two-sided paired Wilcoxon signed-rank tests of the test Sharpe over the "
+                                        f"{n_runs} runs of each universe.")).rstrip("\n")]
     if ours:
         lines += ["", "## Does ours differ from the KKT projection?", "",
                   "Per test window, the per-stock variances `v = (exp(s) + floor) / N^2` of ours's head: their "
@@ -355,7 +364,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
               "after the last improvement (both capped at the epochs run). `selected epoch: runs` lists "
               "epoch:number of runs. The classical allocations on the same validation windows for reference.", "",
               *_training_lines(doc, trained)]
-    lines += bounds.markdown(doc)
+    lines += bounds.markdown(doc, family=claims(doc))
     lines += ["", "Figures: `portfolio_cumulative.png` (test-period cumulative return of the windows starting every "
               "horizon days, held in sequence; mean over runs, band = ±1 std over runs; one panel per universe), "
               "`portfolio_weights.png` (distribution of N w over runs, windows and stocks, per universe).", ""]

@@ -1,21 +1,17 @@
-"""Results of the ``vae-data`` study: records from the units, Markdown beside the paper's Table 2, and figures
-(the data before/after water-filling like the paper's Fig. 5, reconstructions, training curves)."""
+"""Results of the ``vae-data`` study: records from the units, Markdown beside the paper's Table 2 and the claims
+(the figures are :mod:`.figures`)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..claims import Claim, claims_section
-from ..figures import save_png
-from ..palette import color
 from ..results import markdown_table, wall_time
-from ..stats import paired_ttest
+from ..stats import EXACT_BESIDE_T, paired_ttest, sign_flip_test
 
-__all__ = ["METRICS", "CLAIMS", "summarise", "rl_curves", "gap_table", "claims", "render_markdown", "plot_images",
-           "plot_curves"]
+__all__ = ["METRICS", "CLAIMS", "summarise", "rl_curves", "gap_table", "claims", "render_markdown"]
 
 #: per-image test metrics. ``ll``/``elbo``: nats of the model's own normalised density (reading A); ``ll_unit``/
 #: ``elbo_unit``: the unnormalised unit-variance Gaussian of the reconstruction (reading B, what the paper's values
@@ -178,6 +174,26 @@ def _sig(doc: dict[str, Any], model: str, a: str, b: str, k: str) -> dict[str, A
                  if s["dataset"] == model and s["a"] == a and s["b"] == b and s["metric"] == k), None)
 
 
+def _exact(t: dict[str, Any], *pairs: list[float]) -> dict[str, Any] | None:
+    """The exact sign-flip test of ``a - b`` (``pairs``: ``a, b``) beside the paired t-test ``t`` over at most
+    :data:`EXACT_BESIDE_T` trials (:func:`hardeq_studies.stats.sign_flip_test`), else (or without ``pairs``)
+    None."""
+    return sign_flip_test(*pairs) if pairs and int(t["n"]) <= EXACT_BESIDE_T else None
+
+
+def _pairs(doc: dict[str, Any], model: str, a: str, b: str, k: str) -> tuple[list[float], list[float]] | tuple[()]:
+    """The per-trial values of ``a`` and ``b`` (metric ``k``), or ``()`` for a document without them."""
+    trials = doc.get("per_trial", {}).get(model, {})
+    return (trials[a][k], trials[b][k]) if a in trials and b in trials else ()
+
+
+def _time_pairs(doc: dict[str, Any], model: str) -> tuple[list[float], list[float]] | tuple[()]:
+    """Per trial: ours's epoch seconds and :data:`TIME_FACTOR` times the unconstrained model's (the pairs of the
+    time claim's t-test), or ``()`` for a document without them."""
+    t = doc["timing"].get("epoch_seconds_per_trial", {}).get(model, {})
+    return (t["ours"], [TIME_FACTOR * u for u in t["unconstrained"]]) if "ours" in t and "unconstrained" in t else ()
+
+
 def _fmt(r: dict[str, Any] | None, digits: int = 2) -> str:
     return "" if r is None else f"{r['mean']:.{digits}f} ± {r['std']:.{digits}f}"
 
@@ -259,7 +275,8 @@ def claims(doc: dict[str, Any], model: str) -> list[Claim]:
         evidence = (f"Table 2: {_paper_value(doc, model, 'ours', pcol)} vs {_paper_value(doc, model, prow, pcol)}")
         here = f"{a} - {b} = {t['mean_diff']:+.2f} {METRICS[k]}"
         rows.append(Claim(f"{label}: {text}", evidence, here, test=t, lower_is_better=not HIGHER[k],
-                          differs=_differs(doc, family, model), budget=_budget(doc, model)))
+                          differs=_differs(doc, family, model), budget=_budget(doc, model),
+                          exact_test=_exact(t, *_pairs(doc, model, a, b, k))))
     t = _sig(doc, model, "ours", f"{TIME_FACTOR} x unconstrained", "epoch_seconds")
     ratio = doc["timing"]["ratio_ours_to_unconstrained"].get(model)
     if t is not None and ratio is not None:
@@ -268,6 +285,7 @@ def claims(doc: dict[str, Any], model: str) -> list[Claim]:
                           f"Table 8: {100 * (pt[1] / pt[0] - 1):+.1f}%" if pt else "-",
                           f"{100 * (ratio - 1):+.1f}% (median epoch, 1 thread) vs {TIME_FACTOR} x unconstrained",
                           test=t, differs="epoch times on a shared CPU, not the paper's GPU",
+                          exact_test=_exact(t, *_time_pairs(doc, model)),
                           budget="per-trial epoch times on a shared machine; more trials on a dedicated one would "
                                  "decide it"))
     return rows
@@ -302,8 +320,11 @@ def render_markdown(doc: dict[str, Any]) -> str:
     rows += [Claim(f"{MODEL_LABELS.get(m, m)}: every Table 2 comparison", "Table 2", "not run here",
                    budget=f"`--models {m}`, or `--preset paper`, would decide it")
              for m in cfg["paper"]["values"] if m not in cfg["models_run"]]
+    n = len(cfg["trials"])
+    exact = (f" Beside each, the exact sign-flip test (over {n} trials its smallest p is {2 / 2 ** n:.3g}); where "
+             "the two disagree after Holm's adjustment the row is undecided." if n <= EXACT_BESIDE_T else "")
     lines += [claims_section(rows, intro="Two-sided paired t-tests over trials (same initialisation, data order "
-                                         "and evaluation noise per trial).")]
+                                         "and evaluation noise per trial)." + exact)]
     lines += ["## Results", ""]
     for model in cfg["models_run"]:
         lines += [f"**{MODEL_LABELS.get(model, model)}**", ""]
@@ -346,86 +367,3 @@ def render_markdown(doc: dict[str, Any]) -> str:
               f"Command: `{doc.get('command', '')}`; git {doc['environment']['git'][:10]}"
               f"{' (dirty)' if doc['environment'].get('dirty') else ''}.", ""]
     return "\n".join(lines)
-
-
-def plot_images(doc: dict[str, Any], out: Path) -> list[Path]:
-    """``vae-data_data.png``: original test images above their water-filled versions (like the paper's Fig. 5);
-    ``vae-data_reconstructions.png``: the data and each variant's reconstruction, per model (first trial)."""
-    import torch
-
-    from ..images import load_mnist
-
-    out = Path(out)
-    filled = torch.tensor(doc["images"]["originals"]).reshape(-1, 28, 28)
-    raw, _ = load_mnist("test")
-    raw = raw[: filled.shape[0]].to(torch.float32) / 255.0
-    p1 = _labelled_grid([raw, filled], ["MNIST test image", "water-filled to sum 100"], out / "vae-data_data.png",
-                        "MNIST test images and their water-filled\nversions (pixel sum 100)")
-    rows, labels = [filled], ["data (water-filled)"]
-    for model, by_v in doc["images"]["reconstructions"].items():
-        for v in ORDER:
-            if v in by_v:
-                rows.append(torch.tensor(by_v[v]).reshape(-1, 28, 28))
-                labels.append(f"{MODEL_LABELS.get(model, model)}: {v}")
-    p2 = _labelled_grid(rows, labels, out / "vae-data_reconstructions.png",
-                        "Reconstructions (observation mean), first trial;\nrows: the data, then one variant each")
-    (out / "vae-data_reconstructions.txt").write_text("rows, top to bottom:\n" + "\n".join(labels) + "\n")
-    return [p1, p2]
-
-
-def _labelled_grid(rows: list[Any], labels: list[str], path: Path, title: str) -> Path:
-    """A grid of grey images in [0, 1], one row per entry of ``rows`` (each ``(n, 28, 28)``), each row labelled
-    on the left; pixel intensity 0 (black) .. 1 (white)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    pad, h = 2, rows[0].shape[-2]
-    n = max(r.shape[0] for r in rows)
-    grid = np.ones((len(rows) * (h + pad) + pad, n * (h + pad) + pad))
-    for i, r in enumerate(rows):
-        for j, img in enumerate(np.clip(np.asarray(r, dtype=np.float64), 0.0, 1.0)):
-            grid[pad + i * (h + pad): pad + i * (h + pad) + h, pad + j * (h + pad): pad + j * (h + pad) + h] = img
-    label_in = 0.075 * max(len(lb) for lb in labels) + 0.3  # inches for the row labels at 8 pt
-    per_px = 0.42 / (h + pad)  # inches per grid pixel: one 28-pixel image and its gap in 0.42 in
-    img_w, img_h = grid.shape[1] * per_px, grid.shape[0] * per_px
-    width, height = label_in + img_w + 0.15, img_h + 0.75
-    fig = plt.figure(figsize=(width, height))
-    ax = fig.add_axes((label_in / width, 0.1 / height, img_w / width, img_h / height))
-    ax.imshow(grid, cmap="gray", vmin=0.0, vmax=1.0, interpolation="nearest", aspect="auto")
-    ax.set_yticks([pad + i * (h + pad) + h / 2 for i in range(len(rows))], labels, fontsize=8)
-    ax.set_xticks([])
-    ax.tick_params(length=0)
-    for spine in ax.spines.values():
-        spine.set_visible(False)
-    fig.text(0.5, 1 - 0.1 / height, title, ha="center", va="top", fontsize=9, wrap=True)
-    save_png(fig, path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-def plot_curves(doc: dict[str, Any], out: Path) -> Path:
-    """Training loss per epoch (mean over trials), one panel per model."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from ..palette import integer_epochs
-
-    models = doc["config"]["models_run"]
-    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 3.6), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        for v, y in doc["curves"].get(model, {}).items():
-            ax.plot(range(1, len(y) + 1), y, label=v, color=color(v), marker="o", ms=3)
-        integer_epochs(ax)
-        ax.set_xlabel("epoch")
-        ax.set_ylabel("training loss per image")
-        ax.set_title(MODEL_LABELS.get(model, model))
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(out) / "vae-data_curves.png"
-    save_png(fig, path, dpi=120)
-    plt.close(fig)
-    return path

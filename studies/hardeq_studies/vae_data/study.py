@@ -39,7 +39,7 @@ class VaeDataStudy(VaeStudy):
         return render_markdown(doc)
 
     def figures(self, doc: dict[str, Any], out: Path) -> list[Path]:
-        from .report import plot_curves, plot_images
+        from .figures import plot_curves, plot_images
 
         return [*plot_images(doc, out), plot_curves(doc, out)]
 

@@ -1,20 +1,19 @@
-"""Results of the ``vae-latent`` study: the records from the units, Markdown, and the figures (like Fig. 4)."""
+"""Results of the ``vae-latent`` study: the records from the units, Markdown and the claims (the figures, like
+Fig. 4, are :mod:`.figures`)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..figures import save_png
 from ..palette import color
 from ..claims import Claim, claims_section
 from ..results import markdown_table, wall_time
-from ..stats import paired_ttest, paired_wilcoxon
+from ..stats import EXACT_BESIDE_T, paired_ttest, paired_wilcoxon, sign_flip_test
 
 __all__ = ["METRICS", "LABELS", "summarise", "paired_gap_curve", "claims", "gap_rows", "pair_gap_rows",
-           "render_markdown", "plot_metrics", "plot_curves", "plot_gap"]
+           "render_markdown"]
 
 #: test metrics (nats per image, lower is better)
 METRICS = {"nll": "test NLL (IS)", "nelbo": "test NELBO", "rec": "reconstruction loss"}
@@ -193,7 +192,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
                       markdown_table(["epoch", "Constrained Reparametrization (independent noise)",
                                       "Marginal Expectation", "gap", "95% CI"], ind)]
     lines += [claims_section(claims(doc), intro=(
-        "Two-sided paired t-tests over trials, one per row. *Readings*: the paper does not say whether "
+        "Two-sided paired t-tests over trials, one per row, " + _exact_note(len(doc["config"]["trials"]))
+        + " *Readings*: the paper does not say whether "
         "Constrained Reparametrization's proxy reuses the forward sample's noise (*shared noise*: it is then the "
         "pathwise gradient, identical in value and gradient, tested exactly in the library) or draws its own "
         "(*independent noise*: its expected gradient equals Marginal Expectation's, and its spread is larger); "
@@ -212,95 +212,6 @@ def render_markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _tick_label(method: str) -> str:
-    """A method's name under its bar; a long one (Constrained Reparametrization (independent noise)) on lines of
-    at most 20 characters, so that the rotated labels leave the panels their height."""
-    import textwrap
-
-    label = LABELS.get(method, method)
-    return label if len(label) <= 24 else textwrap.fill(label, 20)
-
-
-def plot_metrics(doc: dict[str, Any], out: Path) -> Path:
-    """Bars of the three test metrics per constraint (mean ± std over trials), like the paper's Fig. 4."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cfg = doc["config"]
-    cs, methods = cfg["constraints_run"], cfg["methods_run"]
-    fig, axes = plt.subplots(len(cs), len(METRICS), figsize=(4.2 * len(METRICS), 3.4 * len(cs)), squeeze=False)
-    for i, c in enumerate(cs):
-        for j, (k, label) in enumerate(METRICS.items()):
-            ax = axes[i, j]
-            recs = {r["method"]: r for r in doc["records"] if r["dataset"] == c and r["metric"] == k}
-            means = [recs[m]["mean"] for m in methods]
-            ax.bar(range(len(methods)), means, yerr=[recs[m]["std"] for m in methods],
-                   color=[_color(m) for m in methods], capsize=3)
-            lo, hi = 0.9 * float(np.nanmin(means)), 1.6 * float(np.nanmedian(means))  # diverged runs: off scale
-            ax.set_ylim(lo, hi)
-            for pos, v in enumerate(means):
-                if v > hi:  # off scale: the value in a box inside the axes, clear of the frame
-                    ax.text(pos, lo + 0.9 * (hi - lo), f"{v:.0f}\n(off\nscale)", ha="center", va="top", fontsize=7,
-                            zorder=5, bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "0.6"})
-            ax.set_xticks(range(len(methods)), [_tick_label(m) for m in methods], rotation=60, ha="right",
-                          fontsize=7)
-            ax.set_ylabel(f"{label} (nats per image,\nlower is better)", fontsize=8)
-            ax.set_title(f"{c}: {label}, mean ± std over {len(cfg['trials'])} trials", fontsize=9)
-    return _save(fig, out, "vae-latent.png")
-
-
-def _finish_epoch_axes(ax: Any, c: str, ylabel: str) -> None:
-    """Integer epochs on x, the labels, the constraint as title and the legend of one epoch panel."""
-    from ..palette import integer_epochs
-
-    integer_epochs(ax)
-    ax.set_xlabel("epoch")
-    ax.set_ylabel(ylabel)
-    ax.set_title(f"constraint {c}")
-    ax.legend(fontsize=7)
-
-
-def _save(fig: Any, out: Path, name: str) -> Path:
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    path = Path(out) / name
-    save_png(fig, path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def plot_curves(doc: dict[str, Any], out: Path) -> Path:
-    """Test NELBO per epoch (mean over trials), one panel per constraint."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cfg = doc["config"]
-    cs = cfg["constraints_run"]
-    fig, axes = plt.subplots(1, len(cs), figsize=(6 * len(cs), 4), squeeze=False)
-    for ax, c in zip(axes[0], cs):
-        lasts = []
-        for m in cfg["methods_run"]:
-            y = doc["curves"][c][m]["test_nelbo"]
-            ax.plot(range(1, len(y) + 1), y, color=_color(m), label=LABELS.get(m, m),
-                    ls="--" if m == "pathwise" else "-")
-            lasts.append(y[-1])
-        lo, hi = float(np.nanmin(lasts)) - 5, 1.6 * float(np.nanmedian(lasts))
-        ax.set_ylim(lo, hi)
-        off = [LABELS.get(m, m) for m in cfg["methods_run"] if not doc["curves"][c][m]["test_nelbo"][-1] <= hi]
-        if off:
-            ax.text(0.99, 0.97, "off scale: " + ", ".join(off), transform=ax.transAxes, ha="right", va="top",
-                    fontsize=7)
-        _finish_epoch_axes(ax, c, "test NELBO (1 sample, nats)")
-    return _save(fig, out, "vae-latent_curves.png")
-
-
-# ------------------------------------------------------------------------------------------------ the claims
-
 #: the paper's evidence for every claim (Fig. 4 only plots bars; no values are printed)
 EVIDENCE = "Fig. 4 (bars of NLL / NELBO / reconstruction; 5 trials, 100 epochs)"
 
@@ -314,6 +225,25 @@ def _test(doc: dict[str, Any], c: str, a: str, b: str, k: str) -> dict[str, Any]
             t = s["ttest"]
             return {"n": t["n"], "p": t["p"], "mean_diff": sign * t["mean_diff"], "name": "paired t"}
     return None
+
+
+def _exact_test(doc: dict[str, Any], c: str, a: str, b: str, k: str,
+                t: dict[str, Any]) -> dict[str, Any] | None:
+    """The exact sign-flip test of ``a - b`` over the trials (:func:`hardeq_studies.stats.sign_flip_test`) beside
+    the paired t-test ``t`` where there are at most :data:`EXACT_BESIDE_T` trials and the document holds the
+    per-trial values, else None."""
+    trials = doc.get("per_trial", {}).get(c, {})
+    if int(t["n"]) > EXACT_BESIDE_T or a not in trials or b not in trials:  # (a document without per-trial values)
+        return None
+    return sign_flip_test(trials[a][k], trials[b][k])
+
+
+def _exact_note(n: int) -> str:
+    """What the claims table says of the exact test beside the t-test over ``n`` trials."""
+    if n > EXACT_BESIDE_T:
+        return "(more than 5 trials: the t-test alone)."
+    return (f"each with the exact sign-flip test beside it (over {n} trials its smallest p is {2 / 2 ** n:.3g}); "
+            "where the two disagree after Holm's adjustment the row is undecided.")
 
 
 #: the method name of Constrained Reparametrization's independent-noise reading, as runs may record it
@@ -370,7 +300,8 @@ def claims(doc: dict[str, Any]) -> list[Claim]:
         here = (f"{LABELS.get(a, a)} {_mean(doc, c, a, k):.2f} vs {LABELS.get(b, b)} {_mean(doc, c, b, k):.2f}; "
                 f"a - b {t['mean_diff']:+.2f}")
         out.append(Claim(f"{text} (`{c}`, {k})", EVIDENCE, here, test=t, lower_is_better=lower, reading=reading,
-                         no_difference=no_difference, differs=differs, budget=budget))
+                         no_difference=no_difference, differs=differs, budget=budget,
+                         exact_test=_exact_test(doc, c, a, b, k, t)))
 
     for c in cfg["constraints_run"]:
         for k in METRICS:
@@ -427,29 +358,3 @@ def pair_gap_rows(doc: dict[str, Any], c: str, a: str, b: str) -> list[list[str]
         rows.append([str(e + 1), f"{curves[a]['test_nelbo'][e]:.2f}", f"{curves[b]['test_nelbo'][e]:.2f}",
                      f"{mean:+.2f}", ci])
     return rows
-
-
-def plot_gap(doc: dict[str, Any], out: Path) -> Path | None:
-    """The paired test-NELBO gap Marginal Expectation - pathwise per epoch: every trial (thin) and the mean
-    with its 95% t-interval over trials (band), one panel per constraint; ``None`` (no file) when the run
-    recorded no per-epoch gap."""
-    cs = [c for c in doc["config"]["constraints_run"] if gap_rows(doc, c)]
-    if not cs:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, max(len(cs), 1), figsize=(5.5 * max(len(cs), 1), 3.8), squeeze=False)
-    for ax, c in zip(axes[0], cs):
-        g = doc["curves"][c]["marginal_expectation"]["paired_gap_to_pathwise"]
-        x = np.arange(1, len(g["mean"]) + 1)
-        for trial in g["per_trial"]:
-            ax.plot(x, trial, color=_color("marginal_expectation"), lw=0.7, alpha=0.5)
-        ax.plot(x, g["mean"], color="#000000", lw=2, label="mean over trials")
-        if g["ci_low"] is not None:
-            ax.fill_between(x, g["ci_low"], g["ci_high"], color="#000000", alpha=0.15, label="95% t-interval")
-        ax.axhline(0, color="#888888", lw=0.8)
-        _finish_epoch_axes(ax, c, "test NELBO gap, ME - pathwise (nats)")
-    return _save(fig, out, "vae-latent_gap.png")

@@ -31,7 +31,7 @@ class VaeLatentStudy(VaeStudy):
         return render_markdown(doc)
 
     def figures(self, doc: dict[str, Any], out: Path) -> list[Path]:
-        from .report import plot_curves, plot_gap, plot_metrics
+        from .figures import plot_curves, plot_gap, plot_metrics
 
         return [plot_metrics(doc, out), plot_curves(doc, out), plot_gap(doc, out)]
 
