@@ -593,6 +593,11 @@ def truncated_mode(dist: ConstrainedNormal, lower: Tensor, upper: Tensor) -> Ten
         hi = upper.detach().to(f64).expand(batch + (n,))
         k = con.k.detach().expand(batch + (con.num_constraints,))
         v = cov.variance.detach().expand(batch + (n,))
+        for name, t in (("loc", mu), ("the covariance's variances", v), ("k", k)):
+            if not bool(torch.isfinite(t).all()):
+                where = tuple(int(i) for i in (~torch.isfinite(t)).nonzero()[0])
+                raise ValueError(f"the truncated mode needs a finite {name}; got {float(t[where])} at index {where} "
+                                 "(batch..., coordinate).")
         flat = (mu.reshape(B, n), v.reshape(B, n), lo.reshape(B, n), hi.reshape(B, n))
         kf = k.reshape(B, -1)
         matvec, abs_matvec = _operators(con, batch)

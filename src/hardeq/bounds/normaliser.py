@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from ..constraints import EqualityConstraint
     from ..distributions.normal import ConstrainedNormal
 
-__all__ = ["log_diff_ndtr", "null_direction", "line_interval", "exact_log_normaliser", "mc_log_normaliser",
+__all__ = ["log_diff_ndtr", "null_direction", "line_bounds", "line_interval", "exact_log_normaliser", "mc_log_normaliser",
            "surrogate", "subset_log_normaliser"]
 
 
@@ -85,13 +85,12 @@ def null_direction(constraint: EqualityConstraint) -> Tensor:
     return basis[..., 0]
 
 
-def line_interval(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, direction: Tensor | None = None
-                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    r"""For ``n - a == 1``: ``(alpha, beta, mean, w)`` with the box = :math:`\{\bar\mu + \varepsilon w : \alpha \le
-    \varepsilon \le \beta\}` (module docstring); ``alpha``, ``beta`` ``(*batch)``, ``mean``, ``w`` ``(*batch, n)``, in
-    the compute dtype, differentiable in the parameters. A coordinate with :math:`w_i = 0` (the constraint determines
-    it) outside its bounds gives an empty interval (``alpha = +inf``). ``direction``: :func:`null_direction`, if the
-    caller has it (an O(n^2) QR otherwise)."""
+def line_bounds(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, direction: Tensor | None = None
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    r"""For ``n - a == 1``: each coordinate's standardized interval on the line, ``(lows, highs, moves, pinned_out,
+    mean, w)``: ``lows``, ``highs`` ``(*batch, n)`` (``-inf`` / ``+inf`` where the coordinate does not move along
+    the line), ``moves`` ``(*batch, n)`` where it does, ``pinned_out`` ``(*batch)`` where a coordinate that does not
+    move lies outside its bounds, ``mean``, ``w`` ``(*batch, n)`` (:func:`line_interval`)."""
     mean = dist._mean
     dtype = mean.dtype
     d = (null_direction(dist.constraint) if direction is None else direction).to(dtype)
@@ -107,8 +106,19 @@ def line_interval(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, directi
     inf = torch.full_like(t_lo, float("inf"))
     lows = torch.where(zero, -inf, torch.minimum(t_lo, t_hi))
     highs = torch.where(zero, inf, torch.maximum(t_lo, t_hi))
-    alpha, beta = lows.amax(-1), highs.amin(-1)
     pinned_out = (zero & ((mean < lower) | (mean > upper))).any(-1)
+    return lows, highs, ~zero, pinned_out, mean, w
+
+
+def line_interval(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, direction: Tensor | None = None
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    r"""For ``n - a == 1``: ``(alpha, beta, mean, w)`` with the box = :math:`\{\bar\mu + \varepsilon w : \alpha \le
+    \varepsilon \le \beta\}` (module docstring); ``alpha``, ``beta`` ``(*batch)``, ``mean``, ``w`` ``(*batch, n)``, in
+    the compute dtype, differentiable in the parameters. A coordinate with :math:`w_i = 0` (the constraint determines
+    it) outside its bounds gives an empty interval (``alpha = +inf``). ``direction``: :func:`null_direction`, if the
+    caller has it (an O(n^2) QR otherwise)."""
+    lows, highs, _, pinned_out, mean, w = line_bounds(dist, lower, upper, direction)
+    alpha, beta = lows.amax(-1), highs.amin(-1)
     alpha = torch.where(pinned_out, torch.full_like(alpha, float("inf")), alpha)
     return alpha, beta, mean, w
 
@@ -266,6 +276,11 @@ def subset_log_normaliser(dist: ConstrainedNormal, lower: Tensor, upper: Tensor,
         out = torch.maximum((lower - x) / scale, (x - upper) / scale).amax(-1)
         return out.clamp_min(0.0)
 
+    def box_at(tau_: Tensor) -> tuple[Tensor, Tensor]:  # B(tau): the box itself where tau = 0
+        t = tau_[..., None]
+        zero = t == 0
+        return (torch.where(zero, lower, lower - t * scale), torch.where(zero, upper, upper + t * scale))
+
     log_z = torch.zeros(batch, dtype=torch.float64, device=lower.device)
     var = torch.zeros_like(log_z)
     levels = torch.zeros(batch, dtype=torch.long, device=lower.device)
@@ -276,7 +291,11 @@ def subset_log_normaliser(dist: ConstrainedNormal, lower: Tensor, upper: Tensor,
         q = torch.quantile(g.to(torch.float64).flatten(1), keep, dim=0).reshape(batch).to(lower.dtype) \
             if batch else torch.quantile(g.to(torch.float64), keep).to(lower.dtype)
         new_tau = torch.where(done, torch.zeros_like(tau), torch.minimum(q.clamp_min(0.0), tau))
-        inside = g <= new_tau                                      # (num, *B)
+        # the score's division and the level's box B(tau) = [l - tau s, u + tau s] can disagree by round-off: a draw
+        # passing either test is kept, and the kept seeds are clamped into the box (a round-off move), where the
+        # kernel checks that its start lies
+        level_lo, level_hi = box_at(new_tau)
+        inside = ((z >= level_lo) & (z <= level_hi)).all(-1) | (g <= new_tau)     # (num, *B)
         p = inside.to(torch.float64).mean(0)
         log_z = torch.where(done, log_z, log_z + p.log())
         var = torch.where(done, var, var + (1 - p) / (p * num))
@@ -290,7 +309,7 @@ def subset_log_normaliser(dist: ConstrainedNormal, lower: Tensor, upper: Tensor,
         idx = torch.multinomial(weights, num, replacement=True, generator=generator)  # (B_flat, num)
         flat = z.reshape(num, -1, z.shape[-1])
         seeds = flat.gather(0, idx.T[..., None].expand(num, -1, z.shape[-1])).reshape(z.shape)
-        t = tau[..., None]
-        z = kernel(lower - t * scale, upper + t * scale, seeds, iterations)
+        seeds = torch.minimum(torch.maximum(seeds, level_lo), level_hi)
+        z = kernel(level_lo, level_hi, seeds, iterations)
     raise RuntimeError(f"subset_log_normaliser: the box was not reached in {MAX_LEVELS} levels of keep = {keep} "
                        f"(P(box | plane) below about {keep ** MAX_LEVELS:.1g} in some batch element).")

@@ -10,11 +10,12 @@ import torch
 from torch import Tensor
 from torch.distributions import Distribution, constraints
 
-from ..bounds.mode import truncated_mode
-from ..bounds.normaliser import exact_log_normaliser, null_direction, subset_log_normaliser, surrogate
+from ..bounds.mode import ModeNotFound, truncated_mode
+from ..bounds.normaliser import exact_log_normaliser, line_bounds, null_direction, subset_log_normaliser, surrogate
 from ..bounds.polytope import as_bound, check_bounds, check_polytope
 from ..bounds.rejection import AUTO_THRESHOLD, ROUND_ELEMENTS, rejection_sample
 from ..bounds.result import TruncatedSamples
+from ..bounds.volume import check_line_section, check_volume
 from .normal import ConstrainedNormal, _full_precision, _sample_shape
 
 __all__ = ["TruncatedConstrainedNormal"]
@@ -155,10 +156,32 @@ class TruncatedConstrainedNormal(Distribution):
         self._cache: dict[str, Any] = {}  # "direction", "mc", "pilot", ...: computed once
         super().__init__(base.batch_shape, base.event_shape, validate_args=False)
         self._validate_args = base._validate_args if validate_args is None else bool(validate_args)
-        if self.free_dim == 1:
+        with torch.no_grad():  # an empty polytope, or one of no volume on the plane, is refused here
+            if self.free_dim == 1:
+                lows, highs, moves, pinned_out, _, _ = line_bounds(base, self._lo, self._hi, self._direction())
+                check_line_section(lows, highs, moves, pinned_out, loc.dtype)
+
+    def _check_volume(self) -> None:
+        """With two or more rows (not a grouped sum) and ``n - a >= 2``, whether a combination of rows and bounds
+        leaves the polytope without volume or empty (:func:`~hardeq.bounds.volume.check_volume`): once, before
+        anything that needs the density (the normaliser, :meth:`log_prob`, the samplers); :attr:`mode` does not
+        need it and works on a face too."""
+        if "volume" in self._cache:
+            return
+        base = self.base
+        con = base.constraint
+        if self.free_dim >= 2 and con.group_index is None and con.num_constraints >= 2:
+            def second_opinion(lo: Tensor, hi: Tensor) -> bool:
+                try:
+                    truncated_mode(base, lo.to(self._lo.dtype), hi.to(self._lo.dtype))
+                except ModeNotFound:
+                    return False
+                return True
+
             with torch.no_grad():
-                # raises for an empty / single-point section of the line
-                exact_log_normaliser(base, self._lo, self._hi, self._direction())
+                check_volume(con, base._unbroadcasted_loc, base.covariance.variance, self._lo, self._hi,
+                             base.conditioner.variance(), self._lo.dtype, second_opinion)
+        self._cache["volume"] = True
 
     # ------------------------------------------------------------------ shape and support
     @property
@@ -209,7 +232,7 @@ class TruncatedConstrainedNormal(Distribution):
         return direction
 
     @torch.no_grad()
-    def _count_in_box(self, num: int) -> tuple[Tensor, Tensor, Tensor]:
+    def _count_in_box(self, num: int, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """MC normaliser from ``num`` untruncated draws, in chunks that bound memory."""
         B, n = self.batch_shape.numel(), self.event_shape[0]
         chunk = max(1, ROUND_ELEMENTS // max(1, B * n))
@@ -218,7 +241,7 @@ class TruncatedConstrainedNormal(Distribution):
         done = 0
         while done < num:
             m = min(chunk, num - done)
-            z = cond.sample(loc, (m,))
+            z = cond.sample(loc, (m,), generator=generator)
             inside += ((z >= self._lo) & (z <= self._hi)).all(-1).to(torch.float64).sum(0)
             done += m
         acc = inside / num
@@ -230,6 +253,7 @@ class TruncatedConstrainedNormal(Distribution):
         """``(log Z, stderr, acceptance)``: the untruncated draws' fraction in the box, replaced by subset
         simulation in the batch elements where fewer than :data:`SUBSET_BELOW_IN_BOX` of them fell inside."""
         if "mc" not in self._cache:
+            self._check_volume()
             log_z, stderr, acc = self._count_in_box(self.normaliser_samples)
             rare = acc * self.normaliser_samples < SUBSET_BELOW_IN_BOX
             if bool(rare.any()):
@@ -282,6 +306,7 @@ class TruncatedConstrainedNormal(Distribution):
             with torch.no_grad():
                 return self.log_normaliser.detach().to(torch.float64).exp()
         if "pilot" not in self._cache:
+            self._check_volume()
             self._cache["pilot"] = self._count_in_box(self.pilot_samples)[2]
         pilot: Tensor = self._cache["pilot"]
         return pilot
@@ -322,9 +347,11 @@ class TruncatedConstrainedNormal(Distribution):
         Cost: one :meth:`ConstrainedNormal.log_prob`; the first call of a Monte Carlo normaliser also draws
         ``normaliser_samples`` untruncated vectors and, when a gradient is needed, ``grad_samples`` truncated ones
         (cached on this object)."""
+        self._check_volume()
         lp = self.base.log_prob(value)
         v = self.base._as_event("value", value)
-        inside = ((v >= self._lo) & (v <= self._hi)).all(-1)
+        # a NaN value is neither inside nor outside: its NaN log-density is passed on, never -inf
+        inside = ((v >= self._lo) & (v <= self._hi)).all(-1) | torch.isnan(v).any(-1)
         out = lp - self.base._out(self._log_z())
         return torch.where(inside, out, torch.full_like(out, -float("inf")))
 
@@ -391,12 +418,15 @@ class TruncatedConstrainedNormal(Distribution):
         sample_shape = _sample_shape(sample_shape)
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
+        self._check_volume()
         num = sample_shape.numel()
         batch, n = self.batch_shape, self.event_shape[0]
         from ..bounds.gibbs import blocked_gibbs, gibbs_unsupported
 
         if method == "auto":
-            acc = self.acceptance
+            # with a generator the pilot draws from it too (not cached), so that the method chosen is reproducible
+            acc = self.acceptance if generator is None or self.normaliser_exact else \
+                self._count_in_box(self.pilot_samples, generator)[2]
             if float(acc.min()) >= threshold:
                 method = "rejection"
             else:
