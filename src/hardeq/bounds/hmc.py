@@ -86,7 +86,14 @@ if TYPE_CHECKING:
     from ..distributions.normal import ConstrainedNormal
     from ..constraints.base import EqualityConstraint
 
-__all__ = ["HMCResult", "exact_hmc", "MIN_DRAWS_FOR_DIAGNOSTICS"]
+__all__ = ["ChainStuck", "HMCResult", "exact_hmc", "MIN_DRAWS_FOR_DIAGNOSTICS"]
+
+
+class ChainStuck(RuntimeError):
+    """A chain of :func:`exact_hmc` never moved: every one of its trajectories reached ``max_bounces`` and was
+    rejected, so its draws would all be copies of its start. The message names the batch element and the thin
+    direction (the coordinate whose width in the box is smallest against its conditional standard deviation).
+    ``method="gibbs"`` (blocked Gibbs has no bounces) moves there."""
 
 #: fewer draws per chain than this and :attr:`HMCResult.ess` / :attr:`HMCResult.rhat` are ``nan`` (not estimable)
 MIN_DRAWS_FOR_DIAGNOSTICS = 4
@@ -274,7 +281,8 @@ def _check_start(start: object, shape: torch.Size, lo: Tensor, hi: Tensor, const
 def exact_hmc(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, start: Tensor, *, num_samples: int,
               burn_in: int = 100,
               thin: int = 1, travel_time: tuple[float, float] = (math.pi / 8, math.pi / 2),
-              generator: torch.Generator | None = None, max_bounces: int | None = None) -> HMCResult:
+              generator: torch.Generator | None = None, max_bounces: int | None = None,
+              allow_stuck: bool = False) -> HMCResult:
     r"""Exact HMC draws of ``dist`` (:math:`z \mid Az = k`) truncated to ``lower <= z <= upper``.
 
     See the module docstring for the method, what is exact (the stationary law; every draw is feasible) and the
@@ -298,6 +306,8 @@ def exact_hmc(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, start: Tens
             (its chain keeps its position for that iteration), which keeps the stationary law exact (module
             docstring) and bounds the cost of an iteration. A trajectory of time :math:`\pi/2` rarely needs more
             than a few bounces per coordinate near a wall. Default ``20 n + 200``.
+        allow_stuck (bool): return chains that never moved (every trajectory capped) instead of raising
+            :class:`ChainStuck` (for a caller that only needs an invariant kernel, as subset simulation does).
 
     Returns:
         HMCResult: ``samples`` ``(num_samples, chains, *B, n)`` in the working dtype of ``dist`` (float32 for
@@ -309,6 +319,8 @@ def exact_hmc(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, start: Tens
             gives the number of entries and the worst one) or off the plane, a bad ``travel_time``.
         RuntimeError: the state became non-finite (e.g. inf bounds on both sides of a coordinate with a
             non-finite mean).
+        ChainStuck (a ``RuntimeError``): some chain never moved (every trajectory capped; a polytope far thinner than
+            the conditional standard deviation), unless ``allow_stuck``.
 
     Warns:
         RuntimeWarning: more than 1% of the trajectories were capped at ``max_bounces`` (slow mixing).
@@ -358,6 +370,7 @@ def exact_hmc(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, start: Tens
     window = 64 * torch.finfo(dtype).eps
     corner_limit = 2 * n + 8
     total_bounces, total_refreshes, total_capped, draws = 0, 0, 0, []
+    moved = torch.zeros(start.shape[:-1], dtype=torch.bool, device=device)   # a trajectory of the chain was kept
     iterations = burn_in + num_samples * thin
     for iteration in range(iterations):
         v = plane.velocity(S, generator)
@@ -411,6 +424,7 @@ def exact_hmc(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, start: Tens
                 last = last.masked_fill(corner, -1)
                 total_refreshes += int(corner.sum())
         total_bounces += int(count.sum())
+        moved |= ~capped
         if bool(capped.any()):
             x = torch.where(capped.unsqueeze(-1), x_start, x)
             total_capped += int(capped.sum())
@@ -420,6 +434,8 @@ def exact_hmc(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, start: Tens
         if iteration >= burn_in and (iteration - burn_in) % thin == thin - 1:
             z = plane.cond.condition(mean + x)
             draws.append(torch.maximum(torch.minimum(z, hi), lo))
+    if not allow_stuck and not bool(moved.all()):
+        _raise_stuck(moved, plane, lo, hi, iterations, max_bounces)
     samples = torch.stack(draws)
     if num_samples >= MIN_DRAWS_FOR_DIAGNOSTICS:
         ess, rhat = effective_sample_size(samples), split_rhat(samples)
@@ -434,3 +450,18 @@ def exact_hmc(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, start: Tens
                       stacklevel=2)
     return HMCResult(samples=samples, bounces=total_bounces, ess=ess, rhat=rhat, trajectories=trajectories,
                      corner_refreshes=total_refreshes, method="hmc", capped=total_capped)
+
+
+def _raise_stuck(moved: Tensor, plane: _Plane, lo: Tensor, hi: Tensor, iterations: int, max_bounces: int) -> None:
+    """:class:`ChainStuck` for the first chain that never moved, naming the thin direction of its batch element."""
+    index = tuple(int(i) for i in (~moved).nonzero()[0])
+    chain, element = index[0], index[1:]
+    sd = plane.cond.variance().detach().expand(lo.shape).clamp_min(0.0).sqrt()[element]
+    ratio = torch.where(plane.frozen[element], math.inf, (hi[element] - lo[element]) / sd)
+    i = int(ratio.argmin())
+    raise ChainStuck(
+        f"exact_hmc: chain {chain} of batch element {element} never moved: all {iterations} of its trajectories "
+        f"reached max_bounces = {max_bounces} and were rejected, so its draws would be copies of its start. The "
+        f"polytope is thin against the conditional standard deviations: coordinate {i} has width "
+        f"{float(hi[element][i] - lo[element][i]):.3g} in the box against a conditional standard deviation of "
+        f"{float(sd[i]):.3g} (ratio {float(ratio[i]):.3g}). Use method='gibbs' (no bounces), or method='auto'.")

@@ -73,13 +73,14 @@ class TruncatedConstrainedNormal(Distribution):
       ``method="rejection"`` is exact in law (iid draws of the untruncated conditional kept when in the box);
       ``method="gibbs"`` is random-partition blocked Gibbs on the plane (:func:`hardeq.bounds.blocked_gibbs`: pairs
       of coordinates inside a group for a grouped sum, blocks of ``a + 1`` coordinates along null vectors of ``A``
-      otherwise), for a **diagonal** covariance only, exact in its stationary law;
+      otherwise), for every covariance with a diagonal part (low-rank, block-diagonal and full ones by data
+      augmentation, :mod:`hardeq.bounds.augment`), exact in its stationary law;
       ``method="hmc"`` is exact Hamiltonian Monte Carlo on the plane (Pakman & Paninski 2014), for every
       covariance, exact in its stationary law. For both Markov chains the law is reached asymptotically in the
       number of steps and draws of one chain are correlated: see ``ess`` and ``rhat`` of :meth:`sample_with_info`.
       ``method="auto"`` (default) measures the acceptance on a pilot of ``pilot_samples`` draws and uses rejection
       when it is at least ``threshold`` (0.1: at most ten untruncated draws per kept one); otherwise Gibbs when it
-      applies (diagonal covariance; a grouped sum, or at most 64 rows of ``A``:
+      applies (a covariance with a diagonal part; a grouped sum, or at most 64 rows of ``A``:
       :func:`hardeq.bounds.gibbs_unsupported`), else HMC, both from :attr:`mode`. The method used is named in the
       result.
     * :attr:`mode`: the maximiser of the density on the polytope, exact up to round-off
@@ -275,7 +276,7 @@ class TruncatedConstrainedNormal(Distribution):
 
         if gibbs_unsupported(self.base) is None:
             return blocked_gibbs(self.base, lower, upper, start, num_samples=1, burn_in=steps - 1).samples[0]
-        return exact_hmc(self.base, lower, upper, start, num_samples=1, burn_in=steps - 1).samples[0]
+        return exact_hmc(self.base, lower, upper, start, num_samples=1, burn_in=steps - 1, allow_stuck=True).samples[0]
 
     @property
     @_full_precision
@@ -371,9 +372,9 @@ class TruncatedConstrainedNormal(Distribution):
 
         Args:
             sample_shape: leading sample dimensions.
-            method: ``"rejection"`` (exact iid), ``"gibbs"`` (blocked Gibbs on the plane, diagonal covariance only;
-                ``ValueError`` naming ``"hmc"`` otherwise), ``"hmc"`` (exact HMC on the plane; both exact in their
-                stationary law) or ``"auto"``: rejection when the pilot acceptance (:attr:`acceptance`, the smallest
+            method: ``"rejection"`` (exact iid), ``"gibbs"`` (blocked Gibbs on the plane, any covariance with a
+                diagonal part; ``ValueError`` naming ``"hmc"`` otherwise), ``"hmc"`` (exact HMC on the plane; both
+                exact in their stationary law; :class:`~hardeq.bounds.ChainStuck` where an HMC chain cannot move) or ``"auto"``: rejection when the pilot acceptance (:attr:`acceptance`, the smallest
                 over the batch) is at least ``threshold``, else Gibbs when it applies
                 (:func:`hardeq.bounds.gibbs_unsupported` is ``None``), else HMC.
             chains: Markov chains per batch element (Gibbs or HMC; default ``prod(sample_shape)``: one draw per chain
