@@ -15,6 +15,7 @@ from ..bounds.normaliser import exact_log_normaliser, line_bounds, null_directio
 from ..bounds.polytope import as_bound, check_bounds, check_polytope
 from ..bounds.rejection import AUTO_THRESHOLD, ROUND_ELEMENTS, rejection_sample
 from ..bounds.result import TruncatedSamples
+from ..bounds.training import PersistentChains
 from ..bounds.volume import check_line_section, check_volume
 from .normal import ConstrainedNormal, _full_precision, _sample_shape
 
@@ -107,6 +108,11 @@ class TruncatedConstrainedNormal(Distribution):
         pilot_samples (int): untruncated draws of ``method="auto"``'s acceptance pilot.
         normaliser (str): ``"auto"`` (exact for ``n - a == 1``, else Monte Carlo), ``"exact"`` (``ValueError``
             unless ``n - a == 1``) or ``"monte-carlo"`` (forced, e.g. to check the estimator against the exact one).
+        training (bool | PersistentChains): training mode (:mod:`hardeq.bounds.training`): :meth:`log_prob` returns
+            the *unnormalised* :math:`\log p(z \mid Az = k)` in the box, and its gradient carries the estimate of
+            :math:`-\nabla\log Z` from a few sweeps of persistent chains (``hardeq.bounds.PersistentChains``, kept
+            across optimiser steps; ``True``: chains of this object only) instead of estimating :math:`\log Z`;
+            biased, cheap. Ignored where the normaliser is exact (``n - a == 1``).
         validate_args (bool, optional): as ``torch.distributions``; passed to the plane check of :meth:`log_prob`
             through ``base``.
 
@@ -129,7 +135,8 @@ class TruncatedConstrainedNormal(Distribution):
 
     def __init__(self, base: ConstrainedNormal, lower: Tensor | float | None = None,
                  upper: Tensor | float | None = None, *, normaliser_samples: int = 4096, grad_samples: int = 256,
-                 pilot_samples: int = 256, normaliser: str = "auto", validate_args: bool | None = None) -> None:
+                 pilot_samples: int = 256, normaliser: str = "auto", training: bool | PersistentChains = False,
+                 validate_args: bool | None = None) -> None:
         if not isinstance(base, ConstrainedNormal):
             raise TypeError(f"base must be a hardeq.ConstrainedNormal, got {type(base).__name__}.")
         for name, value in (("normaliser_samples", normaliser_samples), ("grad_samples", grad_samples),
@@ -143,6 +150,12 @@ class TruncatedConstrainedNormal(Distribution):
             raise ValueError(f"normaliser='exact' needs one free dimension (n - a == 1), got n - a = {free}; use "
                              "'auto' (a Monte Carlo estimate with its standard error).")
         self._normaliser = normaliser
+        if isinstance(training, bool):
+            self.training: PersistentChains | None = PersistentChains() if training else None
+        elif isinstance(training, PersistentChains):
+            self.training = training
+        else:
+            raise TypeError(f"training must be a bool or a hardeq.bounds.PersistentChains, got {type(training).__name__}.")
         self.base = base
         loc = base._unbroadcasted_loc
         shape = base.batch_shape + base.event_shape
@@ -220,9 +233,14 @@ class TruncatedConstrainedNormal(Distribution):
         r"""The maximiser of the density on the polytope, ``batch_shape + (n,)``: the projection of :math:`\mu` in the
         covariance metric onto :math:`\{Az = k\}\cap[l, u]`, solved exactly (:mod:`hardeq.bounds.mode`; cached).
         ``lower <= mode <= upper`` exactly; every row within the untruncated tolerance. Not differentiable."""
+        return self.base._out(self._compute_mode())
+
+    def _compute_mode(self) -> Tensor:
+        """:attr:`mode` in the compute dtype (cached)."""
         if "mode" not in self._cache:
             self._cache["mode"] = truncated_mode(self.base, self._lo, self._hi)
-        return self.base._out(self._cache["mode"])
+        mode: Tensor = self._cache["mode"]
+        return mode
 
     # ------------------------------------------------------------------ normaliser
     def _direction(self) -> Tensor:
@@ -318,6 +336,46 @@ class TruncatedConstrainedNormal(Distribution):
                                             or any(t.requires_grad for t in base.covariance.tensors())
                                             or base.constraint.k.requires_grad)
 
+    def _training_log_z(self, value: Tensor) -> Tensor:
+        """Training mode: no :math:`\\log Z`, only the zero-valued surrogate whose gradient is the persistent chains'
+        estimate of :math:`\\nabla\\log Z` (:mod:`hardeq.bounds.training`); ``batch_shape``, compute dtype."""
+        chains = self.training
+        assert chains is not None
+        if not self._needs_grad():
+            return torch.zeros(self.batch_shape, dtype=self._lo.dtype, device=self._lo.device)
+        self._warn_k()
+        base, lo, hi = self.base, self._lo, self._hi
+        shape = self.batch_shape + self.event_shape
+        rtol = math.sqrt(torch.finfo(lo.dtype).eps)
+        with torch.no_grad():
+            start = chains.start(shape, lo, hi, lambda z: base.constraint.check(z, rtol=rtol),
+                                 base._as_event("value", value), self._compute_mode)
+            draws = self._chain(start, chains.sweeps)
+        chains.state = draws[-1].detach()
+        chains.steps += 1
+        return surrogate(base, draws.flatten(0, 1))
+
+    @torch.no_grad()
+    def _chain(self, start: Tensor, sweeps: int) -> Tensor:
+        """``sweeps`` states ``(sweeps, chains, *batch, n)`` of blocked Gibbs (exact HMC where Gibbs does not
+        apply, stuck chains allowed) from ``start``, in the compute dtype."""
+        from ..bounds.gibbs import blocked_gibbs, gibbs_unsupported
+        from ..bounds.hmc import exact_hmc
+
+        if gibbs_unsupported(self.base) is None:
+            return blocked_gibbs(self.base, self._lo, self._hi, start, num_samples=sweeps, burn_in=0).samples
+        return exact_hmc(self.base, self._lo, self._hi, start, num_samples=sweeps, burn_in=0,
+                         allow_stuck=True).samples
+
+    def _warn_k(self) -> None:
+        if self.base.constraint.k.requires_grad and not self._cache.get("warned_k"):
+                self._cache["warned_k"] = True
+                warnings.warn("k requires grad, but with n - a > 1 the Monte Carlo normaliser of "
+                              "TruncatedConstrainedNormal.log_prob carries no gradient to k (k moves the box's section "
+                              "of the plane; the identity grad log Z = E[grad log p] covers loc and the scales only). "
+                              "Treat k as data here, or use one free dimension (exact normaliser).", UserWarning,
+                              stacklevel=4)
+
     def _log_z(self) -> Tensor:
         """:math:`\\log Z` for :meth:`log_prob`, compute dtype: exact with autograd, or the MC value plus the
         zero-valued surrogate that carries the gradient estimate."""
@@ -325,13 +383,7 @@ class TruncatedConstrainedNormal(Distribution):
             return exact_log_normaliser(self.base, self._lo, self._hi, self._direction())
         log_z = self._mc()[0].to(self._lo.dtype)
         if self._needs_grad():
-            if self.base.constraint.k.requires_grad and not self._cache.get("warned_k"):
-                self._cache["warned_k"] = True
-                warnings.warn("k requires grad, but with n - a > 1 the Monte Carlo normaliser of "
-                              "TruncatedConstrainedNormal.log_prob carries no gradient to k (k moves the box's section "
-                              "of the plane; the identity grad log Z = E[grad log p] covers loc and the scales only). "
-                              "Treat k as data here, or use one free dimension (exact normaliser).", UserWarning,
-                              stacklevel=3)
+            self._warn_k()
             if "grad_draws" not in self._cache:
                 self._cache["grad_draws"] = self._sample_compute((self.grad_samples,), "auto").samples.detach()
             log_z = log_z + surrogate(self.base, self._cache["grad_draws"])
@@ -353,7 +405,8 @@ class TruncatedConstrainedNormal(Distribution):
         v = self.base._as_event("value", value)
         # a NaN value is neither inside nor outside: its NaN log-density is passed on, never -inf
         inside = ((v >= self._lo) & (v <= self._hi)).all(-1) | torch.isnan(v).any(-1)
-        out = lp - self.base._out(self._log_z())
+        training = self.training is not None and not self.normaliser_exact
+        out = lp - self.base._out(self._training_log_z(value) if training else self._log_z())
         return torch.where(inside, out, torch.full_like(out, -float("inf")))
 
     # ------------------------------------------------------------------ sampling
@@ -474,6 +527,7 @@ class TruncatedConstrainedNormal(Distribution):
                                           self._hi.expand(batch_shape + (n,)),
                                           normaliser_samples=self.normaliser_samples, grad_samples=self.grad_samples,
                                           pilot_samples=self.pilot_samples, normaliser=self._normaliser,
+                                          training=self.training if self.training is not None else False,
                                           validate_args=self._validate_args)
 
     def __repr__(self) -> str:
