@@ -77,7 +77,7 @@ def test_d_empty_polytope_by_a_combination_of_rows_fails_fast_and_clearly():
     with pytest.raises(ValueError, match="is empty"):
         t.sample((2,))
     with pytest.raises(ValueError, match="empty"):  # ModeNotFound, a ValueError
-        t.mode
+        _ = t.mode
 
 
 # ---------------------------------------------------------------------------------------------- B: round-off
@@ -89,12 +89,13 @@ def test_b_subset_simulation_level_box_round_off(seed):
     m = -2.3111821142329942
     torch.manual_seed(seed)
     v = torch.tensor([.2, .3, .2, .3], dtype=F)
-    d = hardeq.ConstrainedNormal(torch.tensor([m, 1 - m, m, 1 - m], dtype=F), v,
-                                 constraint=hardeq.LinearConstraint(torch.tensor([[1., 1, 0, 0], [0, 0, 1, 1]], dtype=F),
-                                                                    torch.tensor([1., 1.], dtype=F))).truncate(0., 1.)
+    A = torch.tensor([[1., 1, 0, 0], [0, 0, 1, 1]], dtype=F)
+    d = hardeq.ConstrainedNormal(torch.tensor([m, 1 - m, m, 1 - m], dtype=F), v, constraint=hardeq.LinearConstraint(
+        A, torch.tensor([1., 1.], dtype=F))).truncate(0., 1.)
     lp = d.log_prob(torch.tensor([0., 1, 0, 1], dtype=F))
     assert math.isfinite(float(lp))
-    # one line: z0 | z0 + z1 = 1 is N(m, s^2) with s^2 = v0^2 v1^2 / (v0^2 + v1^2) (m + (1 - m) = 1 already); box z0 in [0, 1]
+    # one line: z0 | z0 + z1 = 1 is N(m, s^2) with s^2 = v0^2 v1^2 / (v0^2 + v1^2) (m + (1 - m) = 1 already);
+    # the box is z0 in [0, 1]
     s = math.sqrt(0.04 * 0.09 / 0.13)
     a, b = (0 - m) / s, (1 - m) / s
     one = stats.norm.logsf(a) + math.log1p(-math.exp(stats.norm.logsf(b) - stats.norm.logsf(a)))
@@ -138,4 +139,4 @@ def test_f_nan_loc_mode_names_loc():
                                  constraint=hardeq.SumConstraint(torch.zeros(3, dtype=torch.long),
                                                                  torch.tensor([1.0], dtype=F))).truncate(0.0, 1.0)
     with pytest.raises(ValueError, match=r"needs a finite loc; got nan at index \(0,\)"):
-        d.mode
+        _ = d.mode

@@ -26,7 +26,8 @@ def _pairs(loc, scale):
 
 def _pairs_log_z(loc, scale):
     """Exact log P([0, 1]^4 | plane) of :func:`_pairs`, differentiable (torch.special.log_ndtr): on the line
-    z0 + z1 = 1, z0 ~ N(m, s^2) with m = (v1 mu0 + v0 (1 - mu1)) / (v0 + v1), s^2 = v0 v1 / (v0 + v1); box z0 in [0, 1]."""
+    z0 + z1 = 1, z0 ~ N(m, s^2) with m = (v1 mu0 + v0 (1 - mu1)) / (v0 + v1), s^2 = v0 v1 / (v0 + v1); box z0 in
+    [0, 1]."""
     total = 0.0
     for i, j in ((0, 1), (2, 3)):
         v0, v1 = scale[i] ** 2, scale[j] ** 2

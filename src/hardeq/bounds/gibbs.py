@@ -29,7 +29,8 @@ evaluates that (:math:`\mu` is the user's ``loc``, in float64: no conditional me
 
    :math:`Ad_b = 0`, so every move stays on the plane. Even sweeps draw the partition uniformly; odd sweeps draw a
    *stratified* one (the coordinates sorted by a score the parameters fix, jittered, then cut in blocks: pressed
-   coordinates pair with pressed ones, free with free; see :class:`~hardeq.bounds.partition.Blocks`). Neither looks at the state.
+   coordinates pair with pressed ones, free with free; see :class:`~hardeq.bounds.partition.Blocks`). Neither looks
+   at the state.
 2. Every block moves along its line, :math:`z \leftarrow z + \sum_b t_b d_b`, with :math:`(t_1, \dots, t_B)` drawn
    from their joint conditional law. Because :math:`\Sigma` is diagonal and the blocks are disjoint, that law
    **factorises**: :math:`t_b \sim \mathcal N(-\beta_b/\alpha_b, 1/\alpha_b)` truncated to the chord
@@ -69,20 +70,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from .augment import Augmentation, augmentation, augmentation_unsupported
 from .diagnostics import effective_sample_size, split_rhat
-from .hmc import MIN_DRAWS_FOR_DIAGNOSTICS, _box, _check_int, _check_start
+from .checks import _box, _check_int, _check_start
+from .hmc import MIN_DRAWS_FOR_DIAGNOSTICS
 from .partition import Blocks, Projector
+from .target import PlaneTarget
 from .truncnorm import MAX_ROUNDS, _draw, truncated_standard_normal
-
-if TYPE_CHECKING:
-    from ..constraints.base import EqualityConstraint
-    from ..distributions.normal import ConstrainedNormal
 
 __all__ = ["GIBBS_MAX_DENSE_ELEMENTS", "GIBBS_MAX_ROWS", "GibbsResult", "blocked_gibbs", "gibbs_unsupported",
            "truncated_standard_normal"]
@@ -132,7 +130,7 @@ class GibbsResult:
 
 
 # ---------------------------------------------------------------------------------------------- the blocks
-def gibbs_unsupported(dist: ConstrainedNormal) -> str | None:
+def gibbs_unsupported(dist: object) -> str | None:
     """Why :func:`blocked_gibbs` cannot sample ``dist`` (a sentence naming ``method="hmc"``), or ``None`` when it
     can: a covariance with a diagonal part (:func:`~hardeq.bounds.augment.augmentation_unsupported`: diagonal,
     low-rank, block-diagonal or full) and a grouped-sum constraint, or any constraint with at most
@@ -148,10 +146,11 @@ def gibbs_unsupported(dist: ConstrainedNormal) -> str | None:
         >>> print(gibbs_unsupported(full))  # through the augmentation Sigma = D + V V^T
         None
     """
-    reason = augmentation_unsupported(dist.covariance)
+    target = PlaneTarget.of(dist)
+    reason = augmentation_unsupported(target.covariance)
     if reason is not None:
         return f"method='gibbs': {reason}; use method='hmc' (exact HMC works with every covariance)."
-    con = dist.constraint
+    con = target.constraint
     if con.group_index is not None:
         return None
     a, n = con.num_constraints, con.event_size
@@ -175,7 +174,7 @@ def _diagnostics(samples: Tensor) -> tuple[Tensor, Tensor]:
 
 
 @torch.no_grad()
-def blocked_gibbs(dist: ConstrainedNormal, lower: Tensor | float | None, upper: Tensor | float | None,
+def blocked_gibbs(dist: object, lower: Tensor | float | None, upper: Tensor | float | None,
                   start: Tensor, *, num_samples: int, burn_in: int = 100, thin: int = 1,
                   generator: torch.Generator | None = None) -> GibbsResult:
     r"""Random-partition blocked Gibbs draws of ``dist`` (:math:`z \mid Az = k`) truncated to
@@ -186,8 +185,9 @@ def blocked_gibbs(dist: ConstrainedNormal, lower: Tensor | float | None, upper: 
     every ``thin``-th after the burn-in. No gradient flows through the draws.
 
     Args:
-        dist (ConstrainedNormal): the untruncated conditional law, batch shape ``B``, event size ``n``, with a
-            covariance with a diagonal part (diagonal; low-rank, block-diagonal or full through the augmentation).
+        dist (ConstrainedNormal | PlaneTarget): the untruncated conditional law, batch shape ``B``, event size
+            ``n``, with a covariance with a diagonal part (diagonal; low-rank, block-diagonal or full through the
+            augmentation).
         lower, upper: bounds broadcastable to ``B + (n,)`` (tensors, numbers or ``None``), ``-inf`` / ``+inf``
             where unbounded; a value that the working dtype cannot represent is rounded inward.
         start (Tensor): ``(chains, *B, n)``, feasible: inside the box and on the plane (each row of
@@ -223,28 +223,25 @@ def blocked_gibbs(dist: ConstrainedNormal, lower: Tensor | float | None, upper: 
         >>> z.shape, bool(((z >= 0) & (z <= 1)).all()), bool(total.check(z).all())
         (torch.Size([50, 4, 3]), True, True)
     """
-    from ..distributions.normal import ConstrainedNormal
-
-    if not isinstance(dist, ConstrainedNormal):
-        raise TypeError(f"dist must be a hardeq.ConstrainedNormal, got {type(dist).__name__}.")
-    reason = gibbs_unsupported(dist)
+    target = PlaneTarget.of(dist)
+    reason = gibbs_unsupported(target)
     if reason is not None:
         raise ValueError(reason)
     num_samples = _check_int("num_samples", num_samples, 1)
     burn_in = _check_int("burn_in", burn_in, 0)
     thin = _check_int("thin", thin, 1)
 
-    cond = dist.conditioner
+    cond = target.conditioner
     dtype = cond.dtype
-    shape = dist.batch_shape + dist.event_shape
-    device = dist._unbroadcasted_loc.device
+    shape = target.shape
+    device = target.loc.device
     lo, hi = _box(lower, upper, shape, dtype, device)
     constraint = cond.constraint
     z = _check_start(start, shape, lo, hi, constraint, dtype, device).to(_F64)
     lo64, hi64 = lo.to(_F64), hi.to(_F64)
-    mu = dist._unbroadcasted_loc.detach().to(_F64).expand(shape)
+    mu = target.loc.detach().to(_F64).expand(shape)
     marginal = cond.cov.variance.detach().to(_F64).expand(shape)
-    aug: Augmentation | None = None if cond.cov.is_diagonal else augmentation(cond.cov, dist.batch_shape, shape[-1])
+    aug: Augmentation | None = None if cond.cov.is_diagonal else augmentation(cond.cov, target.batch_shape, shape[-1])
     var = marginal if aug is None else aug.diag
     frozen = None
     if constraint.group_index is None:  # coordinates the constraint determines: no motion (d_i = 0)

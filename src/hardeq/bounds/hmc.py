@@ -72,19 +72,15 @@ and batch elements with few bounces idle in lock-step with the busiest one.
 from __future__ import annotations
 
 import math
-import numbers
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from .checks import _box, _check_int, _check_start
 from .diagnostics import effective_sample_size, split_rhat
-
-if TYPE_CHECKING:
-    from ..distributions.normal import ConstrainedNormal
-    from ..constraints.base import EqualityConstraint
+from .target import PlaneTarget
 
 __all__ = ["ChainStuck", "HMCResult", "exact_hmc", "MIN_DRAWS_FOR_DIAGNOSTICS"]
 
@@ -142,54 +138,17 @@ class HMCResult:
     capped: int = 0
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r}).")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}.")
-    return int(value)
-
-
-def _bound(name: str, value: object, shape: torch.Size, dtype: torch.dtype, device: torch.device,
-           default: float, inward: float) -> Tensor:
-    """``value`` (None, a number or a tensor) broadcast to ``shape`` in ``dtype``; a value not representable in
-    ``dtype`` is rounded towards the inside of the box (towards ``inward``), so the box never grows."""
-    if value is None:
-        return torch.full(shape, default, dtype=dtype, device=device)
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        value = torch.tensor(float(value), dtype=torch.float64, device=device)
-    if not isinstance(value, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, a real number or None, got {type(value).__name__}.")
-    if not value.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {value.dtype}.")
-    if value.device != device:
-        raise ValueError(f"{name} is on device {value.device} but the distribution is on {device}.")
-    try:
-        wide = torch.broadcast_to(value, shape)
-    except RuntimeError:
-        raise ValueError(f"{name} must broadcast to batch_shape + (n,) = {tuple(shape)}, got shape "
-                         f"{tuple(value.shape)}.") from None
-    if bool(torch.isnan(wide).any()):
-        raise ValueError(f"{name} contains nan; use -inf / +inf for an unbounded coordinate.")
-    out = wide.to(dtype)
-    moved = out.to(wide.dtype) != wide if wide.dtype != dtype else torch.zeros((), dtype=torch.bool, device=device)
-    if bool(moved.any()):  # rounded outward? step one ulp inward
-        outward = (out.to(wide.dtype) < wide) if inward > 0 else (out.to(wide.dtype) > wide)
-        out = torch.where(outward, torch.nextafter(out, torch.full_like(out, inward)), out)
-    return out.contiguous()
-
-
 class _Plane:
     """The operators of one conditional law on the plane, as the sampler uses them (no ``n x n`` matrix)."""
 
-    def __init__(self, dist: ConstrainedNormal) -> None:
-        cond = dist.conditioner
+    def __init__(self, target: PlaneTarget) -> None:
+        cond = target.conditioner
         self.cond = cond
         self.cov = cond.cov
         self.constraint = cond.constraint
         self.dtype = cond.dtype
         self.steps = 1 if self.dtype == torch.float64 else 2
-        self.mean = dist._mean.detach().expand(dist.batch_shape + dist.event_shape)
+        self.mean = target.mean.detach()
         eps = torch.finfo(self.dtype).eps
         variance = cond.variance().detach().expand(self.mean.shape)
         floor = 16 * eps * self.cov.variance.detach().expand(self.mean.shape)
@@ -236,49 +195,7 @@ def _hit_times(x: Tensor, v: Tensor, lo: Tensor, hi: Tensor, movable_lo: Tensor,
     return t_lo, t_hi
 
 
-def _box(lower: object, upper: object, shape: torch.Size, dtype: torch.dtype,
-         device: torch.device) -> tuple[Tensor, Tensor]:
-    """The samplers' ``(lo, hi)``, each ``shape`` in ``dtype`` (:func:`_bound`), checked ``lo <= hi``."""
-    lo = _bound("lower", lower, shape, dtype, device, -math.inf, math.inf)
-    hi = _bound("upper", upper, shape, dtype, device, math.inf, -math.inf)
-    if bool((lo > hi).any()):
-        bad = (lo > hi).nonzero()[0].tolist()
-        raise ValueError(f"lower must be <= upper everywhere; at index {tuple(bad)} lower = "
-                         f"{lo[tuple(bad)].item():.6g} > upper = {hi[tuple(bad)].item():.6g}.")
-    return lo, hi
-
-
-@torch.no_grad()
-def _check_start(start: object, shape: torch.Size, lo: Tensor, hi: Tensor, constraint: EqualityConstraint,
-                 dtype: torch.dtype, device: torch.device) -> Tensor:
-    r"""``start`` ``(chains, *batch, n)`` checked (a tensor of that shape on ``device``, inside ``[lo, hi]``, on the
-    plane to within :math:`\sqrt\varepsilon` per row) and returned detached in ``dtype``; the samplers' start."""
-    if not isinstance(start, Tensor):
-        raise TypeError(f"start must be a torch.Tensor of shape (chains, *batch, n), got {type(start).__name__}.")
-    if start.dim() != len(shape) + 1 or start.shape[1:] != shape or start.shape[0] < 1:
-        raise ValueError(f"start must have shape (chains, *batch_shape, n) = (chains, {', '.join(map(str, shape))}) "
-                         f"with chains >= 1, got {tuple(start.shape)}.")
-    if not start.is_floating_point() or start.device != device:
-        raise TypeError(f"start must be a floating-point tensor on {device}, got {start.dtype} on {start.device}.")
-    z0 = start.detach().to(dtype)
-    outside = ~((z0 >= lo) & (z0 <= hi))
-    if bool(outside.any()):
-        gap = torch.maximum(lo - z0, z0 - hi).masked_fill(~outside, -math.inf).nan_to_num(math.inf)
-        worst = tuple(int(i) for i in torch.unravel_index(gap.argmax(), gap.shape))
-        raise ValueError(
-            f"start must lie in the box [lower, upper]: {int(outside.sum())} entries are outside (or nan); the "
-            f"worst, at index {worst}, is {z0[worst].item():.6g} with bounds [{lo[worst[1:]].item():.6g}, "
-            f"{hi[worst[1:]].item():.6g}]. Start from the mode or from rejection draws."
-        )
-    on_plane = constraint.check(z0, rtol=math.sqrt(torch.finfo(dtype).eps))
-    if not bool(on_plane.all()):
-        chain = tuple(int(i) for i in (~on_plane).nonzero()[0])
-        raise ValueError(f"start must lie on the plane A z = k: chain/batch index {chain} misses a row by more than "
-                         f"sqrt(eps) of the row's size. Start from the mode or from rejection draws.")
-    return z0
-
-
-def exact_hmc(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, start: Tensor, *, num_samples: int,
+def exact_hmc(dist: object, lower: Tensor, upper: Tensor, start: Tensor, *, num_samples: int,
               burn_in: int = 100,
               thin: int = 1, travel_time: tuple[float, float] = (math.pi / 8, math.pi / 2),
               generator: torch.Generator | None = None, max_bounces: int | None = None,
@@ -290,7 +207,8 @@ def exact_hmc(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, start: Tens
     keeps every ``thin``-th after the burn-in. No gradient flows through the draws.
 
     Args:
-        dist (ConstrainedNormal): the untruncated conditional law, batch shape ``B``, event size ``n``.
+        dist (ConstrainedNormal | PlaneTarget): the untruncated conditional law, batch shape ``B``, event size
+            ``n`` (:class:`~hardeq.bounds.target.PlaneTarget`).
         lower, upper: bounds broadcastable to ``B + (n,)`` (tensors, numbers or ``None``), ``-inf`` / ``+inf``
             where unbounded; a value that the working dtype cannot represent is rounded inward.
         start (Tensor): ``(chains, *B, n)``, feasible: inside the box and on the plane (each row of
@@ -337,10 +255,7 @@ def exact_hmc(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, start: Tens
         >>> z.shape, bool(((z >= 0) & (z <= 1.5)).all()), bool(total.check(z).all())
         (torch.Size([50, 4, 3]), True, True)
     """
-    from ..distributions.normal import ConstrainedNormal
-
-    if not isinstance(dist, ConstrainedNormal):
-        raise TypeError(f"dist must be a hardeq.ConstrainedNormal, got {type(dist).__name__}.")
+    target = PlaneTarget.of(dist)
     num_samples = _check_int("num_samples", num_samples, 1)
     burn_in = _check_int("burn_in", burn_in, 0)
     thin = _check_int("thin", thin, 1)
@@ -351,7 +266,7 @@ def exact_hmc(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, start: Tens
     if not (0.0 < t_min <= t_max < math.inf):
         raise ValueError(f"travel_time must satisfy 0 < t_min <= t_max < inf, got ({t_min}, {t_max}).")
 
-    plane = _Plane(dist)
+    plane = _Plane(target)
     dtype, mean = plane.dtype, plane.mean
     shape, device = mean.shape, mean.device
     n = shape[-1]

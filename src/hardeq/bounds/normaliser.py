@@ -44,11 +44,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from .target import PlaneTarget
+
 if TYPE_CHECKING:
     from ..constraints import EqualityConstraint
-    from ..distributions.normal import ConstrainedNormal
 
-__all__ = ["log_diff_ndtr", "null_direction", "line_bounds", "line_interval", "exact_log_normaliser", "mc_log_normaliser",
+__all__ = ["log_diff_ndtr", "null_direction", "line_bounds", "line_interval", "exact_log_normaliser",
+           "mc_log_normaliser",
            "surrogate", "subset_log_normaliser"]
 
 
@@ -85,19 +87,20 @@ def null_direction(constraint: EqualityConstraint) -> Tensor:
     return basis[..., 0]
 
 
-def line_bounds(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, direction: Tensor | None = None
+def line_bounds(dist: object, lower: Tensor, upper: Tensor, direction: Tensor | None = None
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     r"""For ``n - a == 1``: each coordinate's standardized interval on the line, ``(lows, highs, moves, pinned_out,
     mean, w)``: ``lows``, ``highs`` ``(*batch, n)`` (``-inf`` / ``+inf`` where the coordinate does not move along
     the line), ``moves`` ``(*batch, n)`` where it does, ``pinned_out`` ``(*batch)`` where a coordinate that does not
     move lies outside its bounds, ``mean``, ``w`` ``(*batch, n)`` (:func:`line_interval`)."""
-    mean = dist._mean
+    target = PlaneTarget.of(dist)
+    mean = target.mean
     dtype = mean.dtype
-    d = (null_direction(dist.constraint) if direction is None else direction).to(dtype)
-    batch = dist.batch_shape
-    n = dist.event_shape[0]
+    d = (null_direction(target.constraint) if direction is None else direction).to(dtype)
+    batch = target.batch_shape
+    n = target.event_size
     d = d.expand(batch + (n,))
-    w = d / dist.covariance.inv_quad(d).clamp_min(torch.finfo(dtype).tiny).sqrt().unsqueeze(-1)
+    w = d / target.covariance.inv_quad(d).clamp_min(torch.finfo(dtype).tiny).sqrt().unsqueeze(-1)
     w = w.expand(batch + (n,))
     zero = d.abs() <= 64 * torch.finfo(torch.float64).eps
     w_safe = torch.where(zero, torch.ones_like(w), w)
@@ -110,7 +113,7 @@ def line_bounds(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, direction
     return lows, highs, ~zero, pinned_out, mean, w
 
 
-def line_interval(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, direction: Tensor | None = None
+def line_interval(dist: object, lower: Tensor, upper: Tensor, direction: Tensor | None = None
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     r"""For ``n - a == 1``: ``(alpha, beta, mean, w)`` with the box = :math:`\{\bar\mu + \varepsilon w : \alpha \le
     \varepsilon \le \beta\}` (module docstring); ``alpha``, ``beta`` ``(*batch)``, ``mean``, ``w`` ``(*batch, n)``, in
@@ -123,7 +126,7 @@ def line_interval(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, directi
     return alpha, beta, mean, w
 
 
-def exact_log_normaliser(dist: ConstrainedNormal, lower: Tensor, upper: Tensor,
+def exact_log_normaliser(dist: object, lower: Tensor, upper: Tensor,
                          direction: Tensor | None = None) -> Tensor:
     r""":math:`\log P(\text{box}\mid\text{plane}) = \log(\Phi(\beta) - \Phi(\alpha))` for ``n - a == 1``, ``(*batch)``,
     differentiable (module docstring). ``ValueError`` when the interval is empty or a point (no volume).
@@ -171,25 +174,14 @@ def mc_log_normaliser(draws: Tensor, lower: Tensor, upper: Tensor) -> tuple[Tens
     return log_z, stderr, acc
 
 
-def surrogate(dist: ConstrainedNormal, draws: Tensor) -> Tensor:
+def surrogate(log_prob: Callable[[Tensor], Tensor], draws: Tensor) -> Tensor:
     r""":math:`\frac1S\sum_s \log p(z_s \mid Az = k) - \mathrm{stopgrad}(\cdot)`, ``(*batch)``: zero in value, with
     gradient the Monte Carlo estimate of :math:`\nabla\log Z` w.r.t. ``loc`` and the scales (``draws``
-    ``(S, *batch, n)`` of the truncated law, detached; module docstring for its variance). ``k`` is detached here."""
-    base = dist
-    k = base.constraint.k
-    if k.requires_grad:
-        base = _with_detached_k(dist)
-    lp = base.log_prob(draws.detach()).mean(0)
+    ``(S, *batch, n)`` of the truncated law, detached; module docstring for its variance). ``log_prob``: the
+    untruncated conditional log-density on the plane (the caller detaches ``k`` from it)."""
+    lp = log_prob(draws.detach()).mean(0)
     out: Tensor = lp - lp.detach()
     return out
-
-
-def _with_detached_k(dist: ConstrainedNormal) -> ConstrainedNormal:
-    from ..distributions.normal import ConstrainedNormal
-
-    con = dist.constraint.with_k(dist.constraint.k.detach())
-    return ConstrainedNormal(dist._unbroadcasted_loc, covariance=dist.covariance, constraint=con,
-                             validate_args=False)
 
 
 #: the adaptive levels :func:`subset_log_normaliser` may take before it gives up (keep 1/4 per level: log Z down
@@ -200,7 +192,7 @@ Kernel = Callable[[Tensor, Tensor, Tensor, int], Tensor]
 
 
 @torch.no_grad()
-def subset_log_normaliser(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, kernel: Kernel, *, num: int,
+def subset_log_normaliser(dist: object, lower: Tensor, upper: Tensor, kernel: Kernel, *, num: int,
                           iterations: int = 4, keep: float = 0.25,
                           generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor]:
     r""":math:`\log Z = \log P(l \le z \le u \mid Az = k)` by subset simulation, for boxes too unlikely for
@@ -265,10 +257,11 @@ def subset_log_normaliser(dist: ConstrainedNormal, lower: Tensor, upper: Tensor,
         raise ValueError(f"iterations must be a positive int, got {iterations!r}.")
     if not isinstance(keep, float) or not 0.0 < keep < 1.0:
         raise ValueError(f"keep must be a float in (0, 1), got {keep!r}.")
-    batch = dist.batch_shape
-    cond, loc = dist.conditioner, dist._unbroadcasted_loc
-    z = cond.sample(loc, (num,)).to(lower.dtype).expand((num,) + batch + dist.event_shape).contiguous()
-    scale = dist.variance.to(lower.dtype).expand(batch + dist.event_shape).sqrt()
+    target = PlaneTarget.of(dist)
+    batch = target.batch_shape
+    cond, loc = target.conditioner, target.loc
+    z = cond.sample(loc, (num,)).to(lower.dtype).expand((num,) + target.shape).contiguous()
+    scale = target.plane_variance().detach().to(lower.dtype).sqrt()
     tiny = torch.finfo(lower.dtype).tiny
     scale = torch.where(scale > 0, scale, torch.ones_like(scale)).clamp_min(tiny)
 

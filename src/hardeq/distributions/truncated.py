@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from typing import Any, Self
 
 import torch
@@ -155,7 +156,8 @@ class TruncatedConstrainedNormal(Distribution):
         elif isinstance(training, PersistentChains):
             self.training = training
         else:
-            raise TypeError(f"training must be a bool or a hardeq.bounds.PersistentChains, got {type(training).__name__}.")
+            raise TypeError(f"training must be a bool or a hardeq.bounds.PersistentChains, got "
+                            f"{type(training).__name__}.")
         self.base = base
         loc = base._unbroadcasted_loc
         shape = base.batch_shape + base.event_shape
@@ -353,7 +355,7 @@ class TruncatedConstrainedNormal(Distribution):
             draws = self._chain(start, chains.sweeps)
         chains.state = draws[-1].detach()
         chains.steps += 1
-        return surrogate(base, draws.flatten(0, 1))
+        return surrogate(self._plane_log_prob(), draws.flatten(0, 1))
 
     @torch.no_grad()
     def _chain(self, start: Tensor, sweeps: int) -> Tensor:
@@ -366,6 +368,16 @@ class TruncatedConstrainedNormal(Distribution):
             return blocked_gibbs(self.base, self._lo, self._hi, start, num_samples=sweeps, burn_in=0).samples
         return exact_hmc(self.base, self._lo, self._hi, start, num_samples=sweeps, burn_in=0,
                          allow_stuck=True).samples
+
+    def _plane_log_prob(self) -> Callable[[Tensor], Tensor]:
+        """The untruncated conditional log-density on the plane with ``k`` detached (the normaliser's surrogate
+        carries no gradient to ``k``; :mod:`hardeq.bounds.normaliser`)."""
+        base = self.base
+        if base.constraint.k.requires_grad:
+            con = base.constraint.with_k(base.constraint.k.detach())
+            base = ConstrainedNormal(base._unbroadcasted_loc, covariance=base.covariance, constraint=con,
+                                     validate_args=False)
+        return base.log_prob
 
     def _warn_k(self) -> None:
         if self.base.constraint.k.requires_grad and not self._cache.get("warned_k"):
@@ -386,7 +398,7 @@ class TruncatedConstrainedNormal(Distribution):
             self._warn_k()
             if "grad_draws" not in self._cache:
                 self._cache["grad_draws"] = self._sample_compute((self.grad_samples,), "auto").samples.detach()
-            log_z = log_z + surrogate(self.base, self._cache["grad_draws"])
+            log_z = log_z + surrogate(self._plane_log_prob(), self._cache["grad_draws"])
         return log_z
 
     @_full_precision
@@ -427,8 +439,9 @@ class TruncatedConstrainedNormal(Distribution):
             sample_shape: leading sample dimensions.
             method: ``"rejection"`` (exact iid), ``"gibbs"`` (blocked Gibbs on the plane, any covariance with a
                 diagonal part; ``ValueError`` naming ``"hmc"`` otherwise), ``"hmc"`` (exact HMC on the plane; both
-                exact in their stationary law; :class:`~hardeq.bounds.ChainStuck` where an HMC chain cannot move) or ``"auto"``: rejection when the pilot acceptance (:attr:`acceptance`, the smallest
-                over the batch) is at least ``threshold``, else Gibbs when it applies
+                exact in their stationary law; :class:`~hardeq.bounds.ChainStuck` where an HMC chain cannot move)
+                or ``"auto"``: rejection when the pilot acceptance (:attr:`acceptance`, the smallest over the batch)
+                is at least ``threshold``, else Gibbs when it applies
                 (:func:`hardeq.bounds.gibbs_unsupported` is ``None``), else HMC.
             chains: Markov chains per batch element (Gibbs or HMC; default ``prod(sample_shape)``: one draw per chain
                 after ``burn_in``, so draws are as independent as the burn-in makes them); each chain then gives
