@@ -89,7 +89,19 @@ class ChainStuck(RuntimeError):
     """A chain of :func:`exact_hmc` never moved: every one of its trajectories reached ``max_bounces`` and was
     rejected, so its draws would all be copies of its start. The message names the batch element and the thin
     direction (the coordinate whose width in the box is smallest against its conditional standard deviation).
-    ``method="gibbs"`` (blocked Gibbs has no bounces) moves there."""
+    ``method="gibbs"`` (blocked Gibbs has no bounces) moves there.
+
+    Examples:
+        >>> from hardeq.bounds import exact_hmc
+        >>> total = SumConstraint(torch.zeros(3, dtype=torch.long), torch.tensor([1.0], dtype=torch.float64))
+        >>> d = ConstrainedNormal(torch.zeros(3, dtype=torch.float64), 1.0, constraint=total)
+        >>> lo, hi = torch.full((3,), 0.3, dtype=torch.float64), torch.full((3,), 0.4, dtype=torch.float64)
+        >>> exact_hmc(d, lo, hi, torch.full((2, 3), 1 / 3, dtype=torch.float64), num_samples=1, burn_in=2,
+        ...           max_bounces=1, generator=torch.Generator().manual_seed(0))  # every trajectory capped
+        Traceback (most recent call last):
+            ...
+        hardeq.bounds.hmc.ChainStuck: exact_hmc: chain 0 of batch element () never moved: all 3 of its ...
+    """
 
 #: fewer draws per chain than this and :attr:`HMCResult.ess` / :attr:`HMCResult.rhat` are ``nan`` (not estimable)
 MIN_DRAWS_FOR_DIAGNOSTICS = 4

@@ -2,25 +2,91 @@ r"""The Gaussian conditioned on :math:`Az = k` and truncated to a box: :class:`T
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
-from collections.abc import Callable
-from typing import Any, Self
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol, Self, TypeVar, cast
 
 import torch
 from torch import Tensor
 from torch.distributions import Distribution, constraints
 
 from ..bounds.mode import ModeNotFound, truncated_mode
+from ..bounds.target import PlaneTarget
 from ..bounds.normaliser import exact_log_normaliser, line_bounds, null_direction, subset_log_normaliser, surrogate
 from ..bounds.polytope import as_bound, check_bounds, check_polytope
 from ..bounds.rejection import AUTO_THRESHOLD, ROUND_ELEMENTS, rejection_sample
 from ..bounds.result import TruncatedSamples
 from ..bounds.training import PersistentChains
 from ..bounds.volume import check_line_section, check_volume
-from .normal import ConstrainedNormal, _full_precision, _sample_shape
+from ..constraints.base import EqualityConstraint
+from ..linalg.conditioning import Conditioner
+from ..linalg.covariance import Covariance
 
 __all__ = ["TruncatedConstrainedNormal"]
+
+# This module does not import hardeq.distributions.normal (which imports it in ConstrainedNormal.truncate): the
+# base distribution is read through the structural type _Base, and the two small helpers below are this module's own.
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+class _Base(Protocol):
+    """What :class:`TruncatedConstrainedNormal` uses of its base :class:`~hardeq.ConstrainedNormal`."""
+
+    _unbroadcasted_loc: Tensor
+    _validate_args: bool
+    covariance: Covariance
+    constraint: EqualityConstraint
+
+    @property
+    def conditioner(self) -> Conditioner: ...
+
+    @property
+    def batch_shape(self) -> torch.Size: ...
+
+    @property
+    def event_shape(self) -> torch.Size: ...
+
+    @property
+    def result_dtype(self) -> torch.dtype: ...
+
+    @property
+    def support(self) -> constraints.Constraint: ...
+
+    def log_prob(self, value: Tensor) -> Tensor: ...
+
+    def expand(self, batch_shape: torch.Size, _instance: Any = None) -> Any: ...
+
+    def _out(self, t: Tensor) -> Tensor: ...
+
+    def _as_event(self, name: str, value: Tensor) -> Tensor: ...
+
+
+def _full_precision(method: _F) -> _F:
+    """Run ``method`` with autocast disabled on the parameters' device (as the base distribution's methods do): under
+    ``torch.autocast`` a float32 matmul would otherwise run in a half dtype and lose the per-row accuracy."""
+
+    @functools.wraps(method)
+    def wrapper(self: TruncatedConstrainedNormal, *args: Any, **kwargs: Any) -> Any:
+        device_type = self._unbroadcasted_loc.device.type
+        if not torch.is_autocast_enabled(device_type):
+            return method(self, *args, **kwargs)
+        with torch.autocast(device_type, enabled=False):
+            return method(self, *args, **kwargs)
+
+    return cast(_F, wrapper)
+
+
+def _sample_shape(sample_shape: object, name: str = "sample_shape") -> torch.Size:
+    """``sample_shape`` as a ``torch.Size`` of non-negative ints, or ``TypeError`` / ``ValueError`` naming it."""
+    try:
+        shape = torch.Size(cast("Iterable[int]", sample_shape))
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a tuple (or torch.Size) of ints, got {sample_shape!r}.") from None
+    if any(s < 0 for s in shape):
+        raise ValueError(f"{name} must have non-negative sizes, got {tuple(shape)}.")
+    return shape
 
 #: methods of :meth:`TruncatedConstrainedNormal.sample_with_info`
 METHODS = ("auto", "rejection", "gibbs", "hmc")
@@ -134,11 +200,12 @@ class TruncatedConstrainedNormal(Distribution):
     arg_constraints: dict[str, constraints.Constraint] = {}  # noqa: RUF012
     has_rsample = False
 
-    def __init__(self, base: ConstrainedNormal, lower: Tensor | float | None = None,
+    def __init__(self, base: _Base, lower: Tensor | float | None = None,
                  upper: Tensor | float | None = None, *, normaliser_samples: int = 4096, grad_samples: int = 256,
                  pilot_samples: int = 256, normaliser: str = "auto", training: bool | PersistentChains = False,
                  validate_args: bool | None = None) -> None:
-        if not isinstance(base, ConstrainedNormal):
+        PlaneTarget.of(base, "base")  # TypeError unless base is a ConstrainedNormal (read structurally)
+        if not all(hasattr(base, a) for a in ("log_prob", "_out", "_as_event", "expand")):
             raise TypeError(f"base must be a hardeq.ConstrainedNormal, got {type(base).__name__}.")
         for name, value in (("normaliser_samples", normaliser_samples), ("grad_samples", grad_samples),
                             ("pilot_samples", pilot_samples)):
@@ -375,8 +442,8 @@ class TruncatedConstrainedNormal(Distribution):
         base = self.base
         if base.constraint.k.requires_grad:
             con = base.constraint.with_k(base.constraint.k.detach())
-            base = ConstrainedNormal(base._unbroadcasted_loc, covariance=base.covariance, constraint=con,
-                                     validate_args=False)
+            make: Any = type(base)
+            base = make(base._unbroadcasted_loc, covariance=base.covariance, constraint=con, validate_args=False)
         return base.log_prob
 
     def _warn_k(self) -> None:
