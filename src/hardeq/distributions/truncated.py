@@ -381,7 +381,8 @@ class TruncatedConstrainedNormal(Distribution):
     @property
     def log_normaliser_stderr(self) -> Tensor:
         r"""Standard error of :attr:`log_normaliser`, ``batch_shape``: 0 when exact, else the delta-method
-        :math:`\sqrt{(1 - \hat Z)/(N\hat Z)}` (``inf`` where :math:`\hat Z = 0`)."""
+        :math:`\sqrt{(1 - \hat Z)/(N\hat Z)}` of the plain fraction, or subset simulation's calibrated error where
+        that is used (:func:`~hardeq.bounds.normaliser.subset_log_normaliser`)."""
         if self.normaliser_exact:
             return torch.zeros(self.batch_shape, dtype=self.base.result_dtype, device=self._lo.device)
         return self.base._out(self._mc()[1].to(self._lo.dtype))
