@@ -14,6 +14,8 @@ The user-facing object is :class:`hardeq.TruncatedConstrainedNormal`, made by
   covariance with a diagonal part through :mod:`~hardeq.bounds.augment` (:math:`\Sigma = D + VV^\top`), its
   partitions (:mod:`~hardeq.bounds.partition`) and exact 1-D truncated normal draws
   (:mod:`~hardeq.bounds.truncnorm`, ``truncated_standard_normal``);
+* :mod:`~hardeq.bounds.target` -- what every part sees of the law: ``PlaneTarget`` (``loc``, the covariance, the
+  constraint and their conditioner); nothing here imports :mod:`hardeq.distributions`;
 * :mod:`~hardeq.bounds.training` -- persistent chains for the normaliser's gradient in training mode
   (``PersistentChains``);
 * :mod:`~hardeq.bounds.volume` -- whether a combination of rows leaves the polytope without volume (before any
@@ -30,6 +32,7 @@ from .normaliser import exact_log_normaliser, log_diff_ndtr, mc_log_normaliser, 
 from .polytope import check_bounds, check_polytope, row_ranges
 from .rejection import AUTO_THRESHOLD, RejectionBudgetExceeded, rejection_sample
 from .result import TruncatedSamples
+from .target import PlaneTarget
 from .training import PersistentChains
 
 __all__ = [
@@ -39,6 +42,7 @@ __all__ = [
     "HMCResult",
     "ModeNotFound",
     "PersistentChains",
+    "PlaneTarget",
     "RejectionBudgetExceeded",
     "TruncatedSamples",
     "blocked_gibbs",
