@@ -380,15 +380,26 @@ def exact_hmc(dist: object, lower: Tensor, upper: Tensor, start: Tensor, *, num_
 
 
 def _raise_stuck(moved: Tensor, plane: _Plane, lo: Tensor, hi: Tensor, iterations: int, max_bounces: int) -> None:
-    """:class:`ChainStuck` for the first chain that never moved, naming the thin direction of its batch element."""
+    """:class:`ChainStuck` for the first chain that never moved, naming why for its batch element: the thin
+    direction (the coordinate narrowest against its conditional standard deviation) when one is under a standard
+    deviation wide, else the coordinate pressed hardest against a wall (its conditional mean beyond it)."""
     index = tuple(int(i) for i in (~moved).nonzero()[0])
     chain, element = index[0], index[1:]
     sd = plane.cond.variance().detach().expand(lo.shape).clamp_min(0.0).sqrt()[element]
-    ratio = torch.where(plane.frozen[element], math.inf, (hi[element] - lo[element]) / sd)
+    frozen = plane.frozen[element]
+    ratio = torch.where(frozen, math.inf, (hi[element] - lo[element]) / sd)
     i = int(ratio.argmin())
-    raise ChainStuck(
-        f"exact_hmc: chain {chain} of batch element {element} never moved: all {iterations} of its trajectories "
-        f"reached max_bounces = {max_bounces} and were rejected, so its draws would be copies of its start. The "
-        f"polytope is thin against the conditional standard deviations: coordinate {i} has width "
-        f"{float(hi[element][i] - lo[element][i]):.3g} in the box against a conditional standard deviation of "
-        f"{float(sd[i]):.3g} (ratio {float(ratio[i]):.3g}). Use method='gibbs' (no bounces), or method='auto'.")
+    head = (f"exact_hmc: chain {chain} of batch element {element} never moved: all {iterations} of its trajectories "
+            f"reached max_bounces = {max_bounces} and were rejected, so its draws would be copies of its start. ")
+    if float(ratio[i]) < 1.0:
+        why = (f"The polytope is thin against the conditional standard deviations: coordinate {i} has width "
+               f"{float(hi[element][i] - lo[element][i]):.3g} in the box against a conditional standard deviation of "
+               f"{float(sd[i]):.3g} (ratio {float(ratio[i]):.3g}). ")
+    else:
+        mean = plane.mean[element]
+        press = torch.where(frozen, -math.inf, torch.maximum(lo[element] - mean, mean - hi[element]) / sd)
+        j = int(press.argmax())
+        why = (f"No direction is thin (the narrowest, coordinate {i}, is {float(ratio[i]):.3g} standard deviations "
+               f"wide); the trajectories bounce without end on walls their mean lies beyond: coordinate {j}'s "
+               f"conditional mean is {float(press[j]):.3g} standard deviations outside the box. ")
+    raise ChainStuck(head + why + "Use method='gibbs' (no bounces), or method='auto'.")
