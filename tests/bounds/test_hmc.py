@@ -12,6 +12,7 @@ from scipy import stats
 
 import hardeq
 from hardeq.bounds import HMCResult, exact_hmc
+from hardeq.bounds.hmc import ChainStuck
 from hardeq.testing.exactness import assert_exact_per_row
 
 COVARIANCES = ("diagonal", "full", "lowrank", "blockdiag")
@@ -337,10 +338,15 @@ def test_errors():
     with pytest.raises(TypeError, match="max_bounces must be an int"):
         run(max_bounces=1.5)
     # a trajectory reaching max_bounces is rejected (not an error): the chain stays, a warning names the fraction
-    with pytest.warns(RuntimeWarning, match=r"reached max_bounces = 1 and were rejected"):
-        res = run(lower=torch.tensor([0.3, 0.3, 0.3], dtype=dtype), upper=torch.tensor([0.4, 0.4, 0.4], dtype=dtype),
+    # (allow_stuck: a chain every trajectory of which was capped would return copies of its start; by default that
+    # is a ChainStuck error naming the thin direction, tests/bounds/test_gibbs_augmented.py)
+    narrow = dict(lower=torch.tensor([0.3, 0.3, 0.3], dtype=dtype), upper=torch.tensor([0.4, 0.4, 0.4], dtype=dtype),
                   max_bounces=1)
+    with pytest.warns(RuntimeWarning, match=r"reached max_bounces = 1 and were rejected"):
+        res = run(**narrow, allow_stuck=True)
     assert res.capped > 0 and res.capped <= res.trajectories
+    with pytest.raises(ChainStuck, match="never moved"):
+        run(**narrow, burn_in=3)
 
 
 def test_few_draws_give_nan_diagnostics_and_float64_bounds_round_inward():

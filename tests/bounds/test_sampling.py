@@ -232,7 +232,12 @@ def test_auto_picks_by_pilot_acceptance(hmc_stand_in):
     assert t.sample_with_info((5,), threshold=0.0).method == "rejection"
     full = hardeq.ConstrainedNormal(torch.zeros(4, dtype=torch.float64), scale_tril=torch.eye(4, dtype=torch.float64),
                                     constraint=d.constraint).truncate(0.8, 1.5)
-    assert full.sample_with_info((5,)).method == "hmc"
+    assert full.sample_with_info((5,)).method == "gibbs"  # through the augmentation Sigma = D + V V^T
+    # where Gibbs does not apply (a dense A of more than 64 rows): HMC
+    A = torch.cat([torch.ones(1, 70, dtype=torch.float64), torch.eye(70, dtype=torch.float64)[:65]])
+    many = hardeq.ConstrainedNormal(torch.zeros(70, dtype=torch.float64), 1.0, constraint=hardeq.LinearConstraint(
+        A, torch.cat([torch.tensor([1.0], dtype=torch.float64), torch.full((65,), 0.0, dtype=torch.float64)])))
+    assert many.truncate(-0.5, 0.5).sample_with_info((2,), threshold=1.01).method == "hmc"
 
 
 # ---------------------------------------------------------------------- the real HMC sampler through the class

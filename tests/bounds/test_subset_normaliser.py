@@ -127,4 +127,48 @@ def test_maximum_likelihood_from_a_start_where_the_box_is_improbable():
         opt.step()
     assert first < -20 and math.isfinite(float(loss.detach()))
     shift = loc.detach() - truth
-    assert float((shift - shift.mean()).abs().max()) < 0.03, shift
+    # Adam at lr 0.05 ends within about its step of the optimum: over data seeds 1-5 the statistic was 0.030-0.041
+    # (and 0.030-0.041 with the 1-D sampler before its sync-free rewrite), against 0.8 at the start
+    assert float((shift - shift.mean()).abs().max()) < 0.06, shift
+
+
+def _z_scores(make, exact, seeds):
+    import numpy as np
+
+    z = []
+    for seed in range(seeds):
+        torch.manual_seed(seed)
+        t = make()
+        z.append((float(t.log_normaliser) - exact) / float(t.log_normaliser_stderr))
+    return np.array(z)
+
+
+@pytest.mark.slow
+def test_subset_stderr_is_calibrated_against_exact_normalisers():
+    """Over 40 (30) seeds the z-scores (estimate - exact) / stderr have a standard deviation of 1 +- 0.3 (before the
+    clustered variance and its calibrated factor: 1.7 to 1.9). Oracles: a product of three lines (log Z = -19.3,
+    scipy's normal CDF per line) and a line in R^4 with the Monte Carlo path forced (log Z = -429, the exact
+    one-free-dimension normaliser); the second was not used to calibrate."""
+    from scipy import stats
+
+    f64 = torch.float64
+    m = -0.5
+    A = torch.tensor([[1., 1, 0, 0, 0, 0], [0, 0, 1, 1, 0, 0], [0, 0, 0, 0, 1, 1]], dtype=f64)
+    v = torch.tensor([.2, .3, .2, .3, .25, .25], dtype=f64)
+    loc = torch.tensor([m, 1 - m, m, 1 - m, m, 1 - m], dtype=f64)
+    d = hardeq.ConstrainedNormal(loc, v, constraint=hardeq.LinearConstraint(A, torch.ones(3, dtype=f64)))
+    exact = 0.0
+    for a, b in ((.2, .3), (.2, .3), (.25, .25)):
+        s = math.sqrt(a * a * b * b / (a * a + b * b))
+        exact += math.log(stats.norm.cdf((1 - m) / s) - stats.norm.cdf((0 - m) / s))
+    z = _z_scores(lambda: d.truncate(0.0, 1.0), exact, 40)
+    assert abs(z.std(ddof=1) - 1.0) <= 0.3 and abs(z.mean()) < 0.5, (z.mean(), z.std(ddof=1))
+
+    g = torch.Generator().manual_seed(1)
+    A = torch.randn(3, 4, generator=g, dtype=f64)
+    p = torch.full((4,), 0.5, dtype=f64)
+    line = hardeq.ConstrainedNormal(p + torch.tensor([3.0, -3.0, 3.0, 0.0], dtype=f64), 0.1,
+                                    constraint=hardeq.LinearConstraint(A, A @ p))
+    exact = float(line.truncate(0.0, 1.0).log_normaliser)
+    z = _z_scores(lambda: line.truncate(0.0, 1.0, normaliser="monte-carlo"), exact, 30)
+    assert abs(z.std(ddof=1) - 1.0) <= 0.3 and abs(z.mean()) < 0.5, (z.mean(), z.std(ddof=1))

@@ -10,26 +10,39 @@ The user-facing object is :class:`hardeq.TruncatedConstrainedNormal`, made by
   Monte Carlo otherwise, and the gradient identity :math:`\nabla\log Z = \mathbb E_{\text{trunc}}[\nabla\log p]`;
 * :mod:`~hardeq.bounds.hmc` and :mod:`~hardeq.bounds.diagnostics` -- exact Hamiltonian Monte Carlo on the plane and
   its effective sample size and split R-hat (``exact_hmc``, ``HMCResult``);
-* :mod:`~hardeq.bounds.gibbs` -- random-partition blocked Gibbs for a diagonal covariance (``blocked_gibbs``,
-  ``GibbsResult``) and exact 1-D truncated normal draws (``truncated_standard_normal``).
+* :mod:`~hardeq.bounds.gibbs` -- random-partition blocked Gibbs (``blocked_gibbs``, ``GibbsResult``), for any
+  covariance with a diagonal part through :mod:`~hardeq.bounds.augment` (:math:`\Sigma = D + VV^\top`), its
+  partitions (:mod:`~hardeq.bounds.partition`) and exact 1-D truncated normal draws
+  (:mod:`~hardeq.bounds.truncnorm`, ``truncated_standard_normal``);
+* :mod:`~hardeq.bounds.target` -- what every part sees of the law: ``PlaneTarget`` (``loc``, the covariance, the
+  constraint and their conditioner); nothing here imports :mod:`hardeq.distributions`;
+* :mod:`~hardeq.bounds.training` -- persistent chains for the normaliser's gradient in training mode
+  (``PersistentChains``);
+* :mod:`~hardeq.bounds.volume` -- whether a combination of rows leaves the polytope without volume (before any
+  normaliser).
 """
 
 from __future__ import annotations
 
 from .diagnostics import effective_sample_size, split_rhat
 from .gibbs import GibbsResult, blocked_gibbs, gibbs_unsupported, truncated_standard_normal
-from .hmc import HMCResult, exact_hmc
+from .hmc import ChainStuck, HMCResult, exact_hmc
 from .mode import ModeNotFound, truncated_mode
 from .normaliser import exact_log_normaliser, log_diff_ndtr, mc_log_normaliser, subset_log_normaliser
 from .polytope import check_bounds, check_polytope, row_ranges
 from .rejection import AUTO_THRESHOLD, RejectionBudgetExceeded, rejection_sample
 from .result import TruncatedSamples
+from .target import PlaneTarget
+from .training import PersistentChains
 
 __all__ = [
     "AUTO_THRESHOLD",
+    "ChainStuck",
     "GibbsResult",
     "HMCResult",
     "ModeNotFound",
+    "PersistentChains",
+    "PlaneTarget",
     "RejectionBudgetExceeded",
     "TruncatedSamples",
     "blocked_gibbs",

@@ -72,21 +72,36 @@ and batch elements with few bounces idle in lock-step with the busiest one.
 from __future__ import annotations
 
 import math
-import numbers
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from .checks import _box, _check_int, _check_start
 from .diagnostics import effective_sample_size, split_rhat
+from .target import PlaneTarget
 
-if TYPE_CHECKING:
-    from ..distributions.normal import ConstrainedNormal
-    from ..constraints.base import EqualityConstraint
+__all__ = ["ChainStuck", "HMCResult", "exact_hmc", "MIN_DRAWS_FOR_DIAGNOSTICS"]
 
-__all__ = ["HMCResult", "exact_hmc", "MIN_DRAWS_FOR_DIAGNOSTICS"]
+
+class ChainStuck(RuntimeError):
+    """A chain of :func:`exact_hmc` never moved: every one of its trajectories reached ``max_bounces`` and was
+    rejected, so its draws would all be copies of its start. The message names the batch element and the thin
+    direction (the coordinate whose width in the box is smallest against its conditional standard deviation).
+    ``method="gibbs"`` (blocked Gibbs has no bounces) moves there.
+
+    Examples:
+        >>> from hardeq.bounds import exact_hmc
+        >>> total = SumConstraint(torch.zeros(3, dtype=torch.long), torch.tensor([1.0], dtype=torch.float64))
+        >>> d = ConstrainedNormal(torch.zeros(3, dtype=torch.float64), 1.0, constraint=total)
+        >>> lo, hi = torch.full((3,), 0.3, dtype=torch.float64), torch.full((3,), 0.4, dtype=torch.float64)
+        >>> exact_hmc(d, lo, hi, torch.full((2, 3), 1 / 3, dtype=torch.float64), num_samples=1, burn_in=2,
+        ...           max_bounces=1, generator=torch.Generator().manual_seed(0))  # every trajectory capped
+        Traceback (most recent call last):
+            ...
+        hardeq.bounds.hmc.ChainStuck: exact_hmc: chain 0 of batch element () never moved: all 3 of its ...
+    """
 
 #: fewer draws per chain than this and :attr:`HMCResult.ess` / :attr:`HMCResult.rhat` are ``nan`` (not estimable)
 MIN_DRAWS_FOR_DIAGNOSTICS = 4
@@ -135,54 +150,17 @@ class HMCResult:
     capped: int = 0
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r}).")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}.")
-    return int(value)
-
-
-def _bound(name: str, value: object, shape: torch.Size, dtype: torch.dtype, device: torch.device,
-           default: float, inward: float) -> Tensor:
-    """``value`` (None, a number or a tensor) broadcast to ``shape`` in ``dtype``; a value not representable in
-    ``dtype`` is rounded towards the inside of the box (towards ``inward``), so the box never grows."""
-    if value is None:
-        return torch.full(shape, default, dtype=dtype, device=device)
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        value = torch.tensor(float(value), dtype=torch.float64, device=device)
-    if not isinstance(value, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, a real number or None, got {type(value).__name__}.")
-    if not value.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {value.dtype}.")
-    if value.device != device:
-        raise ValueError(f"{name} is on device {value.device} but the distribution is on {device}.")
-    try:
-        wide = torch.broadcast_to(value, shape)
-    except RuntimeError:
-        raise ValueError(f"{name} must broadcast to batch_shape + (n,) = {tuple(shape)}, got shape "
-                         f"{tuple(value.shape)}.") from None
-    if bool(torch.isnan(wide).any()):
-        raise ValueError(f"{name} contains nan; use -inf / +inf for an unbounded coordinate.")
-    out = wide.to(dtype)
-    moved = out.to(wide.dtype) != wide if wide.dtype != dtype else torch.zeros((), dtype=torch.bool, device=device)
-    if bool(moved.any()):  # rounded outward? step one ulp inward
-        outward = (out.to(wide.dtype) < wide) if inward > 0 else (out.to(wide.dtype) > wide)
-        out = torch.where(outward, torch.nextafter(out, torch.full_like(out, inward)), out)
-    return out.contiguous()
-
-
 class _Plane:
     """The operators of one conditional law on the plane, as the sampler uses them (no ``n x n`` matrix)."""
 
-    def __init__(self, dist: ConstrainedNormal) -> None:
-        cond = dist.conditioner
+    def __init__(self, target: PlaneTarget) -> None:
+        cond = target.conditioner
         self.cond = cond
         self.cov = cond.cov
         self.constraint = cond.constraint
         self.dtype = cond.dtype
         self.steps = 1 if self.dtype == torch.float64 else 2
-        self.mean = dist._mean.detach().expand(dist.batch_shape + dist.event_shape)
+        self.mean = target.mean.detach()
         eps = torch.finfo(self.dtype).eps
         variance = cond.variance().detach().expand(self.mean.shape)
         floor = 16 * eps * self.cov.variance.detach().expand(self.mean.shape)
@@ -229,52 +207,11 @@ def _hit_times(x: Tensor, v: Tensor, lo: Tensor, hi: Tensor, movable_lo: Tensor,
     return t_lo, t_hi
 
 
-def _box(lower: object, upper: object, shape: torch.Size, dtype: torch.dtype,
-         device: torch.device) -> tuple[Tensor, Tensor]:
-    """The samplers' ``(lo, hi)``, each ``shape`` in ``dtype`` (:func:`_bound`), checked ``lo <= hi``."""
-    lo = _bound("lower", lower, shape, dtype, device, -math.inf, math.inf)
-    hi = _bound("upper", upper, shape, dtype, device, math.inf, -math.inf)
-    if bool((lo > hi).any()):
-        bad = (lo > hi).nonzero()[0].tolist()
-        raise ValueError(f"lower must be <= upper everywhere; at index {tuple(bad)} lower = "
-                         f"{lo[tuple(bad)].item():.6g} > upper = {hi[tuple(bad)].item():.6g}.")
-    return lo, hi
-
-
-@torch.no_grad()
-def _check_start(start: object, shape: torch.Size, lo: Tensor, hi: Tensor, constraint: EqualityConstraint,
-                 dtype: torch.dtype, device: torch.device) -> Tensor:
-    r"""``start`` ``(chains, *batch, n)`` checked (a tensor of that shape on ``device``, inside ``[lo, hi]``, on the
-    plane to within :math:`\sqrt\varepsilon` per row) and returned detached in ``dtype``; the samplers' start."""
-    if not isinstance(start, Tensor):
-        raise TypeError(f"start must be a torch.Tensor of shape (chains, *batch, n), got {type(start).__name__}.")
-    if start.dim() != len(shape) + 1 or start.shape[1:] != shape or start.shape[0] < 1:
-        raise ValueError(f"start must have shape (chains, *batch_shape, n) = (chains, {', '.join(map(str, shape))}) "
-                         f"with chains >= 1, got {tuple(start.shape)}.")
-    if not start.is_floating_point() or start.device != device:
-        raise TypeError(f"start must be a floating-point tensor on {device}, got {start.dtype} on {start.device}.")
-    z0 = start.detach().to(dtype)
-    outside = ~((z0 >= lo) & (z0 <= hi))
-    if bool(outside.any()):
-        gap = torch.maximum(lo - z0, z0 - hi).masked_fill(~outside, -math.inf).nan_to_num(math.inf)
-        worst = tuple(int(i) for i in torch.unravel_index(gap.argmax(), gap.shape))
-        raise ValueError(
-            f"start must lie in the box [lower, upper]: {int(outside.sum())} entries are outside (or nan); the "
-            f"worst, at index {worst}, is {z0[worst].item():.6g} with bounds [{lo[worst[1:]].item():.6g}, "
-            f"{hi[worst[1:]].item():.6g}]. Start from the mode or from rejection draws."
-        )
-    on_plane = constraint.check(z0, rtol=math.sqrt(torch.finfo(dtype).eps))
-    if not bool(on_plane.all()):
-        chain = tuple(int(i) for i in (~on_plane).nonzero()[0])
-        raise ValueError(f"start must lie on the plane A z = k: chain/batch index {chain} misses a row by more than "
-                         f"sqrt(eps) of the row's size. Start from the mode or from rejection draws.")
-    return z0
-
-
-def exact_hmc(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, start: Tensor, *, num_samples: int,
+def exact_hmc(dist: object, lower: Tensor, upper: Tensor, start: Tensor, *, num_samples: int,
               burn_in: int = 100,
               thin: int = 1, travel_time: tuple[float, float] = (math.pi / 8, math.pi / 2),
-              generator: torch.Generator | None = None, max_bounces: int | None = None) -> HMCResult:
+              generator: torch.Generator | None = None, max_bounces: int | None = None,
+              allow_stuck: bool = False) -> HMCResult:
     r"""Exact HMC draws of ``dist`` (:math:`z \mid Az = k`) truncated to ``lower <= z <= upper``.
 
     See the module docstring for the method, what is exact (the stationary law; every draw is feasible) and the
@@ -282,7 +219,8 @@ def exact_hmc(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, start: Tens
     keeps every ``thin``-th after the burn-in. No gradient flows through the draws.
 
     Args:
-        dist (ConstrainedNormal): the untruncated conditional law, batch shape ``B``, event size ``n``.
+        dist (ConstrainedNormal | PlaneTarget): the untruncated conditional law, batch shape ``B``, event size
+            ``n`` (:class:`~hardeq.bounds.target.PlaneTarget`).
         lower, upper: bounds broadcastable to ``B + (n,)`` (tensors, numbers or ``None``), ``-inf`` / ``+inf``
             where unbounded; a value that the working dtype cannot represent is rounded inward.
         start (Tensor): ``(chains, *B, n)``, feasible: inside the box and on the plane (each row of
@@ -298,6 +236,8 @@ def exact_hmc(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, start: Tens
             (its chain keeps its position for that iteration), which keeps the stationary law exact (module
             docstring) and bounds the cost of an iteration. A trajectory of time :math:`\pi/2` rarely needs more
             than a few bounces per coordinate near a wall. Default ``20 n + 200``.
+        allow_stuck (bool): return chains that never moved (every trajectory capped) instead of raising
+            :class:`ChainStuck` (for a caller that only needs an invariant kernel, as subset simulation does).
 
     Returns:
         HMCResult: ``samples`` ``(num_samples, chains, *B, n)`` in the working dtype of ``dist`` (float32 for
@@ -309,6 +249,8 @@ def exact_hmc(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, start: Tens
             gives the number of entries and the worst one) or off the plane, a bad ``travel_time``.
         RuntimeError: the state became non-finite (e.g. inf bounds on both sides of a coordinate with a
             non-finite mean).
+        ChainStuck (a ``RuntimeError``): some chain never moved (every trajectory capped; a polytope far thinner than
+            the conditional standard deviation), unless ``allow_stuck``.
 
     Warns:
         RuntimeWarning: more than 1% of the trajectories were capped at ``max_bounces`` (slow mixing).
@@ -325,10 +267,7 @@ def exact_hmc(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, start: Tens
         >>> z.shape, bool(((z >= 0) & (z <= 1.5)).all()), bool(total.check(z).all())
         (torch.Size([50, 4, 3]), True, True)
     """
-    from ..distributions.normal import ConstrainedNormal
-
-    if not isinstance(dist, ConstrainedNormal):
-        raise TypeError(f"dist must be a hardeq.ConstrainedNormal, got {type(dist).__name__}.")
+    target = PlaneTarget.of(dist)
     num_samples = _check_int("num_samples", num_samples, 1)
     burn_in = _check_int("burn_in", burn_in, 0)
     thin = _check_int("thin", thin, 1)
@@ -339,7 +278,7 @@ def exact_hmc(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, start: Tens
     if not (0.0 < t_min <= t_max < math.inf):
         raise ValueError(f"travel_time must satisfy 0 < t_min <= t_max < inf, got ({t_min}, {t_max}).")
 
-    plane = _Plane(dist)
+    plane = _Plane(target)
     dtype, mean = plane.dtype, plane.mean
     shape, device = mean.shape, mean.device
     n = shape[-1]
@@ -358,6 +297,7 @@ def exact_hmc(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, start: Tens
     window = 64 * torch.finfo(dtype).eps
     corner_limit = 2 * n + 8
     total_bounces, total_refreshes, total_capped, draws = 0, 0, 0, []
+    moved = torch.zeros(start.shape[:-1], dtype=torch.bool, device=device)   # a trajectory of the chain was kept
     iterations = burn_in + num_samples * thin
     for iteration in range(iterations):
         v = plane.velocity(S, generator)
@@ -411,6 +351,7 @@ def exact_hmc(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, start: Tens
                 last = last.masked_fill(corner, -1)
                 total_refreshes += int(corner.sum())
         total_bounces += int(count.sum())
+        moved |= ~capped
         if bool(capped.any()):
             x = torch.where(capped.unsqueeze(-1), x_start, x)
             total_capped += int(capped.sum())
@@ -420,6 +361,8 @@ def exact_hmc(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, start: Tens
         if iteration >= burn_in and (iteration - burn_in) % thin == thin - 1:
             z = plane.cond.condition(mean + x)
             draws.append(torch.maximum(torch.minimum(z, hi), lo))
+    if not allow_stuck and not bool(moved.all()):
+        _raise_stuck(moved, plane, lo, hi, iterations, max_bounces)
     samples = torch.stack(draws)
     if num_samples >= MIN_DRAWS_FOR_DIAGNOSTICS:
         ess, rhat = effective_sample_size(samples), split_rhat(samples)
@@ -434,3 +377,29 @@ def exact_hmc(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, start: Tens
                       stacklevel=2)
     return HMCResult(samples=samples, bounces=total_bounces, ess=ess, rhat=rhat, trajectories=trajectories,
                      corner_refreshes=total_refreshes, method="hmc", capped=total_capped)
+
+
+def _raise_stuck(moved: Tensor, plane: _Plane, lo: Tensor, hi: Tensor, iterations: int, max_bounces: int) -> None:
+    """:class:`ChainStuck` for the first chain that never moved, naming why for its batch element: the thin
+    direction (the coordinate narrowest against its conditional standard deviation) when one is under a standard
+    deviation wide, else the coordinate pressed hardest against a wall (its conditional mean beyond it)."""
+    index = tuple(int(i) for i in (~moved).nonzero()[0])
+    chain, element = index[0], index[1:]
+    sd = plane.cond.variance().detach().expand(lo.shape).clamp_min(0.0).sqrt()[element]
+    frozen = plane.frozen[element]
+    ratio = torch.where(frozen, math.inf, (hi[element] - lo[element]) / sd)
+    i = int(ratio.argmin())
+    head = (f"exact_hmc: chain {chain} of batch element {element} never moved: all {iterations} of its trajectories "
+            f"reached max_bounces = {max_bounces} and were rejected, so its draws would be copies of its start. ")
+    if float(ratio[i]) < 1.0:
+        why = (f"The polytope is thin against the conditional standard deviations: coordinate {i} has width "
+               f"{float(hi[element][i] - lo[element][i]):.3g} in the box against a conditional standard deviation of "
+               f"{float(sd[i]):.3g} (ratio {float(ratio[i]):.3g}). ")
+    else:
+        mean = plane.mean[element]
+        press = torch.where(frozen, -math.inf, torch.maximum(lo[element] - mean, mean - hi[element]) / sd)
+        j = int(press.argmax())
+        why = (f"No direction is thin (the narrowest, coordinate {i}, is {float(ratio[i]):.3g} standard deviations "
+               f"wide); the trajectories bounce without end on walls their mean lies beyond: coordinate {j}'s "
+               f"conditional mean is {float(press[j]):.3g} standard deviations outside the box. ")
+    raise ChainStuck(head + why + "Use method='gibbs' (no bounces), or method='auto'.")

@@ -65,482 +65,24 @@ differentiable (a piecewise-linear map of the parameters); it is computed withou
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from .mode_base import (ACCEPT_RTOL, CONVERGED_RTOL, JACOBIAN_RIDGE, MAX_ACTIVE_SET_FACTOR, MAX_NEWTON,
+                        ModeNotFound, _Operator, _Solver, accept_rtol, clamped_rtol)
+from .mode_dual import _dense_solver, _min_norm_solve, dual_newton, grouped_box_mode, grouped_box_multipliers
+from .mode_general import DETERMINED_RTOL, MAX_PDAS, active_set, primal_dual_active_set
+from .target import PlaneTarget
+
 if TYPE_CHECKING:
     from ..constraints import EqualityConstraint
-    from ..distributions.normal import ConstrainedNormal
-    from ..linalg.covariance import Covariance
 
-#: a linear operator on ``(B, .)`` float64 vectors (``A z``, ``A^T lambda``, ``|A| x``)
-_Operator = Callable[[Tensor], Tensor]
-
-
-class _Solver(Protocol):
-    """``solve(w, r, exact=False)``, the linear solve of :func:`dual_newton`."""
-
-    def __call__(self, w: Tensor, r: Tensor, exact: bool = False) -> Tensor: ...
-
-__all__ = ["grouped_box_multipliers", "grouped_box_mode", "truncated_mode", "ModeNotFound"]
-
-#: per-row relative residual (of |A||z| + |k|) at which the float64 iterations stop
-CONVERGED_RTOL = 1e-13
-#: per-row relative residual accepted at the end (round-off of a long row's sum may stall above CONVERGED_RTOL);
-#: at most half the library's float64 tolerance 1e-12 of |A||z|, since |k| <= |A||z| on the plane
-ACCEPT_RTOL = 4e-13
-#: Newton iterations of the diagonal dual method, and iterations of the general active-set method per bound
-MAX_NEWTON = 100
-MAX_ACTIVE_SET_FACTOR = 4
-
-
-def accept_rtol(dtype: torch.dtype) -> float:
-    """The per-row relative residual (of ``|A||z| + |k|``) at which a float64 mode is accepted for a distribution
-    in ``dtype``: :data:`ACCEPT_RTOL` in float64; in a coarser dtype half its machine epsilon (float32: 6e-8), no
-    more than the rounding of the mode to that dtype adds anyway. A float32 problem whose polytope meets the box only
-    at a vertex can be empty in exact arithmetic on its rounded data and still feasible to float32 precision."""
-    return max(ACCEPT_RTOL, torch.finfo(dtype).eps / 2)
-
-
-def clamped_rtol(dtype: torch.dtype) -> float:
-    """The per-row relative residual accepted after a general covariance's mode is clamped into the box:
-    :func:`accept_rtol` in float64; in a coarser dtype 16 times its machine epsilon (float32: 1.9e-6, within the
-    library's float32 per-row tolerance 1e-5). The active-set method ends on the float64 plane, and where a float32
-    plane misses a degenerate vertex by its round-off, the clamp of a coordinate the rows fix moves the point off the
-    plane by about that much (measured up to 2.5e-7 relative)."""
-    return accept_rtol(dtype) if dtype == torch.float64 else max(accept_rtol(dtype), 16 * torch.finfo(dtype).eps)
-
-
-#: relative Levenberg term of the dual Newton system (a row whose coordinates are all at bounds has J_ii = 0)
-JACOBIAN_RIDGE = 1e-12
-
-
-class ModeNotFound(ValueError):
-    """The mode solver could not meet a row of ``A z = k`` inside the box: the polytope is empty (or so thin that
-    float64 cannot find a point in it). The message names the batch element and row and gives the residual.
-
-    Examples:
-        >>> from hardeq.bounds import truncated_mode
-        >>> total = SumConstraint(torch.zeros(3, dtype=torch.long), torch.tensor([3.0], dtype=torch.float64))
-        >>> d = ConstrainedNormal(torch.zeros(3, dtype=torch.float64), 1.0, constraint=total)
-        >>> truncated_mode(d, torch.zeros(3, dtype=torch.float64), torch.full((3,), 0.5, dtype=torch.float64))
-        Traceback (most recent call last):
-            ...
-        hardeq.bounds.mode.ModeNotFound: the mode's ... found no point of the plane A z = k inside the box ...
-    """
-
-
-# ====================================================================== grouped sums, diagonal covariance
-def grouped_box_multipliers(mu: Tensor, v: Tensor, lo: Tensor, hi: Tensor, index: Tensor, sizes: Tensor,
-                            k: Tensor) -> Tensor:
-    r"""The per-group multiplier :math:`\lambda_c` with :math:`\sum_{i\in c}\mathrm{clip}(\mu_i + \lambda_c v_i,
-    l_i, u_i) = k_c`, by an exact breakpoint search; all inputs float64.
-
-    :math:`g_c(\lambda) = \sum_{i \in c} \mathrm{clip}(\mu_i + \lambda v_i, l_i, u_i)` is continuous, piecewise linear
-    and non-decreasing, with breakpoints :math:`(l_i - \mu_i)/v_i` (slope :math:`+v_i`) and :math:`(u_i - \mu_i)/v_i`
-    (slope :math:`-v_i`). With a group's ``2m`` breakpoints :math:`p_j` sorted and :math:`d_j` their slope changes,
-    :math:`g(p_j) = \sum_i l_i + S_jp_j - \sum_{l\le j} d_lp_l` (:math:`S_j = \sum_{l \le j} d_l`), so the segment
-    where :math:`g` crosses :math:`k` is found by counting the breakpoints with :math:`g(p_j) < k`, and on it
-    :math:`\lambda = p_j + (k - g(p_j))/S_j`. An infinite bound is replaced by a finite one whose breakpoint lies
-    outside a bracket :math:`[\lambda_-, \lambda_+]` of the crossing (beyond every finite breakpoint, ``g`` is linear
-    and its crossing is explicit), which leaves :math:`g` unchanged on the bracket.
-
-    Args:
-        mu, v, lo, hi: ``(B, n)``; ``v > 0``; ``lo`` may hold ``-inf``, ``hi`` ``+inf``.
-        index: ``(n,)`` group ids; sizes: ``(a,)`` members per group; k: ``(B, a)``, inside
-            :math:`[\sum_c l_i, \sum_c u_i]`.
-
-    Returns:
-        ``(B, a)`` float64 multipliers (exact up to the round-off of the cumulative sums).
-
-    Cost: a sort of ``2n`` breakpoints per batch element and a few cumulative sums.
-    """
-    B, n = mu.shape
-    a = sizes.shape[0]
-    dev = mu.device
-    gi = index.expand(B, n)
-
-    def gsum(x: Tensor) -> Tensor:
-        return torch.zeros(B, a, dtype=x.dtype, device=dev).index_add_(1, index, x)
-
-    fin_lo, fin_hi = torch.isfinite(lo), torch.isfinite(hi)
-    if bool(fin_lo.all()) and bool(fin_hi.all()):
-        return _breakpoint_search(mu, v, lo, hi, index, sizes, k)
-    p_lo = torch.where(fin_lo, (lo - mu) / v, torch.zeros_like(mu))
-    p_hi = torch.where(fin_hi, (hi - mu) / v, torch.zeros_like(mu))
-    big = torch.tensor(float("inf"), dtype=mu.dtype, device=dev)
-    pmin = torch.full((B, a), float("inf"), dtype=mu.dtype, device=dev)
-    pmax = torch.full((B, a), -float("inf"), dtype=mu.dtype, device=dev)
-    pmin = pmin.scatter_reduce(1, gi, torch.where(fin_lo, p_lo, big), "amin")
-    pmin = pmin.scatter_reduce(1, gi, torch.where(fin_hi, p_hi, big), "amin")
-    pmax = pmax.scatter_reduce(1, gi, torch.where(fin_lo, p_lo, -big), "amax")
-    pmax = pmax.scatter_reduce(1, gi, torch.where(fin_hi, p_hi, -big), "amax")
-    none = ~torch.isfinite(pmin)  # a group with no finite bound at all
-    pmin = torch.where(none, torch.zeros_like(pmin), pmin)
-    pmax = torch.where(none, torch.zeros_like(pmax), pmax)
-    # beyond every finite breakpoint g is linear: below, sum(finite lo) + sum_{lo=-inf}(mu + lam v)
-    v_lo, v_hi = gsum(torch.where(fin_lo, 0.0, v)), gsum(torch.where(fin_hi, 0.0, v))
-    c_lo = gsum(torch.where(fin_lo, lo, mu))
-    c_hi = gsum(torch.where(fin_hi, hi, mu))
-    lam_minus = torch.where(v_lo > 0, torch.minimum(pmin, (k - c_lo) / torch.where(v_lo > 0, v_lo, 1.0)), pmin)
-    lam_plus = torch.where(v_hi > 0, torch.maximum(pmax, (k - c_hi) / torch.where(v_hi > 0, v_hi, 1.0)), pmax)
-    margin = 1.0 + lam_minus.abs() + lam_plus.abs()
-    lo = torch.where(fin_lo, lo, mu + (lam_minus - margin).gather(1, gi) * v)
-    hi = torch.where(fin_hi, hi, mu + (lam_plus + margin).gather(1, gi) * v)
-    return _breakpoint_search(mu, v, lo, hi, index, sizes, k)
-
-
-def _breakpoint_search(mu: Tensor, v: Tensor, lo: Tensor, hi: Tensor, index: Tensor, sizes: Tensor,
-                       k: Tensor) -> Tensor:
-    """The breakpoint search of :func:`grouped_box_multipliers` for finite bounds."""
-    B, n = mu.shape
-    a = sizes.shape[0]
-    dev = mu.device
-
-    def gsum(x: Tensor) -> Tensor:
-        return torch.zeros(B, a, dtype=x.dtype, device=dev).index_add_(1, index, x)
-
-
-    # breakpoints (B, 2n) and their slope changes, in contiguous groups, each sorted
-    if bool((index[1:] >= index[:-1]).all()) and bool((sizes == sizes[0]).all()):
-        # channel layout (equal contiguous groups): one batched sort of (B, a, 2m)
-        m2 = 2 * int(sizes[0])
-        p = torch.stack([(lo - mu) / v, (hi - mu) / v], dim=-1).reshape(B, a, m2)
-        d = torch.stack([v, -v], dim=-1).reshape(B, a, m2)
-        p, o = torch.sort(p, dim=-1, stable=True)
-        p, d = p.reshape(B, 2 * n), d.gather(-1, o).reshape(B, 2 * n)
-        gid = index.repeat_interleave(2).expand(B, 2 * n)
-    else:
-        # any grouping: sort by breakpoint, then (stably) by group
-        p = torch.cat([(lo - mu) / v, (hi - mu) / v], dim=1)
-        d = torch.cat([v, -v], dim=1)
-        p, o1 = torch.sort(p, dim=1, stable=True)
-        d = d.gather(1, o1)
-        gid, o2 = torch.sort(torch.cat([index, index])[o1], dim=1, stable=True)
-        p, d = p.gather(1, o2), d.gather(1, o2)
-    size2 = 2 * sizes
-    start = torch.cumsum(size2, 0) - size2
-    S_all, DP_all = torch.cumsum(d, 1), torch.cumsum(d * p, 1)
-    zero = torch.zeros(B, 1, dtype=mu.dtype, device=dev)
-    S = S_all - torch.cat([zero, S_all], 1)[:, start].gather(1, gid)
-    DP = DP_all - torch.cat([zero, DP_all], 1)[:, start].gather(1, gid)
-    g = gsum(lo).gather(1, gid) + S * p - DP
-    below = g < k.gather(1, gid)
-    cnt = torch.zeros(B, a, dtype=torch.long, device=dev).scatter_add_(1, gid, below.long())
-    j = (start + cnt - 1).clamp_min(start)
-    pj, gj, Sj = p.gather(1, j), g.gather(1, j), S.gather(1, j)
-    step = torch.where(Sj > 0, (k - gj) / torch.where(Sj > 0, Sj, torch.ones_like(Sj)), torch.zeros_like(Sj))
-    lam = torch.where(cnt == 0, pj, pj + step)
-    return torch.where(cnt == size2, p[:, start + size2 - 1], lam)
-
-
-def grouped_box_mode(mu: Tensor, v: Tensor, lo: Tensor, hi: Tensor, index: Tensor, sizes: Tensor,
-                     k: Tensor, accept: float = ACCEPT_RTOL) -> tuple[Tensor, Tensor]:
-    r"""Mode for grouped sums and a diagonal covariance: the breakpoint multipliers
-    (:func:`grouped_box_multipliers`) polished by the dual Newton iteration (one step on the identified active set
-    removes the cumulative sums' round-off). Inputs as there, float64. Returns ``(z, converged)``: ``z`` ``(B, n)``
-    float64 inside the box, ``converged`` ``(B,)`` bool (every row within ``accept``: :func:`accept_rtol`)."""
-    lam0 = grouped_box_multipliers(mu, v, lo, hi, index, sizes, k)
-    B, n = mu.shape
-    a = sizes.shape[0]
-
-    def matvec(z: Tensor) -> Tensor:
-        return torch.zeros(z.shape[:-1] + (a,), dtype=z.dtype, device=z.device).index_add_(-1, index, z)
-
-    def rmatvec(lam: Tensor) -> Tensor:
-        return lam.index_select(-1, index)
-
-    ridge = JACOBIAN_RIDGE * matvec(v) + torch.finfo(v.dtype).tiny
-
-    def solve(w: Tensor, r: Tensor, exact: bool = False) -> Tensor:
-        if exact:  # a group with no free member: no step
-            J = matvec(w)
-            return torch.where(J > 0, r / torch.where(J > 0, J, 1.0), torch.zeros_like(r))
-        return r / (matvec(w) + ridge)
-
-    # one Newton step on the active set of the breakpoint multipliers (the exact solve there, as F is linear on
-    # it) removes the cumulative sums' round-off; the safeguarded iteration then only checks (or finishes) it
-    y = mu + v * rmatvec(lam0)
-    free = ((y > lo) & (y < hi)).to(v.dtype)
-    lam0 = lam0 - solve(v * free, matvec(torch.minimum(torch.maximum(y, lo), hi)) - k)
-    z, _, ok = dual_newton(mu, v, lo, hi, k, matvec, rmatvec, matvec, solve, lam0, accept=accept)
-    return z, ok
-
-
-# ====================================================================== diagonal covariance, any constraint
-def dual_newton(mu: Tensor, v: Tensor, lo: Tensor, hi: Tensor, k: Tensor, matvec: _Operator, rmatvec: _Operator,
-                abs_matvec: _Operator, solve: _Solver,
-                lam0: Tensor | None = None, max_iter: int = MAX_NEWTON,
-                accept: float = ACCEPT_RTOL) -> tuple[Tensor, Tensor, Tensor]:
-    r"""Semismooth Newton on :math:`F(\lambda) = A\,\mathrm{clip}(\mu + v\odot A^\top\lambda, l, u) - k = 0` with an
-    Armijo line search on the concave dual :math:`\theta` (module docstring); float64, batched over ``B``.
-
-    Args:
-        mu, v, lo, hi: ``(B, n)``; k: ``(B, a)``.
-        matvec, rmatvec, abs_matvec: :math:`Az`, :math:`A^\top\lambda`, :math:`|A|x` on ``(B, .)``.
-        solve: ``solve(w, r, exact=False)`` returns :math:`(A\,\mathrm{diag}(w)A^\top + \text{ridge})^{-1}r`,
-            ``(B, a)`` (``exact=True``: the minimum-norm solution without the ridge).
-        lam0: starting multipliers ``(B, a)`` (zeros: the conditional mean's neighbourhood).
-        accept: the per-row relative residual accepted at the end (:func:`accept_rtol`).
-
-    Returns:
-        ``(z, lam, converged)``: ``z`` ``(B, n)`` in the box, ``lam`` ``(B, a)``, ``converged`` ``(B,)``.
-    """
-    B = mu.shape[0]
-    lam = torch.zeros_like(k) if lam0 is None else lam0.clone()
-
-    def primal(lam_: Tensor) -> tuple[Tensor, Tensor]:
-        y = mu + v * rmatvec(lam_)
-        return y, torch.minimum(torch.maximum(y, lo), hi)
-
-    def theta(lam_: Tensor, z_: Tensor) -> Tensor:
-        out: Tensor = 0.5 * ((z_ - mu).square() / v).sum(-1) - (lam_ * (matvec(z_) - k)).sum(-1)
-        return out
-
-    y, z = primal(lam)
-    done = torch.zeros(B, dtype=torch.bool, device=mu.device)
-    stuck = torch.zeros(B, dtype=torch.bool, device=mu.device)
-    for _ in range(max_iter):
-        F = matvec(z) - k
-        scale = abs_matvec(z.abs()) + k.abs()
-        done = (F.abs() <= CONVERGED_RTOL * scale).all(-1)
-        if bool(done.all()):
-            return z, lam, done
-        free = ((y > lo) & (y < hi)).to(v.dtype)
-        delta = -solve(v * free, F)
-        slope = -(F * delta).sum(-1)  # directional derivative of theta along delta (>= 0)
-        th0 = theta(lam, z)
-        t = torch.ones(B, dtype=mu.dtype, device=mu.device)
-        accepted = done | stuck
-        new_lam = lam.clone()
-        for _ in range(60):
-            cand = lam + t.unsqueeze(-1) * delta
-            _, zc = primal(cand)
-            ok = (theta(cand, zc) >= th0 + 1e-4 * t * slope - 1e-15 * th0.abs()) & ~accepted
-            new_lam = torch.where(ok.unsqueeze(-1), cand, new_lam)
-            accepted = accepted | ok
-            if bool(accepted.all()):
-                break
-            t = torch.where(accepted, t, 0.5 * t)
-        lam = torch.where(done.unsqueeze(-1), lam, new_lam)
-        y, z = primal(lam)
-        stuck = stuck | ~accepted  # no ascent step: at the dual's supremum to round-off (or unbounded); stop there
-        if bool((done | stuck).all()):
-            break
-    # finish with exact (unregularised) Newton steps on the identified active set where the safeguarded iteration
-    # stalled at round-off (its Levenberg term and the line search's resolution of theta): kept where they help
-    for _ in range(3):
-        F = matvec(z) - k
-        scale = abs_matvec(z.abs()) + k.abs()
-        rel = (F.abs() / scale.clamp_min(torch.finfo(scale.dtype).tiny)).amax(-1)
-        done = rel <= CONVERGED_RTOL
-        if bool(done.all()):
-            break
-        free = ((y > lo) & (y < hi)).to(v.dtype)
-        cand = lam - solve(v * free, F, exact=True)
-        yc, zc = primal(cand)
-        Fc = matvec(zc) - k
-        rel_c = (Fc.abs() / (abs_matvec(zc.abs()) + k.abs()).clamp_min(torch.finfo(scale.dtype).tiny)).amax(-1)
-        better = (rel_c < rel) & ~done
-        lam = torch.where(better.unsqueeze(-1), cand, lam)
-        y, z = torch.where(better.unsqueeze(-1), yc, y), torch.where(better.unsqueeze(-1), zc, z)
-    F = matvec(z) - k
-    done = (F.abs() <= accept * (abs_matvec(z.abs()) + k.abs())).all(-1)
-    return z, lam, done
-
-
-def _min_norm_solve(J: Tensor, r: Tensor) -> Tensor:
-    """The minimum-norm least-squares solution of ``J x = r`` for a symmetric positive semi-definite ``J``
-    (``(*, a, a)``, ``r`` ``(*, a)``): LAPACK's SVD-based ``gelsd`` on the CPU; on other devices, whose
-    ``lstsq`` offers only ``gels`` (full rank only), the Hermitian pseudo-inverse (an eigendecomposition, the
-    same default cut-off ``eps * a`` of the largest eigenvalue)."""
-    if J.device.type == "cpu":
-        solution: Tensor = torch.linalg.lstsq(J, r.unsqueeze(-1), driver="gelsd").solution
-        return solution.squeeze(-1)
-    pinv: Tensor = torch.linalg.pinv(J, hermitian=True)
-    return (pinv @ r.unsqueeze(-1)).squeeze(-1)
-
-
-def _dense_solver(A: Tensor, v: Tensor) -> _Solver:
-    """``solve(w, r)`` for a dense ``A`` (``(*, a, n)`` float64, broadcasting over ``B``): the equilibrated Cholesky
-    of :math:`A\\,\\mathrm{diag}(w)A^\\top` plus the relative ridge."""
-    base = (A.square() * v.unsqueeze(-2)).sum(-1)  # diag(A diag(v) A^T), (B, a)
-
-    def solve(w: Tensor, r: Tensor, exact: bool = False) -> Tensor:
-        J = (A * w.unsqueeze(-2)) @ A.mT
-        if exact:  # the minimum-norm Newton step on the active set (rows with no free coordinate get none)
-            return _min_norm_solve(J, r)
-        J = J + torch.diag_embed(JACOBIAN_RIDGE * base + torch.finfo(J.dtype).tiny)
-        s = J.diagonal(0, -2, -1).sqrt()
-        L, info = torch.linalg.cholesky_ex(J / (s.unsqueeze(-1) * s.unsqueeze(-2)))
-        x: Tensor = torch.cholesky_solve((r / s).unsqueeze(-1), L).squeeze(-1) / s
-        bad = info != 0
-        if bool(bad.any()):  # a numerically singular J: least squares
-            x2 = _min_norm_solve(J, r)
-            x = torch.where(bad.unsqueeze(-1), x2, x)
-        return x
-
-    return solve
-
-
-# ====================================================================== general covariance
-def _eq_qp(mu: Tensor, cov: Covariance, A: Tensor, k: Tensor, W: Tensor, values: Tensor,
-           batch_shape: torch.Size, determined: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    r"""The equality-constrained QP with the bounds of ``W`` as rows: :math:`z = \mu + \Sigma R^\top y`,
-    :math:`(R\Sigma R^\top)y = r - R\mu`, :math:`R = [A; E_W]`, :math:`r = [k; \text{values}_W]`, batched with the
-    working sets padded by zero rows; equilibrated Cholesky and two refinement steps. Returns ``(z, nu, ok)``: ``z``
-    ``(*batch, n)`` (the ``W`` coordinates set to their values exactly), ``nu`` ``(*batch, n)`` the multipliers of the
-    bound rows (0 off ``W``; :math:`\Sigma^{-1}(z - \mu) = A^\top\lambda + \nu`), ``ok`` ``(*batch)`` (factorised:
-    the rows are independent), and with ``determined`` the mask ``(*batch, n)`` of the coordinates the rows fix:
-    those whose conditional variance given :math:`Rz = r`,
-    :math:`\Sigma_{jj} - (\Sigma R^\top)_j (R\Sigma R^\top)^{-1} (R\Sigma)_j`, is at most
-    :data:`DETERMINED_RTOL` of :math:`\Sigma_{jj}` (``None`` without; one more ``m x n`` triangular solve).
-    A determined coordinate's bound is a combination of the rows: adding it would make them dependent."""
-    n = mu.shape[-1]
-    a = A.shape[-2]
-    m = int(W.sum(-1).max()) if W.numel() else 0
-    order = torch.sort(W.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :m]
-    valid = W.gather(-1, order)
-    eye = torch.eye(n, dtype=mu.dtype, device=mu.device)
-    E = eye[order] * valid.unsqueeze(-1).to(mu.dtype)
-    R = torch.cat([A, E], -2)  # (*batch, a + m, n)
-    picked = values.gather(-1, order)
-    rhs = torch.cat([k, torch.where(valid, picked, torch.zeros_like(picked))], -1)
-    SR = cov.matmul(R.mT)  # (*batch, n, a + m)
-    S = R @ SR
-    pad = torch.cat([torch.zeros(batch_shape + (a,), dtype=torch.bool, device=mu.device), ~valid], -1)
-    S = S + torch.diag_embed(pad.to(S.dtype))
-    s = S.diagonal(0, -2, -1).clamp_min(torch.finfo(S.dtype).tiny).sqrt()
-    L, info = torch.linalg.cholesky_ex(S / (s.unsqueeze(-1) * s.unsqueeze(-2)))
-    ok = info == 0
-    if not bool(ok.all()):  # keep going for the others with a harmless factor; the caller handles ~ok
-        eye_m = torch.eye(a + m, dtype=S.dtype, device=S.device)
-        L = torch.where(ok.reshape(batch_shape + (1, 1)), L, eye_m)
-
-    def sol(r: Tensor) -> Tensor:
-        return torch.cholesky_solve((r / s).unsqueeze(-1), L).squeeze(-1) / s
-
-    y = sol(rhs - (R @ mu.unsqueeze(-1)).squeeze(-1))
-    z = mu + (SR @ y.unsqueeze(-1)).squeeze(-1)
-    for _ in range(2):  # refinement: R z = rhs to round-off whatever the conditioning of S
-        dy = sol(rhs - (R @ z.unsqueeze(-1)).squeeze(-1))
-        y = y + dy
-        z = z + (SR @ dy.unsqueeze(-1)).squeeze(-1)
-    z = torch.where(W, values, z)
-    nu = torch.zeros_like(z).scatter(-1, order, y[..., a:] * valid)
-    if not determined:
-        return z, nu, ok, None
-    G = torch.cholesky_solve(SR.mT / s.unsqueeze(-1), L) / s.unsqueeze(-1)  # (*batch, a + m, n): S^-1 R Sigma
-    prior = cov.variance.expand(z.shape)
-    conditional = prior - (SR.mT * G).sum(-2)
-    return z, nu, ok, (conditional <= DETERMINED_RTOL * prior) | W
-
-
-#: iterations of the primal-dual active-set phase before the primal method takes over
-MAX_PDAS = 10
-#: a coordinate whose conditional variance given the working rows is at most this fraction of its variance is
-#: taken as fixed by them (its computed step is round-off; float64 leaves about 1e-16 times the conditioning)
-DETERMINED_RTOL = 1e-10
-
-
-def primal_dual_active_set(mu: Tensor, cov: Covariance, A: Tensor, k: Tensor, lo: Tensor, hi: Tensor, z0: Tensor,
-                           batch_shape: torch.Size) -> tuple[Tensor, Tensor]:
-    r"""Primal-dual active-set iteration (Hintermüller, Ito & Kunisch 2003) warm-started from the active set of
-    ``z0``: solve the equality QP on the predicted active sets :math:`\mathcal L, \mathcal U`, then predict
-    :math:`\mathcal L = \{i : \nu_i + c_i(l_i - z_i) > 0\}`, :math:`\mathcal U = \{i : -\nu_i + c_i(z_i - u_i) > 0\}`
-    (:math:`c_i = 1/\Sigma_{ii}`). A repeated prediction is a KKT point (primal feasible, multipliers of the right
-    sign), hence the exact mode; several bounds change per iteration. Not guaranteed to terminate for every
-    :math:`\Sigma`: elements not settled after :data:`MAX_PDAS` iterations are left to :func:`active_set`.
-    Returns ``(z, converged)``."""
-    c = 1.0 / cov.variance.expand(mu.shape)
-    W_lo, W_hi = z0 <= lo, z0 >= hi
-    done = torch.zeros(batch_shape, dtype=torch.bool, device=mu.device)
-    z = z0.clone()
-    for _ in range(MAX_PDAS):
-        W = W_lo | W_hi
-        zs, nu, ok, _ = _eq_qp(mu, cov, A, k, W, torch.where(W_lo, lo, hi), batch_shape)
-        new_lo = (nu + c * (lo - zs) > 0) & torch.isfinite(lo)
-        new_hi = (-nu + c * (zs - hi) > 0) & torch.isfinite(hi) & ~new_lo
-        settled = ok & (new_lo == W_lo).all(-1) & (new_hi == W_hi).all(-1) & ~done
-        z = torch.where(settled.unsqueeze(-1), zs, z)
-        done = done | settled
-        if bool(done.all()):
-            break
-        live = (~done & ok).unsqueeze(-1)
-        W_lo = torch.where(live, new_lo, W_lo)
-        W_hi = torch.where(live, new_hi, W_hi)
-    return z, done
-
-
-def active_set(mu: Tensor, cov: Covariance, A: Tensor, k: Tensor, lo: Tensor, hi: Tensor, z0: Tensor,
-               batch_shape: torch.Size, done: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    r"""Primal active-set method for a general covariance (module docstring), float64.
-
-    Args:
-        mu, lo, hi, z0: ``(*batch, n)``; ``z0`` feasible (in the box, on the plane).
-        cov: the covariance in float64 (batch shape broadcasting with ``batch``).
-        A: ``(*batch, a, n)`` dense rows; k: ``(*batch, a)``.
-        done: ``(*batch)`` elements already solved (``z0`` is their mode; left as they are).
-
-    Returns:
-        ``(z, converged)``: ``z`` ``(*batch, n)``, the bounds of the final working set exactly at their values;
-        ``converged`` ``(*batch)``.
-    """
-    n = mu.shape[-1]
-    z = z0.clone()
-    # working set: warm-started with the bounds active at z0, or empty where those are dependent with A
-    W = (z0 <= lo) | (z0 >= hi)
-    done = torch.zeros(batch_shape, dtype=torch.bool, device=mu.device) if done is None else done.clone()
-    for it in range(MAX_ACTIVE_SET_FACTOR * n + 10):
-        if bool(done.all()):
-            break
-        zs, nu, ok, fixed = _eq_qp(mu, cov, A, k, W, z, batch_shape, determined=True)
-        if it == 0 and not bool(ok.all()):
-            W = torch.where(ok.unsqueeze(-1), W, torch.zeros_like(W))
-            zs, nu, ok, fixed = _eq_qp(mu, cov, A, k, W, z, batch_shape, determined=True)
-        assert fixed is not None
-        if bool((~ok & ~done).any()):
-            raise ModeNotFound("the working set of the mode's active-set method became linearly dependent with A "
-                               "(a degenerate polytope); no exact mode could be found.")
-        p = zs - z
-        # ratio test over the bounds not in the working set and not fixed by its rows (at a degenerate vertex such
-        # a coordinate's step is round-off, or the start's accepted residual in float32, and its bound would make
-        # the rows dependent; it is clamped below). A nearly fixed coordinate with a real step that crosses its
-        # bound ends outside the acceptance level after the clamp, and truncated_mode raises: never a silent miss.
-        toward_lo = (p < 0) & ~fixed & torch.isfinite(lo)
-        toward_hi = (p > 0) & ~fixed & torch.isfinite(hi)
-        ratio = torch.full_like(p, float("inf"))
-        ratio = torch.where(toward_lo, (lo - z) / torch.where(toward_lo, p, -1.0), ratio)
-        ratio = torch.where(toward_hi, (hi - z) / torch.where(toward_hi, p, 1.0), ratio)
-        ratio = ratio.clamp_min(0)
-        alpha, block = ratio.min(-1)
-        full = alpha >= 1
-        # at the working set's solution: the multipliers of the active bounds must push into the box
-        at_upper = W & (z >= hi)
-        signed = torch.where(at_upper, -nu, nu)  # must be >= 0 for every active bound
-        tol = 1e-12 * nu.abs().amax(-1, keepdim=True)
-        wrong = W & (signed < -tol)
-        optimal = full & ~wrong.any(-1) & ~done
-        z = torch.where(optimal.unsqueeze(-1), zs, z)
-        done = done | optimal
-        live = ~done
-        # full step: move to zs; drop the most negative multiplier
-        drop = torch.where(wrong, signed, torch.full_like(signed, float("inf"))).argmin(-1)
-        W_full = W.scatter(-1, drop.unsqueeze(-1), torch.zeros_like(drop.unsqueeze(-1), dtype=torch.bool))
-        # partial step: move alpha along p, add the blocking bound at its exact value
-        z_part = z + alpha.clamp(0, 1).unsqueeze(-1) * p
-        bound = torch.where(p.gather(-1, block.unsqueeze(-1)) < 0, lo.gather(-1, block.unsqueeze(-1)),
-                            hi.gather(-1, block.unsqueeze(-1)))
-        z_part = z_part.scatter(-1, block.unsqueeze(-1), bound)
-        W_part = W.scatter(-1, block.unsqueeze(-1), torch.ones_like(block.unsqueeze(-1), dtype=torch.bool))
-        step_full = (full & live).unsqueeze(-1)
-        step_part = (~full & live).unsqueeze(-1)
-        z = torch.where(step_full, zs, torch.where(step_part, z_part, z))
-        W = torch.where(step_full, W_full, torch.where(step_part, W_part, W))
-        z = torch.where(live.unsqueeze(-1), torch.minimum(torch.maximum(z, lo), hi), z)
-    return z, done
+__all__ = ["ACCEPT_RTOL", "CONVERGED_RTOL", "DETERMINED_RTOL", "JACOBIAN_RIDGE", "MAX_ACTIVE_SET_FACTOR", "MAX_NEWTON",
+           "MAX_PDAS", "ModeNotFound", "accept_rtol", "active_set", "clamped_rtol", "dual_newton", "grouped_box_mode",
+           "grouped_box_multipliers", "primal_dual_active_set", "truncated_mode", "_Solver", "_dense_solver",
+           "_min_norm_solve"]
 
 
 # ====================================================================== the dispatcher
@@ -561,7 +103,7 @@ def _operators(con: EqualityConstraint, batch: torch.Size) -> tuple[_Operator, _
     return (lambda x: (A @ x.unsqueeze(-1)).squeeze(-1)), (lambda x: (Aabs @ x.unsqueeze(-1)).squeeze(-1))
 
 
-def truncated_mode(dist: ConstrainedNormal, lower: Tensor, upper: Tensor) -> Tensor:
+def truncated_mode(dist: object, lower: Tensor, upper: Tensor) -> Tensor:
     r"""The mode of ``dist`` (a :class:`~hardeq.ConstrainedNormal`) truncated to ``[lower, upper]``
     (``(*batch, n)`` tensors in the distribution's compute dtype, ``±inf`` where unbounded): module docstring for
     the algorithms. Returns ``(*batch, n)`` in the compute dtype, ``lower <= z <= upper`` exactly, every row within
@@ -581,18 +123,25 @@ def truncated_mode(dist: ConstrainedNormal, lower: Tensor, upper: Tensor) -> Ten
         tensor([1.5000, 0.7500, 0.7500], dtype=torch.float64)
     """
     f64 = torch.float64
-    accept = accept_rtol(dist._unbroadcasted_loc.dtype)
-    batch = dist.batch_shape
-    n = dist.event_shape[0]
+    target = PlaneTarget.of(dist)
+    dtype = target.loc.dtype
+    accept = accept_rtol(dtype)
+    batch = target.batch_shape
+    n = target.event_size
     B = batch.numel()
-    con = dist.constraint.to(dtype=f64)
-    cov = dist.covariance.to(dtype=f64)
+    con = target.constraint.to(dtype=f64)
+    cov = target.covariance.to(dtype=f64)
     with torch.no_grad():
-        mu = dist._unbroadcasted_loc.detach().to(f64).expand(batch + (n,))
+        mu = target.loc.detach().to(f64).expand(batch + (n,))
         lo = lower.detach().to(f64).expand(batch + (n,))
         hi = upper.detach().to(f64).expand(batch + (n,))
         k = con.k.detach().expand(batch + (con.num_constraints,))
         v = cov.variance.detach().expand(batch + (n,))
+        for name, t in (("loc", mu), ("the covariance's variances", v), ("k", k)):
+            if not bool(torch.isfinite(t).all()):
+                where = tuple(int(i) for i in (~torch.isfinite(t)).nonzero()[0])
+                raise ValueError(f"the truncated mode needs a finite {name}; got {float(t[where])} at index {where} "
+                                 "(batch..., coordinate).")
         flat = (mu.reshape(B, n), v.reshape(B, n), lo.reshape(B, n), hi.reshape(B, n))
         kf = k.reshape(B, -1)
         matvec, abs_matvec = _operators(con, batch)
@@ -606,7 +155,7 @@ def truncated_mode(dist: ConstrainedNormal, lower: Tensor, upper: Tensor) -> Ten
             # where the untruncated mode (the conditional mean, exact per row) lies in the box it is the answer:
             # no iteration needs to reach it (the dual Newton method can stall at its acceptance level when the
             # variances span many decades, and then refused a feasible problem)
-            mean = dist.mean.detach()
+            mean = target.mean.detach()
             inside = ((mean >= lower) & (mean <= upper)).all(-1).reshape(B)
             if bool(inside.all()):
                 return mean.clone()
@@ -640,11 +189,11 @@ def truncated_mode(dist: ConstrainedNormal, lower: Tensor, upper: Tensor) -> Ten
                     f"the mode's active-set method did not settle in {MAX_ACTIVE_SET_FACTOR * n + 10} iterations for "
                     f"batch element {_element_index(unsettled, batch)} (it can cycle at a degenerate vertex of the "
                     "polytope {A z = k} ∩ [lower, upper]); no exact mode was found.")
-            res_ok = _rows_ok(zf, matvec, abs_matvec, kf, clamped_rtol(dist._unbroadcasted_loc.dtype))
+            res_ok = _rows_ok(zf, matvec, abs_matvec, kf, clamped_rtol(dtype))
             _raise_unless(res_ok | inside, zf, matvec, abs_matvec, kf, batch, "the mode's active-set method")
             z = torch.where(inside.reshape(batch).unsqueeze(-1), mean.to(f64), z)
         z = torch.minimum(torch.maximum(z, lo), hi)
-        out = z.to(dist._unbroadcasted_loc.dtype)
+        out = z.to(dtype)
         return torch.minimum(torch.maximum(out, lower.expand_as(out)), upper.expand_as(out))
 
 
@@ -660,8 +209,9 @@ def _finish_on_active_set(z: Tensor, ok: Tensor, mu: Tensor, v: Tensor, lo: Tens
     row meets ``accept`` (:func:`accept_rtol`). Kept where it lies in the box. One small conditioning (or
     ``a x a`` solve) per element that needs it; ``z``, ``ok`` ``(B, n)``, ``(B,)``."""
     from ..constraints import LinearConstraint
-    from ..distributions.normal import ConstrainedNormal
     from ..errors import NotPSDError
+    from ..linalg.conditioning import Conditioner
+    from ..linalg.covariance import DiagonalCovariance
 
     z, ok = z.clone(), ok.clone()
     for b in (~ok).nonzero().flatten().tolist():
@@ -683,8 +233,8 @@ def _finish_on_active_set(z: Tensor, ok: Tensor, mu: Tensor, v: Tensor, lo: Tens
                 if not bool(((Ab @ zb - k[b]).abs() <= accept * (Ab.abs() @ zb.abs() + k[b].abs())).all()):
                     continue
             else:
-                zf = ConstrainedNormal(mu[b][free], v[b][free].sqrt(), constraint=LinearConstraint(
-                    A_free, rhs, validate_args=False), validate_args=False).mean
+                zf = Conditioner(DiagonalCovariance(v[b][free].sqrt()), LinearConstraint(
+                    A_free, rhs, validate_args=False)).condition(mu[b][free])
         except (NotPSDError, ValueError, RuntimeError):  # (torch.linalg.LinAlgError is a RuntimeError)
             continue  # the rows are not independent on the free set: leave the element to the caller's error
         if bool(((zf >= lo[b][free]) & (zf <= hi[b][free])).all()):

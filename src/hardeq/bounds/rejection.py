@@ -15,13 +15,10 @@ Cost: :math:`\text{num}/p` untruncated draws per batch element for an acceptance
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from ..distributions.normal import ConstrainedNormal
+from .target import PlaneTarget
 
 __all__ = ["AUTO_THRESHOLD", "DEFAULT_MAX_DRAWS", "rejection_sample", "RejectionBudgetExceeded"]
 
@@ -50,12 +47,13 @@ class RejectionBudgetExceeded(RuntimeError):
 
 
 @torch.no_grad()
-def rejection_sample(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, num: int, *, max_draws: int | None = None,
+def rejection_sample(dist: object, lower: Tensor, upper: Tensor, num: int, *, max_draws: int | None = None,
                      generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
     r"""``num`` exact iid draws of ``dist`` (a :class:`~hardeq.ConstrainedNormal`) truncated to ``[lower, upper]``.
 
     Args:
-        dist: the untruncated conditional.
+        dist: the untruncated conditional (a :class:`~hardeq.ConstrainedNormal` or a
+            :class:`~hardeq.bounds.target.PlaneTarget`).
         lower, upper: ``(*batch, n)`` in the compute dtype (``±inf`` where unbounded).
         num: draws per batch element.
         max_draws: cap on untruncated draws per batch element (default ``num * DEFAULT_MAX_DRAWS``, at least
@@ -78,9 +76,10 @@ def rejection_sample(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, num:
         >>> z.shape, bool(((z >= 0) & (z <= 2)).all()), bool(total.check(z).all()), 0 < float(acceptance) <= 1
         (torch.Size([100, 3]), True, True, True)
     """
-    batch, n = dist.batch_shape, dist.event_shape[0]
+    target = PlaneTarget.of(dist)
+    batch, n = target.batch_shape, target.event_size
     B = batch.numel()
-    loc = dist._unbroadcasted_loc
+    loc = target.loc
     cap = max(DEFAULT_MAX_DRAWS, num * DEFAULT_MAX_DRAWS) if max_draws is None else int(max_draws)
     out = torch.empty((num, B, n), dtype=loc.dtype, device=loc.device)
     filled = torch.zeros(B, dtype=torch.long, device=loc.device)
@@ -94,7 +93,7 @@ def rejection_sample(dist: ConstrainedNormal, lower: Tensor, upper: Tensor, num:
             break
         size = max(16, math.ceil(1.2 * need / rate))
         size = min(size, max(16, 4 * int(drawn.max())), max(16, ROUND_ELEMENTS // max(B * n, 1)))
-        z = dist.conditioner.sample(loc, (size,), generator=generator).reshape(size, B, n)
+        z = target.conditioner.sample(loc, (size,), generator=generator).reshape(size, B, n)
         ok = ((z >= lo) & (z <= hi)).all(-1)  # (size, B)
         active = filled < num
         drawn += torch.where(active, float(size), 0.0)

@@ -2,22 +2,91 @@ r"""The Gaussian conditioned on :math:`Az = k` and truncated to a box: :class:`T
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
-from typing import Any, Self
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol, Self, TypeVar, cast
 
 import torch
 from torch import Tensor
 from torch.distributions import Distribution, constraints
 
-from ..bounds.mode import truncated_mode
-from ..bounds.normaliser import exact_log_normaliser, null_direction, subset_log_normaliser, surrogate
+from ..bounds.mode import ModeNotFound, truncated_mode
+from ..bounds.target import PlaneTarget
+from ..bounds.normaliser import exact_log_normaliser, line_bounds, null_direction, subset_log_normaliser, surrogate
 from ..bounds.polytope import as_bound, check_bounds, check_polytope
 from ..bounds.rejection import AUTO_THRESHOLD, ROUND_ELEMENTS, rejection_sample
 from ..bounds.result import TruncatedSamples
-from .normal import ConstrainedNormal, _full_precision, _sample_shape
+from ..bounds.training import PersistentChains
+from ..bounds.volume import check_line_section, check_volume
+from ..constraints.base import EqualityConstraint
+from ..linalg.conditioning import Conditioner
+from ..linalg.covariance import Covariance
 
 __all__ = ["TruncatedConstrainedNormal"]
+
+# This module does not import hardeq.distributions.normal (which imports it in ConstrainedNormal.truncate): the
+# base distribution is read through the structural type _Base, and the two small helpers below are this module's own.
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+class _Base(Protocol):
+    """What :class:`TruncatedConstrainedNormal` uses of its base :class:`~hardeq.ConstrainedNormal`."""
+
+    _unbroadcasted_loc: Tensor
+    _validate_args: bool
+    covariance: Covariance
+    constraint: EqualityConstraint
+
+    @property
+    def conditioner(self) -> Conditioner: ...
+
+    @property
+    def batch_shape(self) -> torch.Size: ...
+
+    @property
+    def event_shape(self) -> torch.Size: ...
+
+    @property
+    def result_dtype(self) -> torch.dtype: ...
+
+    @property
+    def support(self) -> constraints.Constraint: ...
+
+    def log_prob(self, value: Tensor) -> Tensor: ...
+
+    def expand(self, batch_shape: torch.Size, _instance: Any = None) -> Any: ...
+
+    def _out(self, t: Tensor) -> Tensor: ...
+
+    def _as_event(self, name: str, value: Tensor) -> Tensor: ...
+
+
+def _full_precision(method: _F) -> _F:
+    """Run ``method`` with autocast disabled on the parameters' device (as the base distribution's methods do): under
+    ``torch.autocast`` a float32 matmul would otherwise run in a half dtype and lose the per-row accuracy."""
+
+    @functools.wraps(method)
+    def wrapper(self: TruncatedConstrainedNormal, *args: Any, **kwargs: Any) -> Any:
+        device_type = self._unbroadcasted_loc.device.type
+        if not torch.is_autocast_enabled(device_type):
+            return method(self, *args, **kwargs)
+        with torch.autocast(device_type, enabled=False):
+            return method(self, *args, **kwargs)
+
+    return cast(_F, wrapper)
+
+
+def _sample_shape(sample_shape: object, name: str = "sample_shape") -> torch.Size:
+    """``sample_shape`` as a ``torch.Size`` of non-negative ints, or ``TypeError`` / ``ValueError`` naming it."""
+    try:
+        shape = torch.Size(cast("Iterable[int]", sample_shape))
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a tuple (or torch.Size) of ints, got {sample_shape!r}.") from None
+    if any(s < 0 for s in shape):
+        raise ValueError(f"{name} must have non-negative sizes, got {tuple(shape)}.")
+    return shape
 
 #: methods of :meth:`TruncatedConstrainedNormal.sample_with_info`
 METHODS = ("auto", "rejection", "gibbs", "hmc")
@@ -72,13 +141,14 @@ class TruncatedConstrainedNormal(Distribution):
       ``method="rejection"`` is exact in law (iid draws of the untruncated conditional kept when in the box);
       ``method="gibbs"`` is random-partition blocked Gibbs on the plane (:func:`hardeq.bounds.blocked_gibbs`: pairs
       of coordinates inside a group for a grouped sum, blocks of ``a + 1`` coordinates along null vectors of ``A``
-      otherwise), for a **diagonal** covariance only, exact in its stationary law;
+      otherwise), for every covariance with a diagonal part (low-rank, block-diagonal and full ones by data
+      augmentation, :mod:`hardeq.bounds.augment`), exact in its stationary law;
       ``method="hmc"`` is exact Hamiltonian Monte Carlo on the plane (Pakman & Paninski 2014), for every
       covariance, exact in its stationary law. For both Markov chains the law is reached asymptotically in the
       number of steps and draws of one chain are correlated: see ``ess`` and ``rhat`` of :meth:`sample_with_info`.
       ``method="auto"`` (default) measures the acceptance on a pilot of ``pilot_samples`` draws and uses rejection
       when it is at least ``threshold`` (0.1: at most ten untruncated draws per kept one); otherwise Gibbs when it
-      applies (diagonal covariance; a grouped sum, or at most 64 rows of ``A``:
+      applies (a covariance with a diagonal part; a grouped sum, or at most 64 rows of ``A``:
       :func:`hardeq.bounds.gibbs_unsupported`), else HMC, both from :attr:`mode`. The method used is named in the
       result.
     * :attr:`mode`: the maximiser of the density on the polytope, exact up to round-off
@@ -105,6 +175,11 @@ class TruncatedConstrainedNormal(Distribution):
         pilot_samples (int): untruncated draws of ``method="auto"``'s acceptance pilot.
         normaliser (str): ``"auto"`` (exact for ``n - a == 1``, else Monte Carlo), ``"exact"`` (``ValueError``
             unless ``n - a == 1``) or ``"monte-carlo"`` (forced, e.g. to check the estimator against the exact one).
+        training (bool | PersistentChains): training mode (:mod:`hardeq.bounds.training`): :meth:`log_prob` returns
+            the *unnormalised* :math:`\log p(z \mid Az = k)` in the box, and its gradient carries the estimate of
+            :math:`-\nabla\log Z` from a few sweeps of persistent chains (``hardeq.bounds.PersistentChains``, kept
+            across optimiser steps; ``True``: chains of this object only) instead of estimating :math:`\log Z`;
+            biased, cheap. Ignored where the normaliser is exact (``n - a == 1``).
         validate_args (bool, optional): as ``torch.distributions``; passed to the plane check of :meth:`log_prob`
             through ``base``.
 
@@ -125,10 +200,12 @@ class TruncatedConstrainedNormal(Distribution):
     arg_constraints: dict[str, constraints.Constraint] = {}  # noqa: RUF012
     has_rsample = False
 
-    def __init__(self, base: ConstrainedNormal, lower: Tensor | float | None = None,
+    def __init__(self, base: _Base, lower: Tensor | float | None = None,
                  upper: Tensor | float | None = None, *, normaliser_samples: int = 4096, grad_samples: int = 256,
-                 pilot_samples: int = 256, normaliser: str = "auto", validate_args: bool | None = None) -> None:
-        if not isinstance(base, ConstrainedNormal):
+                 pilot_samples: int = 256, normaliser: str = "auto", training: bool | PersistentChains = False,
+                 validate_args: bool | None = None) -> None:
+        PlaneTarget.of(base, "base")  # TypeError unless base is a ConstrainedNormal (read structurally)
+        if not all(hasattr(base, a) for a in ("log_prob", "_out", "_as_event", "expand")):
             raise TypeError(f"base must be a hardeq.ConstrainedNormal, got {type(base).__name__}.")
         for name, value in (("normaliser_samples", normaliser_samples), ("grad_samples", grad_samples),
                             ("pilot_samples", pilot_samples)):
@@ -141,6 +218,13 @@ class TruncatedConstrainedNormal(Distribution):
             raise ValueError(f"normaliser='exact' needs one free dimension (n - a == 1), got n - a = {free}; use "
                              "'auto' (a Monte Carlo estimate with its standard error).")
         self._normaliser = normaliser
+        if isinstance(training, bool):
+            self.training: PersistentChains | None = PersistentChains() if training else None
+        elif isinstance(training, PersistentChains):
+            self.training = training
+        else:
+            raise TypeError(f"training must be a bool or a hardeq.bounds.PersistentChains, got "
+                            f"{type(training).__name__}.")
         self.base = base
         loc = base._unbroadcasted_loc
         shape = base.batch_shape + base.event_shape
@@ -155,10 +239,32 @@ class TruncatedConstrainedNormal(Distribution):
         self._cache: dict[str, Any] = {}  # "direction", "mc", "pilot", ...: computed once
         super().__init__(base.batch_shape, base.event_shape, validate_args=False)
         self._validate_args = base._validate_args if validate_args is None else bool(validate_args)
-        if self.free_dim == 1:
+        with torch.no_grad():  # an empty polytope, or one of no volume on the plane, is refused here
+            if self.free_dim == 1:
+                lows, highs, moves, pinned_out, _, _ = line_bounds(base, self._lo, self._hi, self._direction())
+                check_line_section(lows, highs, moves, pinned_out, loc.dtype)
+
+    def _check_volume(self) -> None:
+        """With two or more rows (not a grouped sum) and ``n - a >= 2``, whether a combination of rows and bounds
+        leaves the polytope without volume or empty (:func:`~hardeq.bounds.volume.check_volume`): once, before
+        anything that needs the density (the normaliser, :meth:`log_prob`, the samplers); :attr:`mode` does not
+        need it and works on a face too."""
+        if "volume" in self._cache:
+            return
+        base = self.base
+        con = base.constraint
+        if self.free_dim >= 2 and con.group_index is None and con.num_constraints >= 2:
+            def second_opinion(lo: Tensor, hi: Tensor) -> bool:
+                try:
+                    truncated_mode(base, lo.to(self._lo.dtype), hi.to(self._lo.dtype))
+                except ModeNotFound:
+                    return False
+                return True
+
             with torch.no_grad():
-                # raises for an empty / single-point section of the line
-                exact_log_normaliser(base, self._lo, self._hi, self._direction())
+                check_volume(con, base._unbroadcasted_loc, base.covariance.variance, self._lo, self._hi,
+                             base.conditioner.variance(), self._lo.dtype, second_opinion)
+        self._cache["volume"] = True
 
     # ------------------------------------------------------------------ shape and support
     @property
@@ -196,9 +302,14 @@ class TruncatedConstrainedNormal(Distribution):
         r"""The maximiser of the density on the polytope, ``batch_shape + (n,)``: the projection of :math:`\mu` in the
         covariance metric onto :math:`\{Az = k\}\cap[l, u]`, solved exactly (:mod:`hardeq.bounds.mode`; cached).
         ``lower <= mode <= upper`` exactly; every row within the untruncated tolerance. Not differentiable."""
+        return self.base._out(self._compute_mode())
+
+    def _compute_mode(self) -> Tensor:
+        """:attr:`mode` in the compute dtype (cached)."""
         if "mode" not in self._cache:
             self._cache["mode"] = truncated_mode(self.base, self._lo, self._hi)
-        return self.base._out(self._cache["mode"])
+        mode: Tensor = self._cache["mode"]
+        return mode
 
     # ------------------------------------------------------------------ normaliser
     def _direction(self) -> Tensor:
@@ -209,7 +320,7 @@ class TruncatedConstrainedNormal(Distribution):
         return direction
 
     @torch.no_grad()
-    def _count_in_box(self, num: int) -> tuple[Tensor, Tensor, Tensor]:
+    def _count_in_box(self, num: int, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """MC normaliser from ``num`` untruncated draws, in chunks that bound memory."""
         B, n = self.batch_shape.numel(), self.event_shape[0]
         chunk = max(1, ROUND_ELEMENTS // max(1, B * n))
@@ -218,7 +329,7 @@ class TruncatedConstrainedNormal(Distribution):
         done = 0
         while done < num:
             m = min(chunk, num - done)
-            z = cond.sample(loc, (m,))
+            z = cond.sample(loc, (m,), generator=generator)
             inside += ((z >= self._lo) & (z <= self._hi)).all(-1).to(torch.float64).sum(0)
             done += m
         acc = inside / num
@@ -230,6 +341,7 @@ class TruncatedConstrainedNormal(Distribution):
         """``(log Z, stderr, acceptance)``: the untruncated draws' fraction in the box, replaced by subset
         simulation in the batch elements where fewer than :data:`SUBSET_BELOW_IN_BOX` of them fell inside."""
         if "mc" not in self._cache:
+            self._check_volume()
             log_z, stderr, acc = self._count_in_box(self.normaliser_samples)
             rare = acc * self.normaliser_samples < SUBSET_BELOW_IN_BOX
             if bool(rare.any()):
@@ -251,7 +363,7 @@ class TruncatedConstrainedNormal(Distribution):
 
         if gibbs_unsupported(self.base) is None:
             return blocked_gibbs(self.base, lower, upper, start, num_samples=1, burn_in=steps - 1).samples[0]
-        return exact_hmc(self.base, lower, upper, start, num_samples=1, burn_in=steps - 1).samples[0]
+        return exact_hmc(self.base, lower, upper, start, num_samples=1, burn_in=steps - 1, allow_stuck=True).samples[0]
 
     @property
     @_full_precision
@@ -269,7 +381,8 @@ class TruncatedConstrainedNormal(Distribution):
     @property
     def log_normaliser_stderr(self) -> Tensor:
         r"""Standard error of :attr:`log_normaliser`, ``batch_shape``: 0 when exact, else the delta-method
-        :math:`\sqrt{(1 - \hat Z)/(N\hat Z)}` (``inf`` where :math:`\hat Z = 0`)."""
+        :math:`\sqrt{(1 - \hat Z)/(N\hat Z)}` of the plain fraction, or subset simulation's calibrated error where
+        that is used (:func:`~hardeq.bounds.normaliser.subset_log_normaliser`)."""
         if self.normaliser_exact:
             return torch.zeros(self.batch_shape, dtype=self.base.result_dtype, device=self._lo.device)
         return self.base._out(self._mc()[1].to(self._lo.dtype))
@@ -282,6 +395,7 @@ class TruncatedConstrainedNormal(Distribution):
             with torch.no_grad():
                 return self.log_normaliser.detach().to(torch.float64).exp()
         if "pilot" not in self._cache:
+            self._check_volume()
             self._cache["pilot"] = self._count_in_box(self.pilot_samples)[2]
         pilot: Tensor = self._cache["pilot"]
         return pilot
@@ -292,6 +406,56 @@ class TruncatedConstrainedNormal(Distribution):
                                             or any(t.requires_grad for t in base.covariance.tensors())
                                             or base.constraint.k.requires_grad)
 
+    def _training_log_z(self, value: Tensor) -> Tensor:
+        """Training mode: no :math:`\\log Z`, only the zero-valued surrogate whose gradient is the persistent chains'
+        estimate of :math:`\\nabla\\log Z` (:mod:`hardeq.bounds.training`); ``batch_shape``, compute dtype."""
+        chains = self.training
+        assert chains is not None
+        if not self._needs_grad():
+            return torch.zeros(self.batch_shape, dtype=self._lo.dtype, device=self._lo.device)
+        self._warn_k()
+        base, lo, hi = self.base, self._lo, self._hi
+        shape = self.batch_shape + self.event_shape
+        rtol = math.sqrt(torch.finfo(lo.dtype).eps)
+        with torch.no_grad():
+            start = chains.start(shape, lo, hi, lambda z: base.constraint.check(z, rtol=rtol),
+                                 base._as_event("value", value), self._compute_mode)
+            draws = self._chain(start, chains.sweeps)
+        chains.state = draws[-1].detach()
+        chains.steps += 1
+        return surrogate(self._plane_log_prob(), draws.flatten(0, 1))
+
+    @torch.no_grad()
+    def _chain(self, start: Tensor, sweeps: int) -> Tensor:
+        """``sweeps`` states ``(sweeps, chains, *batch, n)`` of blocked Gibbs (exact HMC where Gibbs does not
+        apply, stuck chains allowed) from ``start``, in the compute dtype."""
+        from ..bounds.gibbs import blocked_gibbs, gibbs_unsupported
+        from ..bounds.hmc import exact_hmc
+
+        if gibbs_unsupported(self.base) is None:
+            return blocked_gibbs(self.base, self._lo, self._hi, start, num_samples=sweeps, burn_in=0).samples
+        return exact_hmc(self.base, self._lo, self._hi, start, num_samples=sweeps, burn_in=0,
+                         allow_stuck=True).samples
+
+    def _plane_log_prob(self) -> Callable[[Tensor], Tensor]:
+        """The untruncated conditional log-density on the plane with ``k`` detached (the normaliser's surrogate
+        carries no gradient to ``k``; :mod:`hardeq.bounds.normaliser`)."""
+        base = self.base
+        if base.constraint.k.requires_grad:
+            con = base.constraint.with_k(base.constraint.k.detach())
+            make: Any = type(base)
+            base = make(base._unbroadcasted_loc, covariance=base.covariance, constraint=con, validate_args=False)
+        return base.log_prob
+
+    def _warn_k(self) -> None:
+        if self.base.constraint.k.requires_grad and not self._cache.get("warned_k"):
+                self._cache["warned_k"] = True
+                warnings.warn("k requires grad, but with n - a > 1 the Monte Carlo normaliser of "
+                              "TruncatedConstrainedNormal.log_prob carries no gradient to k (k moves the box's section "
+                              "of the plane; the identity grad log Z = E[grad log p] covers loc and the scales only). "
+                              "Treat k as data here, or use one free dimension (exact normaliser).", UserWarning,
+                              stacklevel=4)
+
     def _log_z(self) -> Tensor:
         """:math:`\\log Z` for :meth:`log_prob`, compute dtype: exact with autograd, or the MC value plus the
         zero-valued surrogate that carries the gradient estimate."""
@@ -299,16 +463,10 @@ class TruncatedConstrainedNormal(Distribution):
             return exact_log_normaliser(self.base, self._lo, self._hi, self._direction())
         log_z = self._mc()[0].to(self._lo.dtype)
         if self._needs_grad():
-            if self.base.constraint.k.requires_grad and not self._cache.get("warned_k"):
-                self._cache["warned_k"] = True
-                warnings.warn("k requires grad, but with n - a > 1 the Monte Carlo normaliser of "
-                              "TruncatedConstrainedNormal.log_prob carries no gradient to k (k moves the box's section "
-                              "of the plane; the identity grad log Z = E[grad log p] covers loc and the scales only). "
-                              "Treat k as data here, or use one free dimension (exact normaliser).", UserWarning,
-                              stacklevel=3)
+            self._warn_k()
             if "grad_draws" not in self._cache:
                 self._cache["grad_draws"] = self._sample_compute((self.grad_samples,), "auto").samples.detach()
-            log_z = log_z + surrogate(self.base, self._cache["grad_draws"])
+            log_z = log_z + surrogate(self._plane_log_prob(), self._cache["grad_draws"])
         return log_z
 
     @_full_precision
@@ -322,10 +480,13 @@ class TruncatedConstrainedNormal(Distribution):
         Cost: one :meth:`ConstrainedNormal.log_prob`; the first call of a Monte Carlo normaliser also draws
         ``normaliser_samples`` untruncated vectors and, when a gradient is needed, ``grad_samples`` truncated ones
         (cached on this object)."""
+        self._check_volume()
         lp = self.base.log_prob(value)
         v = self.base._as_event("value", value)
-        inside = ((v >= self._lo) & (v <= self._hi)).all(-1)
-        out = lp - self.base._out(self._log_z())
+        # a NaN value is neither inside nor outside: its NaN log-density is passed on, never -inf
+        inside = ((v >= self._lo) & (v <= self._hi)).all(-1) | torch.isnan(v).any(-1)
+        training = self.training is not None and not self.normaliser_exact
+        out = lp - self.base._out(self._training_log_z(value) if training else self._log_z())
         return torch.where(inside, out, torch.full_like(out, -float("inf")))
 
     # ------------------------------------------------------------------ sampling
@@ -344,10 +505,11 @@ class TruncatedConstrainedNormal(Distribution):
 
         Args:
             sample_shape: leading sample dimensions.
-            method: ``"rejection"`` (exact iid), ``"gibbs"`` (blocked Gibbs on the plane, diagonal covariance only;
-                ``ValueError`` naming ``"hmc"`` otherwise), ``"hmc"`` (exact HMC on the plane; both exact in their
-                stationary law) or ``"auto"``: rejection when the pilot acceptance (:attr:`acceptance`, the smallest
-                over the batch) is at least ``threshold``, else Gibbs when it applies
+            method: ``"rejection"`` (exact iid), ``"gibbs"`` (blocked Gibbs on the plane, any covariance with a
+                diagonal part; ``ValueError`` naming ``"hmc"`` otherwise), ``"hmc"`` (exact HMC on the plane; both
+                exact in their stationary law; :class:`~hardeq.bounds.ChainStuck` where an HMC chain cannot move)
+                or ``"auto"``: rejection when the pilot acceptance (:attr:`acceptance`, the smallest over the batch)
+                is at least ``threshold``, else Gibbs when it applies
                 (:func:`hardeq.bounds.gibbs_unsupported` is ``None``), else HMC.
             chains: Markov chains per batch element (Gibbs or HMC; default ``prod(sample_shape)``: one draw per chain
                 after ``burn_in``, so draws are as independent as the burn-in makes them); each chain then gives
@@ -391,12 +553,15 @@ class TruncatedConstrainedNormal(Distribution):
         sample_shape = _sample_shape(sample_shape)
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
+        self._check_volume()
         num = sample_shape.numel()
         batch, n = self.batch_shape, self.event_shape[0]
         from ..bounds.gibbs import blocked_gibbs, gibbs_unsupported
 
         if method == "auto":
-            acc = self.acceptance
+            # with a generator the pilot draws from it too (not cached), so that the method chosen is reproducible
+            acc = self.acceptance if generator is None or self.normaliser_exact else \
+                self._count_in_box(self.pilot_samples, generator)[2]
             if float(acc.min()) >= threshold:
                 method = "rejection"
             else:
@@ -443,6 +608,7 @@ class TruncatedConstrainedNormal(Distribution):
                                           self._hi.expand(batch_shape + (n,)),
                                           normaliser_samples=self.normaliser_samples, grad_samples=self.grad_samples,
                                           pilot_samples=self.pilot_samples, normaliser=self._normaliser,
+                                          training=self.training if self.training is not None else False,
                                           validate_args=self._validate_args)
 
     def __repr__(self) -> str:
