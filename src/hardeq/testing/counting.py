@@ -83,7 +83,16 @@ def _reads_sizes(name: str, args: Any, kwargs: dict[str, Any]) -> bool:
 @dataclass
 class CallCount:
     """What :class:`count_calls` saw: ``calls`` (ATen calls, host reads included), ``host_reads``, and the counts
-    by operator name (``by_name``) and of the host reads (``host_read_names``)."""
+    by operator name (``by_name``) and of the host reads (``host_read_names``).
+
+    Example:
+        >>> x = torch.ones(3)
+        >>> with count_calls() as count:
+        ...     y = (2 * x).sum()
+        ...     value = y.item()
+        >>> count.calls, count.host_reads, dict(count.host_read_names)
+        (3, 1, {'_local_scalar_dense': 1})
+    """
 
     calls: int = 0
     host_reads: int = 0
@@ -121,6 +130,14 @@ class count_calls(TorchDispatchMode):
 
     Entering it returns a :class:`CallCount` that fills in as the block runs. Views, allocations and metadata
     queries are not counted. Nested modes (e.g. a ``FakeTensorMode``) see the same operators.
+
+    Example:
+        >>> x = torch.randn(4, 3)
+        >>> with count_calls() as count:
+        ...     y = x.t().unsqueeze(0)          # views: not counted
+        ...     z = torch.mm(y[0], x).relu()   # two computing calls, no host read
+        >>> count.calls, count.host_reads, count.by_name["mm"]
+        (2, 0, 1)
     """
 
     def __init__(self) -> None:
