@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from .._utils import check_finite, check_same_dtype_device, check_tensor, validate_default
+from ..linalg.device import profile
 from . import pairs
 from ._cache import PerTensorCache
 from .base import EqualityConstraint, config_dtype, dtype_name, register_constraint_kind, require_keys
@@ -381,7 +382,7 @@ class SparseConstraint(EqualityConstraint):
         """Does a product with the vectors of ``x`` (``(*lead, m)``, each stored contiguously) go by blocks
         (:class:`_Blocks`)? On the CPU, without gradient, when the vectors times ``size`` (the longer side, ``n``)
         are at least :data:`BLOCKED_MIN_ELEMENTS` elements."""
-        if x.device.type != "cpu" or x.dtype != self._A.dtype or x.dim() == 0 or x.stride(-1) != 1:
+        if not profile(x.device).blocked_drivers or x.dtype != self._A.dtype or x.dim() == 0 or x.stride(-1) != 1:
             return False
         if torch.is_grad_enabled() and (x.requires_grad or self._A.requires_grad):
             return False

@@ -14,7 +14,7 @@ from ._cache import PerTensorCache
 from .base import EqualityConstraint, config_dtype, dtype_name, register_constraint_kind, require_keys
 
 if TYPE_CHECKING:
-    from ..linalg.conditioning.grouped import GroupedOps
+    from ..linalg.conditioning.grouped_sample import GroupedOps
 
 __all__ = ["SumConstraint"]
 
@@ -76,7 +76,7 @@ class _Layout:
         ``n``)."""
         if self.ops is not None:
             return self.ops
-        from ..linalg.conditioning.grouped import GroupedOps
+        from ..linalg.conditioning.grouped_sample import GroupedOps
 
         gs = self.group_sum
         offsets = gs.offsets

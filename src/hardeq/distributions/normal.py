@@ -18,7 +18,7 @@ from ..constraints import EqualityConstraint
 from ..estimators import normal as _normal_estimators  # noqa: F401  (registers the estimators)
 from ..estimators.registry import get_estimator
 from ..linalg.conditioning import Conditioner, is_tracing
-from ..linalg.conditioning.grouped import grouped_rsample
+from ..linalg.conditioning.grouped_sample import grouped_rsample
 from ..linalg.covariance import Covariance, DiagonalCovariance, FullCovariance, LowRankCovariance
 from .losses import gaussian_expected_abs, gaussian_expected_square
 

@@ -68,7 +68,7 @@ from .residual import CHECK_RTOL_CAP, ResidualCheck, check_rtol
 from .sparse import SparseCholeskyFactor
 
 if TYPE_CHECKING:
-    from ...constraints import EqualityConstraint
+    from ...constraints.base import EqualityConstraint
     from ..covariance import Covariance
 
 __all__ = [
