@@ -132,9 +132,9 @@ def test_static_conditioner_makes_no_host_sync(dtype):
 
 
 def test_default_path_checks_on_the_host():
-    """The guard does see the default path's per-row check (one read-back per call), so the tests above can fail."""
+    """The guard does see the validated path's per-row check (one read-back per call), so the tests above can fail."""
     t = hot_inputs("linear", "diag", torch.float32)
-    d = build("linear", "diag", t, validate_args=False)
+    d = build("linear", "diag", t, validate_args=True)
     with pytest.raises(HostSyncError):
         with forbid_host_sync():
             d.rsample()

@@ -248,6 +248,14 @@ class LinearConstraint(EqualityConstraint):
         single, col, coef = rows
         return pinned_from_rows(single, col, coef, self.k, self.event_size)
 
+    def pinned_values_static(self) -> tuple[Tensor, Tensor] | None:
+        """As :meth:`EqualityConstraint.pinned_values_static`: the remembered verdict of this ``A`` tensor when
+        there is one (no read), else the mask and values formed without a branch."""
+        derived = self.derived() if not self.A.requires_grad else None
+        if derived is not None and "pinned" in derived:
+            return self.pinned_values()
+        return super().pinned_values_static()
+
     def particular_solution(self) -> Tensor:
         r"""Minimum-norm solution :math:`QR^{-\top}D^{-1}k`, ``(*batch, n)``, from the cached float64 QR (O(n a)
         per call after the first)."""

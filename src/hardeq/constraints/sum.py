@@ -260,6 +260,14 @@ class SumConstraint(EqualityConstraint):
             return None
         return mask, self.k.index_select(-1, self.index)
 
+    def pinned_values_static(self) -> tuple[Tensor, Tensor] | None:
+        """Members of groups of one, without a host read: the layout's verdict when it is known, else the mask
+        ``sizes[index] == 1`` formed always."""
+        layout = self._layout
+        if layout.any_single is not None:
+            return self.pinned_values()
+        return self.counts.index_select(0, self.index) == 1, self.k.index_select(-1, self.index)
+
     def _grouped_ops(self) -> GroupedOps | None:
         """The one-node grouped sample's operations of this index (:meth:`_Layout.grouped_ops`); None for a
         subclass (which may override the products: the sample then takes its methods)."""

@@ -15,6 +15,7 @@ from torch.distributions.utils import lazy_property
 
 from .._utils import LOG_2PI, check_finite, check_same_dtype_device, check_tensor
 from ..constraints import EqualityConstraint
+from ..constraints._cache import _NO_HOST_READS
 from ..estimators import normal as _normal_estimators  # noqa: F401  (registers the estimators)
 from ..estimators.registry import get_estimator
 from ..linalg.conditioning import Conditioner, is_tracing
@@ -34,6 +35,8 @@ class _OnDevice(Protocol):
     @property
     def _unbroadcasted_loc(self) -> Tensor: ...
 
+    _validate_args: bool
+
 __all__ = ["ConstrainedNormal", "affine_subspace"]
 
 #: dtypes accepted and computed in float32 (results are returned in the input dtype)
@@ -45,15 +48,23 @@ HALF_SUPPORT_RTOL_EPS = 8.0
 
 def _full_precision(method: _F) -> _F:
     """Run ``method`` with autocast disabled on the parameters' device: under ``torch.autocast`` a float32
-    matmul would otherwise run in bfloat16 / float16 and lose the per-row accuracy of the conditioner."""
+    matmul would otherwise run in bfloat16 / float16 and lose the per-row accuracy of the conditioner; and, with
+    ``validate_args=False``, inside :func:`hardeq.constraints._cache.no_host_reads` (the constraints' caches check
+    their tensors on the device)."""
 
     @functools.wraps(method)
     def wrapper(self: _OnDevice, *args: Any, **kwargs: Any) -> Any:
         device_type = self._unbroadcasted_loc.device.type
-        if not torch.is_autocast_enabled(device_type):
-            return method(self, *args, **kwargs)
-        with torch.autocast(device_type, enabled=False):
-            return method(self, *args, **kwargs)
+        # (no_host_reads, without its generator; not under torch.compile, which cannot trace it and skips the caches)
+        token = None if self._validate_args or torch.compiler.is_compiling() else _NO_HOST_READS.set(True)
+        try:
+            if not torch.is_autocast_enabled(device_type):
+                return method(self, *args, **kwargs)
+            with torch.autocast(device_type, enabled=False):
+                return method(self, *args, **kwargs)
+        finally:
+            if token is not None:
+                _NO_HOST_READS.reset(token)
 
     return cast(_F, wrapper)  # (functools.wraps keeps the signature)
 
@@ -269,7 +280,7 @@ class ConstrainedNormal(Distribution):
         the conditioner derives its :attr:`~hardeq.linalg.conditioning.Conditioner.requires_grad` itself.
         """
         needs_grad = any(t.requires_grad for t in self.covariance.tensors()) or self.constraint.k.requires_grad
-        static = not self._validate_args and is_tracing()
+        static = not self._validate_args or is_tracing()
         with torch.set_grad_enabled(needs_grad or torch.is_grad_enabled()):
             return Conditioner(self.covariance, self.constraint, static=static)
 
@@ -378,14 +389,20 @@ class ConstrainedNormal(Distribution):
         r""":math:`-\tfrac12[(n - a)\log 2\pi + \log\det\Sigma - \log\det S + \log\det AA^\top]`, ``batch_shape``."""
         n, a = self.event_shape[0], self.constraint.num_constraints
         plane_logdet = self.conditioner.plane_logdet()
-        if not self._logdet_checked and not self.conditioner.static:  # one host sync per distribution
-            if not bool(torch.isfinite(plane_logdet).all()):
-                raise ValueError(
-                    "scale (the covariance) must be nonsingular for log_prob and entropy, but log det Sigma - "
-                    f"log det S + log det(A A^T) is {plane_logdet.detach().flatten()[:4].tolist()} (a zero scale?); "
-                    "such a law has no density on the (n - a)-dimensional plane. With validate_args=True a "
-                    "non-positive scale is rejected at construction."
-                )
+        if not self._logdet_checked:  # once per distribution: a host read, or (static) a deferred device check
+            message = ("scale (the covariance) must be nonsingular for log_prob and entropy, but log det Sigma - "
+                       "log det S + log det(A A^T) is not finite (a zero scale?); such a law has no density on the "
+                       "(n - a)-dimensional plane. With validate_args=True a non-positive scale is rejected at "
+                       "construction.")
+            finite = torch.isfinite(plane_logdet.detach()).all()
+            if not self.conditioner.static:
+                if not bool(finite):
+                    raise ValueError(message)
+            elif torch._C._functorch.maybe_current_level() is None:  # (no batching rule for a device assertion)
+                try:
+                    torch._assert_async(finite, message)
+                except RuntimeError:  # raised at once on a CPU, eagerly
+                    raise ValueError(message) from None
             self._logdet_checked = True
         out: Tensor = -0.5 * ((n - a) * LOG_2PI + plane_logdet)
         return out

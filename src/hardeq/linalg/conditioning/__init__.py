@@ -83,8 +83,9 @@ __all__ = [
 
 #: refinement steps allowed per factor before escalating to the next one
 MAX_REFINEMENT_STEPS = 3
-#: refinement steps every vector gets in static mode
-STATIC_REFINEMENT_STEPS = 1
+#: refinement steps every vector gets in static mode, by dtype: each multiplies the error of the float64 gain by
+#: eps64 kappa (float32 vectors meet their rows after one at kappa <= 1e12; float64 ones need two at 1e10)
+STATIC_REFINEMENT_STEPS = {torch.float32: 1, torch.float64: 2}
 #: largest pivot-ratio estimate of kappa accepted by the Cholesky factor, by precision of the factor
 KAPPA_MAX = {"working": 1e3, "float64": 1e10}
 #: refinement steps of :meth:`Conditioner.deviation` for a float32 distribution (one for float64). Each multiplies
@@ -198,12 +199,15 @@ class Conditioner:
             _check_scale(self.c)
         self._check = ResidualCheck(constraint, covariance)
         self._normalised_wide: "Covariance | None" = None  # Sigma / c^2 in float64, made on first log_prob
-        # determined coordinates, pinned after every step (not in static mode: that needs a data-dependent branch)
-        self._pinned = None if static else constraint.pinned_values()
+        # determined coordinates, pinned after every step (in static mode without a host read: a remembered
+        # verdict, or the mask formed always)
+        self._pinned = constraint.pinned_values_static() if static else constraint.pinned_values()
         self.plan: tuple[PlanStep, ...] = default_plan(self.dtype, static) if method is None else forced_plan(
             method, self.dtype)
         self.stage = -1
-        self.factor = self._next_factor(wrap_nullspace=method is None and not static)
+        # (the null-space form decides on the host whether it can be trusted: not under tracing; in eager static mode
+        # that is a read at construction, for the near-square constraints it applies to, 2a > n, only)
+        self.factor = self._next_factor(wrap_nullspace=method is None and not (static and is_tracing()))
 
     # ================================================================== choosing
     def _next_factor(self, wrap_nullspace: bool = False) -> Factor:
@@ -246,9 +250,9 @@ class Conditioner:
 
     def _refined(self, z: Tensor) -> Tensor:
         if self.static:
-            for _ in range(STATIC_REFINEMENT_STEPS):
-                z = self.factor.refine(z)
-            return z
+            for _ in range(STATIC_REFINEMENT_STEPS.get(z.dtype, 1)):
+                z = self._pin(self.factor.refine(z))
+            return self._check.defer(z, lambda z: _cause(self.c, z))
         while True:
             for _ in range(MAX_REFINEMENT_STEPS):
                 bad = self._check.failing(z, self.method)
@@ -382,7 +386,11 @@ def _check_scale(c: Tensor) -> None:
 
 
 def _cause(c: Tensor, z: Tensor) -> str:
-    """Why refinement could not meet the rows: subnormal scales or values, else the conditioning of S."""
+    """Why refinement could not meet the rows: scales that are not finite or all zero, subnormal scales or values,
+    else the conditioning of S."""
+    if not bool((torch.isfinite(c) & (c > 0)).all()):
+        return (f"the covariance's scales must be finite and not all zero; got a largest entry in "
+                f"[{c.min().item():.3e}, {c.max().item():.3e}].")
     tiny = torch.finfo(z.dtype).tiny
     if bool((c < tiny).any()):
         return (f"the covariance's largest standard deviation, {c.min().item():.3e}, is subnormal in {c.dtype} "

@@ -19,7 +19,8 @@ from ..._utils import is_tracing
 from ...constraints import pairs  # (the module hardeq.constraints.pairs)
 from ...constraints.base import _grouped
 from ..covariance import DiagonalCovariance
-from .residual import check_rtol
+from ...constraints._cache import host_reads_allowed
+from .residual import ResidualCheck, check_rtol
 
 if TYPE_CHECKING:
     from ...constraints.base import EqualityConstraint
@@ -122,13 +123,20 @@ class _GroupedSample(torch.autograd.Function):
         z = z_hat.addcmul_(v, w_neg, value=-1.0)
         if ops.pin is not None:
             z = ops.pin(z, k)
+        if verdict is _DEFERRED:  # no check on the host to ask for it: one refinement step, always (a projection)
+            refinement = ops.rmatvec(ops.matvec(z).sub_(k).div_(s))
+            z.addcmul_(v, refinement, value=-1.0)
+            w_neg = w_neg + refinement
+            if ops.pin is not None:
+                z = ops.pin(z, k)
         # the first check of .residual, |(Az - k)_i| <= rtol ((|A||z|)_i + |k_i|), as max_i of the left side minus the
         # right <= 0 (NaN fails), screened: max_i |(Az - k)_i| - rtol (|A||z|)_i <= 0 (one read-back) implies it,
         # and the |k| term is added only when the screen fails (then a second read-back). A failing row goes to the
         # general path, which re-evaluates it in float64 and refines.
-        excess = ops.matvec(z).sub_(k).abs_().sub_(ops.abs_matvec(z.abs()), alpha=rtol)
-        passed = excess.amax().item() <= 0.0
-        verdict.append(passed or excess.sub_(k.abs(), alpha=rtol).amax().item() <= 0.0)
+        if verdict is not _DEFERRED:  # (without host reads the caller checks z in float64 on the device)
+            excess = ops.matvec(z).sub_(k).abs_().sub_(ops.abs_matvec(z.abs()), alpha=rtol)
+            passed = excess.amax().item() <= 0.0
+            verdict.append(passed or excess.sub_(k.abs(), alpha=rtol).amax().item() <= 0.0)
         # the backward's constants, kept on ctx (intermediates: nothing the caller can modify in place); the
         # factor of the scale's gradient, eps + 2 scale w, formed here when it is needed
         ctx.ops, ctx.v, ctx.s = ops, v, s
@@ -176,9 +184,13 @@ def grouped_rsample(cov: "Covariance", constraint: "EqualityConstraint", loc: Te
     structure, tracing, a noise that requires grad) or when the result needs more than the one step (a row fails the
     check, a NaN, a Gram pivot at or near 0): the caller then takes the general path, which refines, escalates or
     raises exactly as before. Same value as the general path's (up to the rounding of the check),
-    ``(*sample, *batch, n)``.
+    ``(*sample, *batch, n)``. Without host reads (:func:`~hardeq.constraints._cache.no_host_reads`:
+    ``validate_args=False``) the step is followed by one refinement step, always, and the per-row check runs in
+    float64 on the device (:meth:`~.residual.ResidualCheck.defer`): a failing row raises, deferred (``torch._assert_async``;
+    on the CPU at once): scales whose squares underflow the dtype (:math:`\sigma^2` subnormal) are then an error, not a
+    detour through the normalised general path.
 
-    Cost: one host synchronisation (the verdict; two when its screen fails); forward 6 products with ``A`` or
+    Cost: one host synchronisation (the verdict; two when its screen fails; none without host reads); forward 6 products with ``A`` or
     :math:`A^\top` and 5 elementwise passes over ``n``, backward 2 products and 3 passes (O(n) for a
     :class:`~hardeq.SumConstraint`); for a :class:`~hardeq.SumConstraint` no Python beyond one lookup of its
     per-index operations."""
@@ -195,7 +207,7 @@ def grouped_rsample(cov: "Covariance", constraint: "EqualityConstraint", loc: Te
     if limits is None:
         info = torch.finfo(eps.dtype)
         limits = _LIMITS[key] = (check_rtol(eps.dtype, eps.shape[-1]), info.tiny / info.eps)
-    verdict: list[bool] = []
+    verdict: list[bool] = [] if host_reads_allowed() else _DEFERRED
     scale, k = cov.scale, constraint.k
     if _APPLY is None:
         z: Tensor = _GroupedSample.apply(  # type: ignore[no-untyped-call]  # torch: Function.apply is unannotated
@@ -203,6 +215,8 @@ def grouped_rsample(cov: "Covariance", constraint: "EqualityConstraint", loc: Te
     else:  # (not is_tracing(): no torch.func transform is active, the case where Function.apply unwraps)
         u = _unwrap_if_dead
         z = _APPLY(u(loc), u(scale), u(k), u(eps), ops, limits[0], limits[1], verdict)
+    if verdict is _DEFERRED:  # the per-row check in float64 on the device, its error deferred
+        return ResidualCheck(constraint, cov).defer(z)
     return z if verdict[0] else None
 
 
@@ -222,6 +236,9 @@ def _c_apply() -> tuple[Callable[..., Tensor] | None, Callable[[Tensor], Tensor]
 
 
 _APPLY, _unwrap_if_dead = _c_apply()
+#: the ``verdict`` of a sample without host reads (inside :func:`~hardeq.constraints._cache.no_host_reads`): the
+#: check runs on the device and its error is deferred (``torch._assert_async``), with no fallback to the general path
+_DEFERRED: list[bool] = []
 
 
 #: ``(dtype, n) -> (rtol, s_min)`` of the one-node sample: the check's tolerance (:func:`.residual.check_rtol`) and

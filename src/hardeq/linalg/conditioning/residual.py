@@ -26,6 +26,7 @@ which such rows reach after a refinement step or two (their terms come back at :
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,7 +38,15 @@ if TYPE_CHECKING:
     from ...constraints.base import EqualityConstraint
     from ..covariance import Covariance
 
-__all__ = ["CHECK_RTOL_CAP", "ResidualCheck", "check_rtol"]
+__all__ = ["CHECK_RTOL_CAP", "DEFERRED_MESSAGE", "ResidualCheck", "check_rtol"]
+
+#: the message of the deferred per-row check (:meth:`ResidualCheck.defer`)
+DEFERRED_MESSAGE = ("hardeq: a conditioned vector misses a row of A z = k beyond its tolerance rtol (|A||z| + |k|)_i "
+                    "(checked on the device, without a host read: validate_args=False or under torch.compile / "
+                    "CUDA-graph capture). A Sigma A^T is too ill-conditioned for the sync-free path (float64 "
+                    "Cholesky of the equilibrated Gram matrix, refined), or the inputs are not finite. Use "
+                    "validate_args=True in eager mode (it escalates to a QR factor and names the row), float64, or "
+                    "rescale/remove nearly dependent rows of A.")
 
 #: cap of the check's tolerance per row, a quarter of the exactness target 1e-5 (float32) / 1e-12 (float64)
 CHECK_RTOL_CAP = {torch.float32: 2.5e-6, torch.float64: 2.5e-13}
@@ -103,6 +112,42 @@ class ResidualCheck:
         bad = res > (rtol * scale.to(torch.float64) + self.floor()).to(res.dtype)
         bad = bad.any(-1)
         return bad if bool(bad.any()) else None
+
+    def defer(self, z: Tensor, cause: "Callable[[Tensor], str] | None" = None) -> Tensor:
+        r"""The per-row check of ``z`` on the device, without a host read: every row of every vector must meet
+        :math:`|(Az - k)_i| \le \mathrm{rtol}\,((|A||z|)_i + |k_i|) + \varepsilon^2(|A|\sigma)_i`, with the
+        residual and the scale evaluated in float64 (so that evaluation noise never fails an exact vector); the
+        error is deferred with ``torch._assert_async`` (a GPU raises it at its next synchronisation, a CPU at once).
+        In eager mode on the CPU the error is re-raised as :class:`~hardeq.NotPSDError` naming the row
+        (:meth:`describe`, and ``cause(z)`` when given). Inside a ``torch.func`` transform (which has no batching rule for a device assertion)
+        the vectors that fail are returned as NaN instead. Returns ``z``. Cost: one float64 copy of ``z`` (for
+        float32), :math:`Az` and :math:`|A||z|` in float64 (O(n a), O(nnz) sparse) and a few elementwise passes
+        over ``(*sample, *batch, a)``."""
+        from ..._utils import is_tracing
+
+        with torch.no_grad():
+            wide = self.wide()
+            z64 = z.detach().to(torch.float64)
+            Az, scale = wide.matvec_and_scale(z64)
+            rtol = check_rtol(z.dtype, z.shape[-1])
+            k = wide.k.detach()
+            tol = (scale + k.abs()) * rtol
+            floor = self.floor()
+            if isinstance(floor, Tensor):
+                tol = tol + floor
+            met = (Az - k).abs() <= tol
+        if torch._C._functorch.maybe_current_level() is not None:  # vmap / grad: NaN marks a failing vector
+            return torch.where(met.all(-1, keepdim=True), z, torch.nan)
+        ok = met.all()
+        if is_tracing() or z.device.type != "cpu":
+            torch._assert_async(ok, DEFERRED_MESSAGE)
+            return z
+        try:
+            torch._assert_async(ok, DEFERRED_MESSAGE)
+        except RuntimeError:
+            why = "" if cause is None else f"; {cause(z)}"
+            raise NotPSDError(f"{DEFERRED_MESSAGE} {self.describe(z)}{why}") from None
+        return z
 
     def wide(self) -> "EqualityConstraint":
         """The constraint in float64 (itself when it is float64), converted once."""
