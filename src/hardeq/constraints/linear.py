@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from .._utils import batch_mv, check_finite, check_same_dtype_device, check_tensor, validate_default
+from .._utils import batch_mv, check_finite, check_same_dtype_device, check_tensor, is_tracing, validate_default
 from ..ops.gram_pairs import gram_from_pairs, row_pairs
 from . import pairs
 from ._cache import PerTensorCache
@@ -116,6 +116,14 @@ class LinearConstraint(EqualityConstraint):
             return
         check_finite("A", self.A)
         factors = self._row_space()
+        if is_tracing():  # inside a graph: the rank verdict on the device, its error deferred
+            if torch._C._functorch.maybe_current_level() is None:  # (no batching rule for a device assertion)
+                a, n = self.A.shape[-2:]
+                pivot = factors._min_pivot  # (a tensor until read on the host)
+                if isinstance(pivot, Tensor):
+                    torch._assert_async(pivot > max(a, n) * torch.finfo(self.A.dtype).eps, "A must have full row "
+                                        "rank (checked on the device): remove linearly dependent rows.")
+            return
         if not factors.full_rank(self.A.dtype):
             a, n = self.A.shape[-2:]
             raise ValueError(

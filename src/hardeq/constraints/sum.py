@@ -115,8 +115,13 @@ _LAYOUTS = PerTensorCache(snapshot_on_reuse=True)
 def _layout(index: Tensor, a: int, validate: bool) -> _Layout:
     """The (cached) layout of ``index`` with ``a`` groups; checks the index the first time (range, no empty group).
     Under ``torch.compile`` / ``torch.func`` with validation off: computed afresh, with no data-dependent check."""
-    if not validate and is_tracing():
-        return _Layout(index, a, group_sizes(index, a))
+    if is_tracing():  # inside a graph: no data-dependent check; with validation, one on the device (deferred)
+        counts = group_sizes(index, a)
+        if validate and torch._C._functorch.maybe_current_level() is None and index.numel():
+            torch._assert_async((index.amin() >= 0) & (index.amax() < a) & (counts.amin() >= 1),
+                                f"index values must lie in [0, a) with a = {a}, and every group must have at least "
+                                "one coordinate (checked on the device).")
+        return _Layout(index, a, counts)
     layouts = _LAYOUTS.get(index)
     layout = None if layouts is None else layouts.get(a)
     if layout is None:

@@ -216,7 +216,9 @@ class ConstrainedNormal(Distribution):
             ) from None
         if validate_args is None:
             validate_args = Distribution._validate_args
-        if validate_args:
+        if validate_args and is_tracing():  # inside a graph: one device-side check, its error deferred
+            _assert_values(loc, covariance, constraint.k)
+        elif validate_args:
             _check_values(loc, covariance)
             if getattr(constraint, "_validate_args", False) is False:
                 check_finite("constraint right-hand side k", constraint.k)
@@ -460,7 +462,11 @@ class ConstrainedNormal(Distribution):
         """
         original = value
         value = self._as_event("value", value)
-        if self._validate_args:
+        if self._validate_args and is_tracing():  # inside a graph: the support check on the device, deferred
+            if torch._C._functorch.maybe_current_level() is None:  # (no batching rule for a device assertion)
+                torch._assert_async(self.support.check(original).all(), "The value argument must be within the "
+                                    "support of ConstrainedNormal, the plane {A z = k} (checked on the device).")
+        elif self._validate_args:
             self._validate_sample(original)
         # z - mu_bar = (z - mu) - K r without forming mu_bar: mu_bar is only representable to ulp(|mu_bar|),
         # which can be a large fraction of a small scale; r = k - A mu is accumulated in float64.
@@ -566,6 +572,23 @@ def _check_values(loc: Tensor, covariance: Covariance) -> None:
             return
     check_finite("loc", loc)
     covariance.check_values()
+
+
+def _assert_values(loc: Tensor, covariance: Covariance, k: Tensor) -> None:
+    """The value checks of validation without a host read (under ``torch.compile``, ``torch.func`` or CUDA-graph
+    capture): ``loc`` and ``k`` finite, the covariance's tensors finite and, for a diagonal one, every scale a
+    positive normal number; one ``torch._assert_async`` (a GPU raises at its next synchronisation). Skipped inside
+    a ``torch.func`` transform (no batching rule for a device assertion)."""
+    if torch._C._functorch.maybe_current_level() is not None:
+        return
+    ok = torch.isfinite(loc.detach()).all() & torch.isfinite(k.detach()).all()
+    for t in covariance.tensors():
+        ok = ok & torch.isfinite(t.detach()).all()
+    scale = covariance.scale if type(covariance) is DiagonalCovariance else None
+    if scale is not None:
+        ok = ok & (scale.detach() >= torch.finfo(scale.dtype).tiny).all()
+    torch._assert_async(ok, "ConstrainedNormal (validate_args=True, checked on the device): loc, the constraint's "
+                            "k and the covariance must be finite, and scale positive (a normal number).")
 
 
 def _broadcast_shapes(*shapes: torch.Size) -> torch.Size:
