@@ -115,12 +115,14 @@ def test_static_path_makes_no_host_sync(static_regime, kind, cov, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_static_conditioner_makes_no_host_sync(dtype):
-    """``Conditioner(static=True)`` directly (no tracing needed): the grouped and the Cholesky factor."""
+    """``Conditioner(static=True)`` directly (no tracing needed): the grouped and the Cholesky factor, on an ``A``
+    (or index) used before (what a training loop does)."""
     for kind in ("linear", "sum"):
         t = hot_inputs(kind, "diag", dtype)
         con = (hardeq.LinearConstraint(t["A"], t["k"]) if kind == "linear"
                else hardeq.SumConstraint(t["index"], t["k"]))
         cov = DiagonalCovariance(t["scale"])
+        con.pinned_values()  # in eager mode the determined coordinates of an A are found once (one read), then kept
         with no_host_sync():
             cond = Conditioner(cov, con, static=True)
             z = cond.sample(t["loc"], (4,))

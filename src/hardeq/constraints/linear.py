@@ -108,6 +108,7 @@ class LinearConstraint(EqualityConstraint):
         self._factors = factors
         self._abs_A: Tensor | None = None
         self._derived: dict[str, Any] | None = None  # the _DERIVED entry of the source A, looked up once per instance
+        self._converted: dict[torch.dtype, LinearConstraint] | None = None  # to(dtype=...) of this instance
 
     def _validate_A(self) -> None:
         hit = _lookup(self._source)
@@ -257,10 +258,11 @@ class LinearConstraint(EqualityConstraint):
         return pinned_from_rows(single, col, coef, self.k, self.event_size)
 
     def pinned_values_static(self) -> tuple[Tensor, Tensor] | None:
-        """As :meth:`EqualityConstraint.pinned_values_static`: the remembered verdict of this ``A`` tensor when
-        there is one (no read), else the mask and values formed without a branch."""
+        """As :meth:`EqualityConstraint.pinned_values_static`: the remembered verdict of this ``A`` tensor (found
+        with one host read the first time an ``A`` is used, in eager mode), else (``A`` requires grad, or under
+        tracing) the mask and values formed without a branch."""
         derived = self.derived() if not self.A.requires_grad else None
-        if derived is not None and "pinned" in derived:
+        if derived is not None and ("pinned" in derived or not is_tracing()):  # (eager: found once per A tensor)
             return self.pinned_values()
         return super().pinned_values_static()
 
@@ -299,6 +301,21 @@ class LinearConstraint(EqualityConstraint):
         return new
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> LinearConstraint:
+        """This constraint on ``device`` / in ``dtype``. A change of dtype alone of a cached ``A`` (no gradient) is
+        converted once per ``A`` tensor and kept with its derived constants, so that the converted constraint's own
+        constants (``A^T``, the row pairs) are made once too."""
+        derived = self.derived() if device is None and dtype not in (None, self.A.dtype) and \
+            self.A is self._source else None
+        if derived is not None and dtype is not None:
+            mine = self._converted.get(dtype) if self._converted is not None else None
+            if mine is not None:  # (the conditioner's factor and its check both ask: one constraint)
+                return mine
+            key = f"to {dtype}"
+            if key not in derived:
+                derived[key] = self.A.to(dtype=dtype)
+            new = LinearConstraint(derived[key], self.k.to(dtype=dtype), validate_args=False)
+            self._converted = {**(self._converted or {}), dtype: new}
+            return new
         A, k = self.A.to(device=device, dtype=dtype), self.k.to(device=device, dtype=dtype)
         if A is self.A and k is self.k:
             return self
