@@ -74,6 +74,7 @@ class ResidualCheck:
         self.covariance = covariance
         self._wide: "EqualityConstraint | None" = None
         self._floor: Tensor | None = None
+        self._base: tuple[float, Tensor] | None = None  # (rtol, rtol |k| + floor) of defer()
 
     def floor(self) -> Tensor | float:
         r""":math:`\varepsilon^2(|A|\sigma)_i` (``(*batch, a)``, float64), 0 without a covariance."""
@@ -127,15 +128,13 @@ class ResidualCheck:
 
         with torch.no_grad():
             wide = self.wide()
-            z64 = z.detach().to(torch.float64)
-            Az, scale = wide.matvec_and_scale(z64)
+            Az, scale = wide.matvec_and_scale(z.detach().to(torch.float64))
             rtol = check_rtol(z.dtype, z.shape[-1])
             k = wide.k.detach()
-            tol = (scale + k.abs()) * rtol
-            floor = self.floor()
-            if isinstance(floor, Tensor):
-                tol = tol + floor
-            met = (Az - k).abs() <= tol
+            if self._base is None or self._base[0] != rtol:  # rtol |k| + floor, once per check and rtol
+                floor = self.floor()
+                self._base = (rtol, k.abs() * rtol + floor)
+            met = (Az - k).abs_() <= torch.add(self._base[1], scale, alpha=rtol)
         if torch._C._functorch.maybe_current_level() is not None:  # vmap / grad: NaN marks a failing vector
             return torch.where(met.all(-1, keepdim=True), z, torch.nan)
         ok = met.all()
