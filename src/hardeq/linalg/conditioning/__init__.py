@@ -37,13 +37,14 @@ pickles and ``torch.save``\ s. Escalating builds the next step's factor and make
 :attr:`~Conditioner.factor` (a new value; a factor is never modified after it is built).
 :attr:`~Conditioner.requires_grad` is derived from the inputs, not set from outside.
 
-**Static mode** (``static=True``; chosen automatically by :class:`~hardeq.ConstrainedNormal` with
-``validate_args=False`` under ``torch.compile``, a ``torch.func`` transform or CUDA-graph capture): no data-dependent
-branch and no host synchronisation. The factor
-is chosen by structure only (grouped, else Cholesky in float64 of the equilibrated Gram matrix), nothing is checked,
-and every vector gets :data:`STATIC_REFINEMENT_STEPS` refinement steps. Accuracy: the per-row criterion holds for
-well-conditioned problems (:math:`\varepsilon_{64}\kappa(\tilde S) \ll 1`, scales within about eight decades);
-determined coordinates (groups of one) come back within one ulp of their value rather than exactly (nothing is pinned).
+**Static mode** (``static=True``; chosen by :class:`~hardeq.ConstrainedNormal` with ``validate_args=False``, and
+in every mode under ``torch.compile``, a ``torch.func`` transform or CUDA-graph capture): no data-dependent branch
+and no host read. The factor is chosen by structure only (grouped, else Cholesky in float64 of the equilibrated
+Gram matrix; the null-space form when ``2a > n``, in eager mode), determined coordinates are pinned without a
+branch, every vector gets :data:`STATIC_REFINEMENT_STEPS` refinement steps (one for float32, two for float64), and
+every row is then checked on the device with its error deferred (:meth:`.residual.ResidualCheck.defer`). The
+per-row criterion holds when :math:`\varepsilon_{64}\kappa(\tilde S)` is small (up to about 1e12 for float32
+vectors, 1e10 for float64); beyond, the deferred check raises.
 
 Cost: factorisation O(batch n a^2 + batch a^3) (GEMM speed; grouped O(n)); each conditioned vector O(n a) (grouped:
 O(n); sparse: O(nnz)) plus the check, one more O(n a) product. :meth:`Conditioner.sample` fuses ``loc + F eps`` and the
@@ -64,7 +65,7 @@ from .factor import Factor
 from .grouped import GroupedFactor
 from .nullspace import NullspaceFactor, _operator_requires_grad
 from .qr import QRFactor
-from .residual import CHECK_RTOL_CAP, ResidualCheck, check_rtol
+from .residual import CHECK_RTOL_CAP, ResidualCheck, _cause, _check_scale, check_rtol
 from .sparse import SparseCholeskyFactor
 
 if TYPE_CHECKING:
@@ -375,26 +376,3 @@ class Conditioner:
 
     def __repr__(self) -> str:
         return f"Conditioner(method={self.method!r}, static={self.static}, {self.factor!r})"
-
-
-def _check_scale(c: Tensor) -> None:
-    if not bool((torch.isfinite(c) & (c > 0)).all()):
-        raise NotPSDError(
-            f"the covariance's scales must be finite and not all zero; got a largest entry in "
-            f"[{c.min().item():.3e}, {c.max().item():.3e}]."
-        )
-
-
-def _cause(c: Tensor, z: Tensor) -> str:
-    """Why refinement could not meet the rows: scales that are not finite or all zero, subnormal scales or values,
-    else the conditioning of S."""
-    if not bool((torch.isfinite(c) & (c > 0)).all()):
-        return (f"the covariance's scales must be finite and not all zero; got a largest entry in "
-                f"[{c.min().item():.3e}, {c.max().item():.3e}].")
-    tiny = torch.finfo(z.dtype).tiny
-    if bool((c < tiny).any()):
-        return (f"the covariance's largest standard deviation, {c.min().item():.3e}, is subnormal in {c.dtype} "
-                f"(below {tiny:.3e}), so the conditioned values have too few significant bits. Rescale the problem "
-                "(measure z in units of the scale) or use float64.")
-    return ("A Sigma A^T is too ill-conditioned for this dtype. Use float64, or rescale/remove nearly dependent rows "
-            "of A.")

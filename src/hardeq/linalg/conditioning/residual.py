@@ -173,3 +173,26 @@ class ResidualCheck:
         return (f"row {index[-1]} (index {index} over (*sample, *batch, row)) has |(A z - k)_i| = "
                 f"{res[index].item():.3e} > its tolerance {tol[index].item():.3e} = rtol (|A||z| + |k|)_i + "
                 "eps^2 (|A| sigma)_i")
+
+
+def _check_scale(c: Tensor) -> None:
+    if not bool((torch.isfinite(c) & (c > 0)).all()):
+        raise NotPSDError(
+            f"the covariance's scales must be finite and not all zero; got a largest entry in "
+            f"[{c.min().item():.3e}, {c.max().item():.3e}]."
+        )
+
+
+def _cause(c: Tensor, z: Tensor) -> str:
+    """Why refinement could not meet the rows: scales that are not finite or all zero, subnormal scales or values,
+    else the conditioning of S."""
+    if not bool((torch.isfinite(c) & (c > 0)).all()):
+        return (f"the covariance's scales must be finite and not all zero; got a largest entry in "
+                f"[{c.min().item():.3e}, {c.max().item():.3e}].")
+    tiny = torch.finfo(z.dtype).tiny
+    if bool((c < tiny).any()):
+        return (f"the covariance's largest standard deviation, {c.min().item():.3e}, is subnormal in {c.dtype} "
+                f"(below {tiny:.3e}), so the conditioned values have too few significant bits. Rescale the problem "
+                "(measure z in units of the scale) or use float64.")
+    return ("A Sigma A^T is too ill-conditioned for this dtype. Use float64, or rescale/remove nearly dependent rows "
+            "of A.")
