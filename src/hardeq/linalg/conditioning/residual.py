@@ -81,10 +81,14 @@ class ResidualCheck:
         if self.covariance is None:
             return 0.0
         if self._floor is None:
-            with torch.no_grad():
-                wide = self.wide()
-                sigma = self.covariance.to(dtype=torch.float64).diagonal().detach().clamp_min(0).sqrt()
-                self._floor = torch.finfo(self.constraint.dtype).eps ** 2 * wide.abs_matvec(sigma)
+            with torch.no_grad():  # (a tolerance: the working precision is plenty, and the (*batch, n) passes
+                # stay in it; only the (*batch, a) result is widened)
+                cov = self.covariance
+                scale = getattr(cov, "scale", None) if type(cov).__name__ == "DiagonalCovariance" else None
+                sigma = scale.detach().abs() if isinstance(scale, Tensor) else \
+                    cov.diagonal().detach().clamp_min(0).sqrt()
+                floor = self.constraint.abs_matvec(sigma.to(self.constraint.dtype)).to(torch.float64)
+                self._floor = floor.mul_(torch.finfo(self.constraint.dtype).eps ** 2)
         return self._floor
 
     @torch.no_grad()
@@ -128,7 +132,10 @@ class ResidualCheck:
 
         with torch.no_grad():
             wide = self.wide()
-            Az, scale = wide.matvec_and_scale(z.detach().to(torch.float64))
+            zd = z.detach()
+            # the residual in float64 (it cancels); |A||z| (a tolerance) in the working precision, widened
+            Az = wide.matvec(zd.to(torch.float64))
+            scale = self.constraint.abs_matvec(zd.abs()).to(torch.float64)
             rtol = check_rtol(z.dtype, z.shape[-1])
             k = wide.k.detach()
             if self._base is None or self._base[0] != rtol:  # rtol |k| + floor, once per check and rtol
