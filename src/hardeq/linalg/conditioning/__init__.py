@@ -65,6 +65,7 @@ from .factor import Factor
 from .grouped import GroupedFactor
 from .nullspace import NullspaceFactor, _operator_requires_grad
 from .qr import QRFactor
+from .fused_static import STATIC_REFINEMENT_STEPS, sample_static_checked
 from .residual import CHECK_RTOL_CAP, ResidualCheck, _cause, _check_scale, check_rtol
 from .sparse import SparseCholeskyFactor
 
@@ -84,9 +85,6 @@ __all__ = [
 
 #: refinement steps allowed per factor before escalating to the next one
 MAX_REFINEMENT_STEPS = 3
-#: refinement steps every vector gets in static mode, by dtype: each multiplies the error of the float64 gain by
-#: eps64 kappa (float32 vectors meet their rows after one at kappa <= 1e12; float64 ones need two at 1e10)
-STATIC_REFINEMENT_STEPS = {torch.float32: 1, torch.float64: 2}
 #: largest pivot-ratio estimate of kappa accepted by the Cholesky factor, by precision of the factor
 KAPPA_MAX = {"working": 1e3, "float64": 1e10}
 #: refinement steps of :meth:`Conditioner.deviation` for a float32 distribution (one for float64). Each multiplies
@@ -275,6 +273,11 @@ class Conditioner:
                generator: torch.Generator | None = None) -> Tensor:
         r"""Exact conditional samples ``condition(loc + F eps)`` without gradient, on one ``(*sample, *batch, n)``
         buffer. ``noise`` (shape ``(*sample_shape, *batch, noise_size)``) defaults to fresh ``randn``."""
+        if self.static and noise is None and self._pinned is None and not is_tracing():
+            done_static = sample_static_checked(self.factor, self._check, lambda z: _cause(self.c, z), loc,
+                                                torch.Size(sample_shape), generator)
+            if done_static is not None:  # (drawn, refined and checked chunk by chunk)
+                return done_static
         fused = None if noise is not None or self.static or self._pinned is not None else getattr(
             self.factor, "sample_fused", None)
         done = fused and fused(loc, torch.Size(sample_shape), generator, check_rtol(loc.dtype, loc.shape[-1]))

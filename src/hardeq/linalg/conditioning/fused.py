@@ -36,6 +36,7 @@ class _FusedFactor(Protocol):
     imports this one)."""
 
     constraint: "EqualityConstraint"
+    _con: "EqualityConstraint"
     cov: "Covariance"
     c: Tensor
     dtype: torch.dtype
