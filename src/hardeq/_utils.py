@@ -44,8 +44,9 @@ def stale_without_graph(cached: Tensor | None, *sources: Tensor) -> bool:
     gradient through it."""
     if cached is None:
         return True
-    return (cached.grad_fn is None and not cached.requires_grad and torch.is_grad_enabled()
-            and any(s.requires_grad for s in sources))
+    # (a tensor with a grad_fn requires grad: asking requires_grad alone is the same test, and torch.compile can
+    # trace it, where reading grad_fn is a graph break)
+    return not cached.requires_grad and torch.is_grad_enabled() and any(s.requires_grad for s in sources)
 
 
 def validate_default(validate_args: bool | None) -> bool:
@@ -78,6 +79,10 @@ def check_finite(name: str, value: Tensor) -> None:
     # the sum is finite when every entry is (it may overflow: then the exact test below decides): one reduction and
     # one read-back (isfinite is a composite of several kernels; so is sum * 0 == 0 with its wrapped scalars)
     if not value.is_floating_point():
+        return
+    if is_tracing():  # inside a graph: checked on the device, the error deferred (no batching rule under torch.func)
+        if torch._C._functorch.maybe_current_level() is None:
+            torch._assert_async(torch.isfinite(value.detach()).all(), f"{name} must be finite (checked on the device).")
         return
     if math.isfinite((value.detach() if value.requires_grad else value).sum().item()):
         return

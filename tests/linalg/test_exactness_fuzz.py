@@ -8,7 +8,8 @@ float64, ``tol = 1e-5`` (float32) / ``1e-12`` (float64); never relative to the l
   grouped ``SumConstraint`` (groups of one included) and ``SparseConstraint`` (CSR, 1-3 rows per column),
   diagonal / full / low-rank covariance, scales log-uniform over up to eight decades, loc up to 1e3 scales off
   the plane, right-hand sides of random magnitude, batched and not; 200 cases per (dtype, structure, constraint)
-  group, 3600 in all (about 7 s on one core).
+  group, 3600 in all, on each of the two paths: the sync-free one (``validate_args=False``) and the checked one
+  (validated) (about 15 s on one core).
 * Ragged graph batches like PyG's: 128 graphs of 1-59 nodes (singletons included), per-graph standard
   deviations spanning 1e2, 1e4 or 1e8, totals zero or not, via ``SumConstraint(batch, totals)``: per-row
   exactness for every graph and sample; a single-node graph returns its total exactly (``==``); a graph's mean
@@ -57,7 +58,7 @@ def covariance(structure: str, scale: torch.Tensor, g: torch.Generator, dtype: t
     return hardeq.LowRankCovariance(W.to(dtype), scale.to(dtype))
 
 
-def make_case(g: torch.Generator, dtype: torch.dtype, structure: str, kind: str):
+def make_case(g: torch.Generator, dtype: torch.dtype, structure: str, kind: str, validate: bool = False):
     """One random problem: ``(ConstrainedNormal, noise for rsample, description)``."""
     def u(lo, hi):
         return lo + (hi - lo) * float(torch.rand((), generator=g, dtype=torch.float64))
@@ -89,19 +90,19 @@ def make_case(g: torch.Generator, dtype: torch.dtype, structure: str, kind: str)
     else:  # every group non-empty; small groups (and groups of one) are common
         index = torch.cat([torch.arange(a), torch.randint(0, a, (n - a,), generator=g)])
         con = hardeq.SumConstraint(index[torch.randperm(n, generator=g)], k)
-    d = hardeq.ConstrainedNormal(loc, covariance=cov, constraint=con, validate_args=False)
+    d = hardeq.ConstrainedNormal(loc, covariance=cov, constraint=con, validate_args=validate)
     noise = torch.randn((2,) + d.batch_shape + (d.noise_size,), generator=g, dtype=torch.float64).to(dtype)
     return d, noise, f"{dtype} {structure} {kind} n={n} a={a} batch={batch} decades={decades:.1f} off={off:.1e}"
 
 
-def run_group(dtype, structure, kind, cases=CASES_PER_GROUP):
+def run_group(dtype, structure, kind, cases=CASES_PER_GROUP, validate=False):
     """``(failures, worst per-row ratio, description of the worst case)`` over ``cases`` random problems."""
     seed = STRUCTURES.index(structure) * 10 + KINDS.index(kind) + (0 if dtype == torch.float64 else 500)
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # sample()
     failures, worst, worst_desc = 0, 0.0, ""
     for _ in range(cases):
-        d, noise, desc = make_case(g, dtype, structure, kind)
+        d, noise, desc = make_case(g, dtype, structure, kind, validate)
         try:
             zs = [d.mean, d.sample((2,)), d.rsample((2,), noise=noise)]
             ratios = [row_residual_ratio(d.constraint, z).nan_to_num(float("inf"), float("inf")) for z in zs]
@@ -114,11 +115,14 @@ def run_group(dtype, structure, kind, cases=CASES_PER_GROUP):
     return failures, worst, worst_desc
 
 
+@pytest.mark.parametrize("validate", [False, True], ids=["sync-free", "checked"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("structure", STRUCTURES)
 @DTYPES
-def test_every_row_of_every_vector_is_exact(dtype, structure, kind):
-    failures, worst, desc = run_group(dtype, structure, kind)
+def test_every_row_of_every_vector_is_exact(dtype, structure, kind, validate):
+    """Both paths: without validation the sync-free one (float64 factor, fixed refinement, the check on the device),
+    with it the checked one (check on the host, refinement on demand, escalation)."""
+    failures, worst, desc = run_group(dtype, structure, kind, validate=validate)
     assert failures == 0, (f"{failures} of {CASES_PER_GROUP} cases exceed {exactness_tolerance(dtype):g} in some row; "
                            f"worst ratio {worst:.2e} ({desc})")
 

@@ -12,6 +12,7 @@ import torch
 
 import hardeq
 from hardeq.linalg.conditioning import cholesky as factor_module
+from hardeq.linalg.conditioning import fused as fused_module
 from hardeq.linalg.conditioning.residual import check_rtol
 from hardeq.testing import assert_exact_per_row, dense_conditional
 
@@ -29,13 +30,15 @@ def _problem(dtype, B=5, n=3000, a=6, seed=0):
 
 def _dist(A, loc, scale, k):
     con = hardeq.LinearConstraint(A, k, validate_args=False)
-    return hardeq.ConstrainedNormal(loc, scale, constraint=con, validate_args=False)
+    # the fused sampler is the checked conditioner's (validated distribution); without validation the sync-free
+    # static conditioner conditions with a float64 factor and always refines
+    return hardeq.ConstrainedNormal(loc, scale, constraint=con, validate_args=True)
 
 
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Chunks of two rows, so that every test crosses chunk boundaries."""
-    monkeypatch.setattr(factor_module, "FUSED_CHUNK_ELEMS", 2 * 3000)
+    monkeypatch.setattr(fused_module, "FUSED_CHUNK_ELEMS", 2 * 3000)
 
 
 def _spy(monkeypatch):
@@ -139,8 +142,8 @@ def test_broadcast_loc_and_shared_k_in_a_batch():
 def test_chunks_are_cache_sized_on_the_cpu_and_whole_elsewhere():
     """On the CPU a chunk holds about FUSED_CHUNK_ELEMS elements and at least ``min_rows`` rows; on another device
     (kernel launches cost more than cache misses there) every row goes in one chunk."""
-    rows = factor_module._rows_per_chunk
-    elems = factor_module.FUSED_CHUNK_ELEMS
+    rows = fused_module._rows_per_chunk
+    elems = fused_module.FUSED_CHUNK_ELEMS
     assert rows(64, 100_000, 8, torch.device("cpu")) == max(8, elems // 100_000)
     assert rows(64, 100_000, 40, torch.device("cpu")) == 40  # each chunk streams A once: at least a rows
     assert rows(3, 10, 8, torch.device("cpu")) == 3  # never more than there are
@@ -154,7 +157,7 @@ def test_chunks_are_cache_sized_on_the_cpu_and_whole_elsewhere():
 def test_chunks_of_any_size_draw_the_stream_of_one_randn(monkeypatch):
     """Chunks of three rows of 3000 (9000 elements, not a multiple of 16) would redraw the last 16 values of
     each chunk; the chunks are rounded to whole blocks of 16 draws."""
-    monkeypatch.setattr(factor_module, "FUSED_CHUNK_ELEMS", 3 * 3000)
+    monkeypatch.setattr(fused_module, "FUSED_CHUNK_ELEMS", 3 * 3000)
     A, loc, scale, k = _problem(torch.float32, B=7, a=3)
     d = _dist(A, loc, scale, k)
     torch.manual_seed(4)
@@ -182,14 +185,14 @@ def _spread_problem(dtype, B=8, n=3000, a=2, seed=11):
 @pytest.fixture
 def screened(monkeypatch):
     """Screen the per-row check from n = 1000 on (the module's threshold is above the tests' sizes)."""
-    monkeypatch.setattr(factor_module, "SCREEN_MIN_SIZE", 1000)
+    monkeypatch.setattr(fused_module, "SCREEN_MIN_SIZE", 1000)
 
 
 @pytest.mark.cpu_only(reason="the folded gain, its guard, the squared Gram and the screen are CPU paths")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_folded_gain_and_its_fallback_meet_every_row_of_rows_at_very_different_scales(dtype, monkeypatch,
                                                                                       screened):
-    monkeypatch.setattr(factor_module, "FUSED_CHUNK_ELEMS", 2 * 3000)  # chunks of two rows (a = 2)
+    monkeypatch.setattr(fused_module, "FUSED_CHUNK_ELEMS", 2 * 3000)  # chunks of two rows (a = 2)
     A, loc, scale, k = _spread_problem(dtype)
     folded = []
     original = factor_module.CholeskyFactor._folded_gain_
@@ -242,8 +245,8 @@ def test_the_screened_check_gives_the_full_checks_verdict(dtype):
     A = torch.randn(a, n, generator=g, dtype=dtype)
     A_t, abs_A_t = A.mT.contiguous(), A.abs().mT.contiguous()
     rtol = check_rtol(dtype, n)
-    screen, shrink = factor_module._screen_columns(n, dtype, torch.device("cpu"))
-    assert screen == n // factor_module.SCREEN_FRACTION and 0.5 < shrink < 1.0
+    screen, shrink = fused_module._screen_columns(n, dtype, torch.device("cpu"))
+    assert screen == n // fused_module.SCREEN_FRACTION and 0.5 < shrink < 1.0
     scratch = torch.empty(rows, n, dtype=dtype)
     decided_by_screen, verdicts = 0, set()
     for trial in range(200):
@@ -253,8 +256,8 @@ def test_the_screened_check_gives_the_full_checks_verdict(dtype):
         t = (torch.rand(rows, a, generator=g, dtype=dtype) * 0.05 if trial % 2 else
              0.9 + 0.2 * torch.rand(rows, a, generator=g, dtype=dtype))
         k = z @ A_t + t * rtol * size
-        full, _ = factor_module._chunk_fails(z, k, A_t, abs_A_t, rtol, None, shrink, scratch)
-        screened, after = factor_module._chunk_fails(z, k, A_t, abs_A_t, rtol, screen, shrink, scratch)
+        full, _ = fused_module._chunk_fails(z, k, A_t, abs_A_t, rtol, None, shrink, scratch)
+        screened, after = fused_module._chunk_fails(z, k, A_t, abs_A_t, rtol, screen, shrink, scratch)
         assert bool(full) == bool(screened)
         decided_by_screen += after is not None
         verdicts.add(bool(full))
@@ -270,24 +273,24 @@ def test_a_row_outside_the_screened_columns_turns_the_screen_off_and_is_checked_
     A_t, abs_A_t = A.mT.contiguous(), A.abs().mT.contiguous()
     z = torch.randn(2, n, dtype=torch.float64)
     rtol = 1e-12
-    screen, shrink = factor_module._screen_columns(n, torch.float64, torch.device("cpu"))
+    screen, shrink = fused_module._screen_columns(n, torch.float64, torch.device("cpu"))
     size = z.abs() @ abs_A_t
     k = z @ A_t + 0.5 * rtol * size  # within every row's tolerance, but row 1's only with its full |A||z|
-    fails, after = factor_module._chunk_fails(z, k, A_t, abs_A_t, rtol, screen, shrink, torch.empty(2, n,
+    fails, after = fused_module._chunk_fails(z, k, A_t, abs_A_t, rtol, screen, shrink, torch.empty(2, n,
                                                                                                   dtype=torch.float64))
     assert after is None and not bool(fails)  # the full product decided: every row passes
     k = z @ A_t + 1.5 * rtol * size
-    fails, _ = factor_module._chunk_fails(z, k, A_t, abs_A_t, rtol, None, shrink, torch.empty(2, n,
+    fails, _ = fused_module._chunk_fails(z, k, A_t, abs_A_t, rtol, None, shrink, torch.empty(2, n,
                                                                                              dtype=torch.float64))
     assert bool(fails)
 
 
 def test_the_screen_is_off_the_cpu_and_for_short_vectors():
-    assert factor_module._screen_columns(100_000, torch.float32, torch.device("meta")) == (None, 1.0)
-    assert factor_module._screen_columns(factor_module.SCREEN_MIN_SIZE - 1, torch.float32,
+    assert fused_module._screen_columns(100_000, torch.float32, torch.device("meta")) == (None, 1.0)
+    assert fused_module._screen_columns(fused_module.SCREEN_MIN_SIZE - 1, torch.float32,
                                          torch.device("cpu")) == (None, 1.0)
-    m, shrink = factor_module._screen_columns(100_000, torch.float32, torch.device("cpu"))
-    assert m == 100_000 // factor_module.SCREEN_FRACTION
+    m, shrink = fused_module._screen_columns(100_000, torch.float32, torch.device("cpu"))
+    assert m == 100_000 // fused_module.SCREEN_FRACTION
     assert shrink == pytest.approx(1 - 3 * 100_000 * torch.finfo(torch.float32).eps)
 
 
@@ -296,7 +299,7 @@ def test_the_screen_is_off_the_cpu_and_for_short_vectors():
 def test_a_sample_does_not_depend_on_the_rest_of_the_batch(dtype, monkeypatch, screened):
     """Row 2's sample, from the same noise, whatever the other rows' scales (which switch the squared Gram, the
     folded gain and the screen of their chunks on and off), up to rounding; every row exact."""
-    monkeypatch.setattr(factor_module, "FUSED_CHUNK_ELEMS", 3 * 3000)
+    monkeypatch.setattr(fused_module, "FUSED_CHUNK_ELEMS", 3 * 3000)
     A, loc, scale, k = _problem(dtype, B=6, a=3)
     torch.manual_seed(9)
     z1 = _dist(A, loc, scale, k).sample()

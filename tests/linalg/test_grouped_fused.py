@@ -17,7 +17,7 @@ import torch
 
 import hardeq
 from hardeq.estimators.normal import exact_sample
-from hardeq.linalg.conditioning.grouped import _GroupedSample
+from hardeq.linalg.conditioning.grouped_sample import _GroupedSample
 from hardeq.ops import SUM_CHUNK, GroupSum
 from hardeq.testing import assert_exact_per_row
 
@@ -505,7 +505,7 @@ def test_the_direct_apply_gives_what_the_public_apply_gives(monkeypatch):
     """``grouped_rsample`` calls the C++ ``apply`` of the node (without the Python layer of
     ``torch.autograd.Function.apply``); same values and gradients as through the public ``apply``, also for a ``loc``
     that escaped a ``torch.func`` transform (a dead wrapper, which both unwrap)."""
-    from hardeq.linalg.conditioning import grouped
+    from hardeq.linalg.conditioning import grouped_sample as grouped
 
     assert grouped._APPLY is not None  # (this torch has it)
     leaked: list[torch.Tensor] = []

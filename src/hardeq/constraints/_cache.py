@@ -16,11 +16,20 @@ snapshot only when a tensor is used a second time: the first entry holds no copy
 is computed afresh from the current contents, so an edit in between is seen) and the entry stored after that miss
 takes the snapshot. A tensor used once (PyG's ``batch`` vector, a new one every step) then costs no copy; one used
 every step is computed twice, then compared as above.
+
+**Without host reads** (inside :func:`no_host_reads`, which :class:`~hardeq.ConstrainedNormal` with
+``validate_args=False`` enters): the comparison cannot decide on the host whether the entry is stale, so a lookup
+returns the entry and checks the contents on the device, deferred (``torch._assert_async``: on a CPU it raises at
+once; on a GPU at the next synchronisation). An edit through ``.data`` of a cached tensor then raises instead of
+being recomputed around: build the constraint from a new tensor after editing one in place that way.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,7 +37,34 @@ from torch import Tensor
 
 from .._utils import is_tracing
 
-__all__ = ["PerTensorCache"]
+__all__ = ["PerTensorCache", "host_reads_allowed", "no_host_reads"]
+
+_NO_HOST_READS: contextvars.ContextVar[bool] = contextvars.ContextVar("hardeq_no_host_reads", default=False)
+
+#: the message of the deferred check of a cached tensor's contents (see the module docstring)
+STALE_MESSAGE = ("hardeq: a tensor a constraint caches derived values of (A, or a group index) was modified in place "
+                 "without bumping its version (through .data or another view), or holds NaN, since it was first "
+                 "used; with validate_args=False such an edit is not looked for on the host. Build the constraint "
+                 "from a new tensor (e.g. A.clone()) after editing it, or use validate_args=True.")
+
+
+def host_reads_allowed() -> bool:
+    """Whether the library may read values back to the host here (``False`` inside :func:`no_host_reads`)."""
+    return not _NO_HOST_READS.get()
+
+
+@contextlib.contextmanager
+def no_host_reads(active: bool = True) -> Iterator[None]:
+    """Within the block (when ``active``), the library's hot paths make no host read: checks that would read a
+    value back are made on the device and deferred (see the module docstring)."""
+    if not active:
+        yield
+        return
+    token = _NO_HOST_READS.set(True)
+    try:
+        yield
+    finally:
+        _NO_HOST_READS.reset(token)
 
 
 def _parts(A: Tensor) -> tuple[Tensor, ...]:
@@ -54,6 +90,17 @@ def _unchanged(A: Tensor, snapshot: tuple[Tensor, ...]) -> bool:
         return p.shape == s.shape and p.dtype == s.dtype and torch.equal(p, s)
     return len(parts) == len(snapshot) and all(
         p.shape == s.shape and p.dtype == s.dtype and bool(torch.equal(p, s)) for p, s in zip(parts, snapshot))
+
+
+def _assert_unchanged(A: Tensor, snapshot: tuple[Tensor, ...]) -> bool:
+    """The device-side, deferred form of :func:`_unchanged`: ``False`` (a miss) when the shapes or dtypes differ
+    (known on the host), else ``True`` with a deferred assertion that the contents are equal."""
+    parts = _parts(A)
+    if len(parts) != len(snapshot) or any(p.shape != s.shape or p.dtype != s.dtype for p, s in zip(parts, snapshot)):
+        return False
+    same = [torch.eq(p, s).all() for p, s in zip(parts, snapshot)]
+    torch._assert_async(same[0] if len(same) == 1 else torch.stack(same).all(), STALE_MESSAGE)
+    return True
 
 
 class PerTensorCache:
@@ -83,7 +130,7 @@ class PerTensorCache:
             if entry[0]() is A and entry[1] == A._version:
                 if entry[2] is None:  # stored without a snapshot: computed afresh, and the put that follows takes one
                     return None
-                if _unchanged(A, entry[2]):
+                if (_unchanged if not _NO_HOST_READS.get() else _assert_unchanged)(A, entry[2]):
                     return entry[3]
         except RuntimeError:  # inference tensors have no version counter
             return None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["pinned_dense", "pinned_from_rows", "singleton_rows"]
+__all__ = ["pinned_dense", "pinned_dense_static", "pinned_from_rows", "singleton_rows"]
 
 
 def pinned_from_rows(single: Tensor, col: Tensor, coef: Tensor, k: Tensor, n: int) -> tuple[Tensor, Tensor]:
@@ -27,17 +27,25 @@ def pinned_from_rows(single: Tensor, col: Tensor, coef: Tensor, k: Tensor, n: in
     return mask, values.scatter_add(-1, col.expand(batch + col.shape[-1:]), per_row)
 
 
-def singleton_rows(A: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+def singleton_rows(A: Tensor, branch_free: bool = False) -> tuple[Tensor, Tensor, Tensor] | None:
     """``(single, col, coef)`` of :func:`pinned_from_rows` for a dense ``A`` (``(*batch_A, a, n)``): O(a n), one
-    host synchronisation; ``None`` when no row of ``A`` has exactly one nonzero. ``coef`` is differentiable in
-    ``A``."""
+    host synchronisation; ``None`` when no row of ``A`` has exactly one nonzero (with ``branch_free``: never
+    ``None``, no host read). ``coef`` is differentiable in ``A``."""
     with torch.no_grad():
         nz = A.detach() != 0
         single = nz.sum(-1) == 1
-        if not bool(single.any()):
+        if not branch_free and not bool(single.any()):
             return None
         col = nz.to(torch.uint8).argmax(-1)  # the first (for a singleton row: the only) nonzero of each row
     return single, col, A.gather(-1, col.unsqueeze(-1)).squeeze(-1)
+
+
+def pinned_dense_static(A: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`pinned_dense` without a host read: the mask and values always (the mask all false when no row has
+    one nonzero)."""
+    rows = singleton_rows(A, branch_free=True)
+    assert rows is not None  # (branch_free)
+    return pinned_from_rows(*rows, k, A.shape[-1])
 
 
 def pinned_dense(A: Tensor, k: Tensor) -> tuple[Tensor, Tensor] | None:

@@ -288,6 +288,14 @@ class EqualityConstraint(ABC):
 
         return pinned_dense(self.dense_matrix(), self.k)
 
+    def pinned_values_static(self) -> tuple[Tensor, Tensor] | None:
+        """:meth:`pinned_values` without a host read (for the conditioner's static mode): a verdict remembered
+        from an earlier call may still say ``None``; otherwise the mask and values are formed always (an all-false
+        mask when nothing is determined). Default: from :meth:`dense_matrix`, O(a n)."""
+        from ._pinned import pinned_dense_static
+
+        return pinned_dense_static(self.dense_matrix(), self.k)
+
     # ------------------------------------------------------------------ geometry of the plane
     def particular_solution(self) -> Tensor:
         r"""The minimum-norm solution :math:`z_0 = A^\top(AA^\top)^{-1}k` of :math:`Az = k`, ``(*batch, n)``.

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from .._utils import batch_mv, check_finite, check_same_dtype_device, check_tensor, validate_default
+from .._utils import batch_mv, check_finite, check_same_dtype_device, check_tensor, is_tracing, validate_default
 from .._validation import check_device, check_not_transposed
 from ..ops.gram_pairs import gram_from_pairs, row_pairs
 from . import pairs
@@ -110,6 +110,7 @@ class LinearConstraint(EqualityConstraint):
         self._factors = factors
         self._abs_A: Tensor | None = None
         self._derived: dict[str, Any] | None = None  # the _DERIVED entry of the source A, looked up once per instance
+        self._converted: dict[torch.dtype, LinearConstraint] | None = None  # to(dtype=...) of this instance
 
     def _validate_A(self) -> None:
         hit = _lookup(self._source)
@@ -118,6 +119,14 @@ class LinearConstraint(EqualityConstraint):
             return
         check_finite("A", self.A)
         factors = self._row_space()
+        if is_tracing():  # inside a graph: the rank verdict on the device, its error deferred
+            if torch._C._functorch.maybe_current_level() is None:  # (no batching rule for a device assertion)
+                a, n = self.A.shape[-2:]
+                pivot = factors._min_pivot  # (a tensor until read on the host)
+                if isinstance(pivot, Tensor):
+                    torch._assert_async(pivot > max(a, n) * torch.finfo(self.A.dtype).eps, "A must have full row "
+                                        "rank (checked on the device): remove linearly dependent rows.")
+            return
         if not factors.full_rank(self.A.dtype):
             a, n = self.A.shape[-2:]
             raise ValueError(
@@ -250,6 +259,15 @@ class LinearConstraint(EqualityConstraint):
         single, col, coef = rows
         return pinned_from_rows(single, col, coef, self.k, self.event_size)
 
+    def pinned_values_static(self) -> tuple[Tensor, Tensor] | None:
+        """As :meth:`EqualityConstraint.pinned_values_static`: the remembered verdict of this ``A`` tensor (found
+        with one host read the first time an ``A`` is used, in eager mode), else (``A`` requires grad, or under
+        tracing) the mask and values formed without a branch."""
+        derived = self.derived() if not self.A.requires_grad else None
+        if derived is not None and ("pinned" in derived or not is_tracing()):  # (eager: found once per A tensor)
+            return self.pinned_values()
+        return super().pinned_values_static()
+
     def particular_solution(self) -> Tensor:
         r"""Minimum-norm solution :math:`QR^{-\top}D^{-1}k`, ``(*batch, n)``, from the cached float64 QR (O(n a)
         per call after the first)."""
@@ -285,6 +303,21 @@ class LinearConstraint(EqualityConstraint):
         return new
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> LinearConstraint:
+        """This constraint on ``device`` / in ``dtype``. A change of dtype alone of a cached ``A`` (no gradient) is
+        converted once per ``A`` tensor and kept with its derived constants, so that the converted constraint's own
+        constants (``A^T``, the row pairs) are made once too."""
+        derived = self.derived() if device is None and dtype not in (None, self.A.dtype) and \
+            self.A is self._source else None
+        if derived is not None and dtype is not None:
+            mine = self._converted.get(dtype) if self._converted is not None else None
+            if mine is not None:  # (the conditioner's factor and its check both ask: one constraint)
+                return mine
+            key = f"to {dtype}"
+            if key not in derived:
+                derived[key] = self.A.to(dtype=dtype)
+            new = LinearConstraint(derived[key], self.k.to(dtype=dtype), validate_args=False)
+            self._converted = {**(self._converted or {}), dtype: new}
+            return new
         check_device(device)
         A, k = self.A.to(device=device, dtype=dtype), self.k.to(device=device, dtype=dtype)
         if A is self.A and k is self.k:

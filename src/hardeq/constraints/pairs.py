@@ -36,13 +36,12 @@ serve (:mod:`~hardeq.constraints.linear`, :mod:`~hardeq.constraints.sparse`,
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol, TypeVar
 
 from torch import Tensor
 
 if TYPE_CHECKING:
     from ..linalg.covariance import Covariance
-    from .base import EqualityConstraint
 
 __all__ = ["OPERATIONS", "ANY_COVARIANCE", "Grouped", "register_pair", "gram", "cross_covariance", "sqrt_gram_factor",
            "grouped_structure"]
@@ -60,6 +59,14 @@ PairFn = Callable[..., Any]
 _F = TypeVar("_F", bound=PairFn)
 
 _REGISTRY: dict[str, dict[tuple[type, type], PairFn]] = {op: {} for op in OPERATIONS}
+
+
+class ConstraintLike(Protocol):
+    """What the pair functions take as ``constraint``: a :class:`~hardeq.EqualityConstraint` in practice (any type
+    with a registration; this module sits below ``constraints.base``, which imports it, so it names no class)."""
+
+    @property
+    def event_size(self) -> int: ...
 
 
 class Grouped(NamedTuple):
@@ -113,25 +120,25 @@ def _dispatch(operation: str, type_c: type, type_v: type) -> PairFn:
     return table[best]
 
 
-def gram(constraint: EqualityConstraint, covariance: Covariance) -> Tensor:
+def gram(constraint: ConstraintLike, covariance: Covariance) -> Tensor:
     r""":math:`A\Sigma A^\top`, ``(*batch, a, a)``."""
     out: Tensor = _dispatch("gram", type(constraint), type(covariance))(constraint, covariance)
     return out
 
 
-def cross_covariance(constraint: EqualityConstraint, covariance: Covariance) -> Tensor:
+def cross_covariance(constraint: ConstraintLike, covariance: Covariance) -> Tensor:
     r""":math:`\Sigma A^\top`, ``(*batch, n, a)``."""
     out: Tensor = _dispatch("cross_covariance", type(constraint), type(covariance))(constraint, covariance)
     return out
 
 
-def sqrt_gram_factor(constraint: EqualityConstraint, covariance: Covariance) -> Tensor:
+def sqrt_gram_factor(constraint: ConstraintLike, covariance: Covariance) -> Tensor:
     r""":math:`B^\top = F^\top A^\top` with :math:`\Sigma = FF^\top`, ``(*batch, m, a)``."""
     out: Tensor = _dispatch("sqrt_gram_factor", type(constraint), type(covariance))(constraint, covariance)
     return out
 
 
-def grouped_structure(constraint: EqualityConstraint, covariance: Covariance) -> Grouped | None:
+def grouped_structure(constraint: ConstraintLike, covariance: Covariance) -> Grouped | None:
     r""":class:`Grouped` ``(w, s)`` when the O(n) grouped path applies to the pair, else ``None``."""
     out: Grouped | None = _dispatch("grouped", type(constraint), type(covariance))(constraint, covariance)
     return out

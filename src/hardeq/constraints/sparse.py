@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar, TypeVarTuple
 import torch
 from torch import Tensor
 
-from .._utils import check_finite, check_same_dtype_device, check_tensor, validate_default
+from .._utils import check_finite, check_same_dtype_device, check_tensor, is_tracing, validate_default
 from .._validation import check_device, check_not_transposed
+from ..linalg.device import profile
 from . import pairs
-from ._cache import PerTensorCache
+from ._cache import PerTensorCache, host_reads_allowed, no_host_reads
 from .base import EqualityConstraint, config_dtype, dtype_name, register_constraint_kind, require_keys
 
 if TYPE_CHECKING:
@@ -284,7 +285,9 @@ class SparseConstraint(EqualityConstraint):
         if a >= n:
             raise ValueError(f"A must have fewer rows than columns (a < n) so that A z = k leaves freedom, got "
                              f"A.shape = {tuple(A.shape)}.")
-        prepared = _prepared(A)
+        validate = validate_default(validate_args)
+        with no_host_reads(not validate):  # (without validation, the cache checks A on the device)
+            prepared = _prepared(A)
         if prepared is None:
             A_csr = _quiet(lambda: A.coalesce().to_sparse_csr()) if A.layout == torch.sparse_coo else A
             # caches that depend on A only, shared by with_k / expand and by later constructions on the same A
@@ -294,7 +297,7 @@ class SparseConstraint(EqualityConstraint):
         self._A = A if prepared[0] is None else prepared[0]
         self._At, self._shared = prepared[1], prepared[2]
         self.k = k
-        self._validate_args = validate_default(validate_args)
+        self._validate_args = validate
         if self._validate_args:
             check_finite("k", k)
             if not prepared[3]:
@@ -348,11 +351,33 @@ class SparseConstraint(EqualityConstraint):
         nnz = A._nnz()
         if nnz == 0:
             return None
-        crow = A.crow_indices()
-        first = crow[:-1].clamp_max(nnz - 1)  # the first stored entry of each row
-        single = (crow[1:] - crow[:-1] == 1) & (A.values()[first] != 0)
-        if not bool(single.any()):
+
+        def rows() -> tuple[Tensor, Tensor] | None:  # (the singleton rows, found once per A: one host read)
+            crow = A.crow_indices()
+            first = crow[:-1].clamp_max(nnz - 1)  # the first stored entry of each row
+            single = (crow[1:] - crow[:-1] == 1) & (A.values()[first] != 0)
+            return (single, first) if bool(single.any()) else None
+
+        found = rows() if A.requires_grad else self._cached("singleton_rows", rows)  # (A is not differentiated)
+        if found is None:
             return None
+        single, first = found
+        return pinned_from_rows(single, A.col_indices()[first], A.values()[first], self.k, self.event_size)
+
+    def pinned_values_static(self) -> tuple[Tensor, Tensor] | None:
+        """As :meth:`pinned_values` (its verdict is found once per ``A`` and remembered); under tracing, formed
+        without a branch."""
+        from ._pinned import pinned_from_rows
+
+        A = self._A
+        nnz = A._nnz()
+        if nnz == 0:
+            return None
+        if "singleton_rows" in self._shared and not is_tracing():
+            return self.pinned_values()
+        crow = A.crow_indices()
+        first = crow[:-1].clamp_max(nnz - 1)
+        single = (crow[1:] - crow[:-1] == 1) & (A.values()[first] != 0)
         return pinned_from_rows(single, A.col_indices()[first], A.values()[first], self.k, self.event_size)
 
     # ------------------------------------------------------------------ caches on A
@@ -383,7 +408,7 @@ class SparseConstraint(EqualityConstraint):
         """Does a product with the vectors of ``x`` (``(*lead, m)``, each stored contiguously) go by blocks
         (:class:`_Blocks`)? On the CPU, without gradient, when the vectors times ``size`` (the longer side, ``n``)
         are at least :data:`BLOCKED_MIN_ELEMENTS` elements."""
-        if x.device.type != "cpu" or x.dtype != self._A.dtype or x.dim() == 0 or x.stride(-1) != 1:
+        if not profile(x.device).blocked_drivers or x.dtype != self._A.dtype or x.dim() == 0 or x.stride(-1) != 1:
             return False
         if torch.is_grad_enabled() and (x.requires_grad or self._A.requires_grad):
             return False
@@ -487,8 +512,8 @@ class SparseConstraint(EqualityConstraint):
 
     @property
     def has_diagonal_gram(self) -> bool:
-        """Every column of ``A`` has at most one nonzero (checked once per ``A``)."""
-        return not bool(self._column_counts().max() > 1)
+        """Every column of ``A`` has at most one nonzero (checked once per ``A``: one host read)."""
+        return self._cached("diagonal_gram", lambda: not bool(self._column_counts().max() > 1))
 
     def diagonal_gram(self, variance: Tensor) -> Tensor | None:
         r"""When every column of ``A`` has at most one nonzero, :math:`A\,\mathrm{diag}(v)A^\top` is diagonal
@@ -622,7 +647,8 @@ def _gram_sparse(constraint: SparseConstraint, covariance: Covariance) -> Tensor
     if not covariance.is_diagonal:
         return covariance.sandwich(constraint.dense_matrix())
     v = covariance.variance  # shape: (*batch, n)
-    memo = not (torch.is_grad_enabled() and (v.requires_grad or constraint._A.requires_grad))
+    # (the memo compares on the host: not without host reads, where S is computed afresh)
+    memo = host_reads_allowed() and not (torch.is_grad_enabled() and (v.requires_grad or constraint._A.requires_grad))
     if memo:  # the per-step pattern: the same A and variances, a new k each step
         last: tuple[Tensor, Tensor] | None = constraint._shared.get("gram_last")
         if last is not None and last[0].shape == v.shape and last[0].dtype == v.dtype \

@@ -11,11 +11,11 @@ from torch import Tensor
 from .._utils import check_finite, check_group_index, check_tensor, group_sizes, is_tracing, validate_default
 from .._validation import check_device, not_a_tensor
 from ..ops.group_sum import SUM_CHUNK, GroupSum
-from ._cache import PerTensorCache
+from ._cache import PerTensorCache, no_host_reads
 from .base import EqualityConstraint, config_dtype, dtype_name, register_constraint_kind, require_keys
 
 if TYPE_CHECKING:
-    from ..linalg.conditioning.grouped import GroupedOps
+    from ..linalg.conditioning.grouped_sample import GroupedOps
 
 __all__ = ["SumConstraint"]
 
@@ -77,7 +77,7 @@ class _Layout:
         ``n``)."""
         if self.ops is not None:
             return self.ops
-        from ..linalg.conditioning.grouped import GroupedOps
+        from ..linalg.conditioning.grouped_sample import GroupedOps
 
         gs = self.group_sum
         offsets = gs.offsets
@@ -116,9 +116,15 @@ _LAYOUTS = PerTensorCache(snapshot_on_reuse=True)
 def _layout(index: Tensor, a: int, validate: bool) -> _Layout:
     """The (cached) layout of ``index`` with ``a`` groups; checks the index the first time (range, no empty group).
     Under ``torch.compile`` / ``torch.func`` with validation off: computed afresh, with no data-dependent check."""
-    if not validate and is_tracing():
-        return _Layout(index, a, group_sizes(index, a))
-    layouts = _LAYOUTS.get(index)
+    if is_tracing():  # inside a graph: no data-dependent check; with validation, one on the device (deferred)
+        counts = group_sizes(index, a)
+        if validate and torch._C._functorch.maybe_current_level() is None and index.numel():
+            torch._assert_async((index.amin() >= 0) & (index.amax() < a) & (counts.amin() >= 1),
+                                f"index values must lie in [0, a) with a = {a}, and every group must have at least "
+                                "one coordinate (checked on the device).")
+        return _Layout(index, a, counts)
+    with no_host_reads(not validate):  # (without validation the cache checks the index on the device)
+        layouts = _LAYOUTS.get(index)
     layout = None if layouts is None else layouts.get(a)
     if layout is None:
         layout = _Layout.of_sorted(index, a) or _Layout(index, a, check_group_index(index, a))
@@ -260,6 +266,14 @@ class SumConstraint(EqualityConstraint):
         if mask is None or not any_pinned:
             return None
         return mask, self.k.index_select(-1, self.index)
+
+    def pinned_values_static(self) -> tuple[Tensor, Tensor] | None:
+        """Members of groups of one, without a host read: the layout's verdict when it is known, else the mask
+        ``sizes[index] == 1`` formed always."""
+        layout = self._layout
+        if layout.any_single is not None:
+            return self.pinned_values()
+        return self.counts.index_select(0, self.index) == 1, self.k.index_select(-1, self.index)
 
     def _grouped_ops(self) -> GroupedOps | None:
         """The one-node grouped sample's operations of this index (:meth:`_Layout.grouped_ops`); None for a

@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from .._utils import is_tracing, validate_default
 from ..constraints import EqualityConstraint
 from ..distributions.normal import ConstrainedNormal
 from .image_constraints import check_image_constraint
@@ -73,9 +74,14 @@ def _flat_scale(scale: float | Tensor, x: Tensor) -> Tensor:
                              f"shape {tuple(x.shape)}.") from None
         shared = s.dim() < x.dim() or s.shape[0] == 1
         s = full[0].reshape(n) if shared else full.reshape(B, n)
-    if not bool((torch.isfinite(s) & (s > 0)).all()):
-        raise ValueError("constrained_x0: scale must hold positive finite standard deviations; the conditioning is "
-                         "degenerate for a zero scale.")
+    message = ("constrained_x0: scale must hold positive finite standard deviations; the conditioning is "
+               "degenerate for a zero scale.")
+    ok = (torch.isfinite(s) & (s > 0)).all()
+    if validate_default(None) and not is_tracing():
+        if not bool(ok):
+            raise ValueError(message)
+    elif torch._C._functorch.maybe_current_level() is None:  # without validation: on the device, deferred
+        torch._assert_async(ok, message)
     return s
 
 

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 from torch.distributions import register_kl
 
+from ..constraints._cache import no_host_reads
 from ..linalg.covariance import trace_inv_mul
 from .normal import ConstrainedNormal
 
@@ -38,7 +39,13 @@ __all__ = ["kl_constrained_normal"]
 
 @_register_kl(ConstrainedNormal, ConstrainedNormal)
 def kl_constrained_normal(q: ConstrainedNormal, p: ConstrainedNormal) -> Tensor:
-    """``KL(q || p)``, shape ``broadcast(q.batch_shape, p.batch_shape)``; ``inf`` across subspaces."""
+    """``KL(q || p)``, shape ``broadcast(q.batch_shape, p.batch_shape)``; ``inf`` across subspaces. Without
+    validation on either side, the constraints' caches check their tensors on the device (``no_host_reads``)."""
+    with no_host_reads(not (q._validate_args or p._validate_args)):
+        return _kl(q, p)
+
+
+def _kl(q: ConstrainedNormal, p: ConstrainedNormal) -> Tensor:
     if q.event_shape != p.event_shape:
         raise ValueError(f"event shapes differ: {tuple(q.event_shape)} vs {tuple(p.event_shape)}.")
     batch_shape = torch.broadcast_shapes(q.batch_shape, p.batch_shape)

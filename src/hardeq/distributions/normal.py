@@ -16,10 +16,11 @@ from torch.distributions.utils import lazy_property
 from .._utils import LOG_2PI, check_finite, check_same_dtype_device, check_tensor
 from .._validation import image_flatten_hint, not_a_tensor
 from ..constraints import EqualityConstraint
+from ..constraints._cache import _NO_HOST_READS
 from ..estimators import normal as _normal_estimators  # noqa: F401  (registers the estimators)
 from ..estimators.registry import get_estimator
 from ..linalg.conditioning import Conditioner, is_tracing
-from ..linalg.conditioning.grouped import grouped_rsample
+from ..linalg.conditioning.grouped_sample import grouped_rsample
 from ..linalg.covariance import Covariance, DiagonalCovariance, FullCovariance, LowRankCovariance
 from .losses import gaussian_expected_abs, gaussian_expected_square
 
@@ -35,6 +36,8 @@ class _OnDevice(Protocol):
     @property
     def _unbroadcasted_loc(self) -> Tensor: ...
 
+    _validate_args: bool
+
 __all__ = ["ConstrainedNormal", "affine_subspace"]
 
 #: dtypes accepted and computed in float32 (results are returned in the input dtype)
@@ -46,15 +49,23 @@ HALF_SUPPORT_RTOL_EPS = 8.0
 
 def _full_precision(method: _F) -> _F:
     """Run ``method`` with autocast disabled on the parameters' device: under ``torch.autocast`` a float32
-    matmul would otherwise run in bfloat16 / float16 and lose the per-row accuracy of the conditioner."""
+    matmul would otherwise run in bfloat16 / float16 and lose the per-row accuracy of the conditioner; and, with
+    ``validate_args=False``, inside :func:`hardeq.constraints._cache.no_host_reads` (the constraints' caches check
+    their tensors on the device)."""
 
     @functools.wraps(method)
     def wrapper(self: _OnDevice, *args: Any, **kwargs: Any) -> Any:
         device_type = self._unbroadcasted_loc.device.type
-        if not torch.is_autocast_enabled(device_type):
-            return method(self, *args, **kwargs)
-        with torch.autocast(device_type, enabled=False):
-            return method(self, *args, **kwargs)
+        # (no_host_reads, without its generator; not under torch.compile, which cannot trace it and skips the caches)
+        token = None if self._validate_args or torch.compiler.is_compiling() else _NO_HOST_READS.set(True)
+        try:
+            if not torch.is_autocast_enabled(device_type):
+                return method(self, *args, **kwargs)
+            with torch.autocast(device_type, enabled=False):
+                return method(self, *args, **kwargs)
+        finally:
+            if token is not None:
+                _NO_HOST_READS.reset(token)
 
     return cast(_F, wrapper)  # (functools.wraps keeps the signature)
 
@@ -211,7 +222,9 @@ class ConstrainedNormal(Distribution):
             ) from None
         if validate_args is None:
             validate_args = Distribution._validate_args
-        if validate_args:
+        if validate_args and is_tracing():  # inside a graph: one device-side check, its error deferred
+            _assert_values(loc, covariance, constraint.k)
+        elif validate_args:
             _check_values(loc, covariance)
             if getattr(constraint, "_validate_args", False) is False:
                 check_finite("constraint right-hand side k", constraint.k)
@@ -275,7 +288,7 @@ class ConstrainedNormal(Distribution):
         the conditioner derives its :attr:`~hardeq.linalg.conditioning.Conditioner.requires_grad` itself.
         """
         needs_grad = any(t.requires_grad for t in self.covariance.tensors()) or self.constraint.k.requires_grad
-        static = not self._validate_args and is_tracing()
+        static = not self._validate_args or is_tracing()
         with torch.set_grad_enabled(needs_grad or torch.is_grad_enabled()):
             return Conditioner(self.covariance, self.constraint, static=static)
 
@@ -384,14 +397,20 @@ class ConstrainedNormal(Distribution):
         r""":math:`-\tfrac12[(n - a)\log 2\pi + \log\det\Sigma - \log\det S + \log\det AA^\top]`, ``batch_shape``."""
         n, a = self.event_shape[0], self.constraint.num_constraints
         plane_logdet = self.conditioner.plane_logdet()
-        if not self._logdet_checked and not self.conditioner.static:  # one host sync per distribution
-            if not bool(torch.isfinite(plane_logdet).all()):
-                raise ValueError(
-                    "scale (the covariance) must be nonsingular for log_prob and entropy, but log det Sigma - "
-                    f"log det S + log det(A A^T) is {plane_logdet.detach().flatten()[:4].tolist()} (a zero scale?); "
-                    "such a law has no density on the (n - a)-dimensional plane. With validate_args=True a "
-                    "non-positive scale is rejected at construction."
-                )
+        if not self._logdet_checked:  # once per distribution: a host read, or (static) a deferred device check
+            message = ("scale (the covariance) must be nonsingular for log_prob and entropy, but log det Sigma - "
+                       "log det S + log det(A A^T) is not finite (a zero scale?); such a law has no density on the "
+                       "(n - a)-dimensional plane. With validate_args=True a non-positive scale is rejected at "
+                       "construction.")
+            finite = torch.isfinite(plane_logdet.detach()).all()
+            if not self.conditioner.static:
+                if not bool(finite):
+                    raise ValueError(message)
+            elif torch._C._functorch.maybe_current_level() is None:  # (no batching rule for a device assertion)
+                try:
+                    torch._assert_async(finite, message)
+                except RuntimeError:  # raised at once on a CPU, eagerly
+                    raise ValueError(message) from None
             self._logdet_checked = True
         out: Tensor = -0.5 * ((n - a) * LOG_2PI + plane_logdet)
         return out
@@ -449,7 +468,11 @@ class ConstrainedNormal(Distribution):
         """
         original = value
         value = self._as_event("value", value)
-        if self._validate_args:
+        if self._validate_args and is_tracing():  # inside a graph: the support check on the device, deferred
+            if torch._C._functorch.maybe_current_level() is None:  # (no batching rule for a device assertion)
+                torch._assert_async(self.support.check(original).all(), "The value argument must be within the "
+                                    "support of ConstrainedNormal, the plane {A z = k} (checked on the device).")
+        elif self._validate_args:
             self._validate_sample(original)
         # z - mu_bar = (z - mu) - K r without forming mu_bar: mu_bar is only representable to ulp(|mu_bar|),
         # which can be a large fraction of a small scale; r = k - A mu is accumulated in float64.
@@ -555,6 +578,23 @@ def _check_values(loc: Tensor, covariance: Covariance) -> None:
             return
     check_finite("loc", loc)
     covariance.check_values()
+
+
+def _assert_values(loc: Tensor, covariance: Covariance, k: Tensor) -> None:
+    """The value checks of validation without a host read (under ``torch.compile``, ``torch.func`` or CUDA-graph
+    capture): ``loc`` and ``k`` finite, the covariance's tensors finite and, for a diagonal one, every scale a
+    positive normal number; one ``torch._assert_async`` (a GPU raises at its next synchronisation). Skipped inside
+    a ``torch.func`` transform (no batching rule for a device assertion)."""
+    if torch._C._functorch.maybe_current_level() is not None:
+        return
+    ok = torch.isfinite(loc.detach()).all() & torch.isfinite(k.detach()).all()
+    for t in covariance.tensors():
+        ok = ok & torch.isfinite(t.detach()).all()
+    scale = covariance.scale if type(covariance) is DiagonalCovariance else None
+    if scale is not None:
+        ok = ok & (scale.detach() >= torch.finfo(scale.dtype).tiny).all()
+    torch._assert_async(ok, "ConstrainedNormal (validate_args=True, checked on the device): loc, the constraint's "
+                            "k and the covariance must be finite, and scale positive (a normal number).")
 
 
 def _broadcast_shapes(*shapes: torch.Size) -> torch.Size:

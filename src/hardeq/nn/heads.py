@@ -196,7 +196,14 @@ class ConstrainedGaussianHead(nn.Module):
         if self.constraint_matrix is not None:
             return self.constraint_matrix.shape[-2]
         assert self.index is not None  # (a head has a constraint_matrix or an index)
-        return int(self.index.max()) + 1
+        # (read once per index contents: a host read, remembered while the buffer's version is unchanged --
+        # load_state_dict and every in-place edit bump it)
+        key = (id(self.index), self.index._version)
+        cached = self.__dict__.get("_num_groups")
+        if cached is None or cached[0] != key:
+            cached = (key, int(self.index.max()) + 1)
+            self.__dict__["_num_groups"] = cached
+        return cached[1]
 
     def constraint(self, constraint_value: Tensor | float | None = None) -> EqualityConstraint:
         """The constraint object for right-hand side ``constraint_value`` (default: the fixed one), broadcast to

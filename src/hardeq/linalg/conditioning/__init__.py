@@ -37,13 +37,14 @@ pickles and ``torch.save``\ s. Escalating builds the next step's factor and make
 :attr:`~Conditioner.factor` (a new value; a factor is never modified after it is built).
 :attr:`~Conditioner.requires_grad` is derived from the inputs, not set from outside.
 
-**Static mode** (``static=True``; chosen automatically by :class:`~hardeq.ConstrainedNormal` with
-``validate_args=False`` under ``torch.compile``, a ``torch.func`` transform or CUDA-graph capture): no data-dependent
-branch and no host synchronisation. The factor
-is chosen by structure only (grouped, else Cholesky in float64 of the equilibrated Gram matrix), nothing is checked,
-and every vector gets :data:`STATIC_REFINEMENT_STEPS` refinement steps. Accuracy: the per-row criterion holds for
-well-conditioned problems (:math:`\varepsilon_{64}\kappa(\tilde S) \ll 1`, scales within about eight decades);
-determined coordinates (groups of one) come back within one ulp of their value rather than exactly (nothing is pinned).
+**Static mode** (``static=True``; chosen by :class:`~hardeq.ConstrainedNormal` with ``validate_args=False``, and
+in every mode under ``torch.compile``, a ``torch.func`` transform or CUDA-graph capture): no data-dependent branch
+and no host read. The factor is chosen by structure only (grouped, else Cholesky in float64 of the equilibrated
+Gram matrix; the null-space form when ``2a > n``, in eager mode), determined coordinates are pinned without a
+branch, every vector gets :data:`STATIC_REFINEMENT_STEPS` refinement steps (one for float32, two for float64), and
+every row is then checked on the device with its error deferred (:meth:`.residual.ResidualCheck.defer`). The
+per-row criterion holds when :math:`\varepsilon_{64}\kappa(\tilde S)` is small (up to about 1e12 for float32
+vectors, 1e10 for float64); beyond, the deferred check raises.
 
 Cost: factorisation O(batch n a^2 + batch a^3) (GEMM speed; grouped O(n)); each conditioned vector O(n a) (grouped:
 O(n); sparse: O(nnz)) plus the check, one more O(n a) product. :meth:`Conditioner.sample` fuses ``loc + F eps`` and the
@@ -64,11 +65,12 @@ from .factor import Factor
 from .grouped import GroupedFactor
 from .nullspace import NullspaceFactor, _operator_requires_grad
 from .qr import QRFactor
-from .residual import CHECK_RTOL_CAP, ResidualCheck, check_rtol
+from .fused_static import STATIC_REFINEMENT_STEPS, sample_static_checked
+from .residual import CHECK_RTOL_CAP, ResidualCheck, _cause, _check_scale, check_rtol
 from .sparse import SparseCholeskyFactor
 
 if TYPE_CHECKING:
-    from ...constraints import EqualityConstraint
+    from ...constraints.base import EqualityConstraint
     from ..covariance import Covariance
 
 __all__ = [
@@ -83,8 +85,6 @@ __all__ = [
 
 #: refinement steps allowed per factor before escalating to the next one
 MAX_REFINEMENT_STEPS = 3
-#: refinement steps every vector gets in static mode
-STATIC_REFINEMENT_STEPS = 1
 #: largest pivot-ratio estimate of kappa accepted by the Cholesky factor, by precision of the factor
 KAPPA_MAX = {"working": 1e3, "float64": 1e10}
 #: refinement steps of :meth:`Conditioner.deviation` for a float32 distribution (one for float64). Each multiplies
@@ -198,12 +198,15 @@ class Conditioner:
             _check_scale(self.c)
         self._check = ResidualCheck(constraint, covariance)
         self._normalised_wide: "Covariance | None" = None  # Sigma / c^2 in float64, made on first log_prob
-        # determined coordinates, pinned after every step (not in static mode: that needs a data-dependent branch)
-        self._pinned = None if static else constraint.pinned_values()
+        # determined coordinates, pinned after every step (in static mode without a host read: a remembered
+        # verdict, or the mask formed always)
+        self._pinned = constraint.pinned_values_static() if static else constraint.pinned_values()
         self.plan: tuple[PlanStep, ...] = default_plan(self.dtype, static) if method is None else forced_plan(
             method, self.dtype)
         self.stage = -1
-        self.factor = self._next_factor(wrap_nullspace=method is None and not static)
+        # (the null-space form decides on the host whether it can be trusted: not under tracing; in eager static mode
+        # that is a read at construction, for the near-square constraints it applies to, 2a > n, only)
+        self.factor = self._next_factor(wrap_nullspace=method is None and not (static and is_tracing()))
 
     # ================================================================== choosing
     def _next_factor(self, wrap_nullspace: bool = False) -> Factor:
@@ -246,9 +249,9 @@ class Conditioner:
 
     def _refined(self, z: Tensor) -> Tensor:
         if self.static:
-            for _ in range(STATIC_REFINEMENT_STEPS):
-                z = self.factor.refine(z)
-            return z
+            for _ in range(STATIC_REFINEMENT_STEPS.get(z.dtype, 1)):
+                z = self._pin(self.factor.refine(z))
+            return self._check.defer(z, lambda z: _cause(self.c, z))
         while True:
             for _ in range(MAX_REFINEMENT_STEPS):
                 bad = self._check.failing(z, self.method)
@@ -270,6 +273,11 @@ class Conditioner:
                generator: torch.Generator | None = None) -> Tensor:
         r"""Exact conditional samples ``condition(loc + F eps)`` without gradient, on one ``(*sample, *batch, n)``
         buffer. ``noise`` (shape ``(*sample_shape, *batch, noise_size)``) defaults to fresh ``randn``."""
+        if self.static and noise is None and self._pinned is None and not is_tracing():
+            done_static = sample_static_checked(self.factor, self._check, lambda z: _cause(self.c, z), loc,
+                                                torch.Size(sample_shape), generator)
+            if done_static is not None:  # (drawn, refined and checked chunk by chunk)
+                return done_static
         fused = None if noise is not None or self.static or self._pinned is not None else getattr(
             self.factor, "sample_fused", None)
         done = fused and fused(loc, torch.Size(sample_shape), generator, check_rtol(loc.dtype, loc.shape[-1]))
@@ -371,22 +379,3 @@ class Conditioner:
 
     def __repr__(self) -> str:
         return f"Conditioner(method={self.method!r}, static={self.static}, {self.factor!r})"
-
-
-def _check_scale(c: Tensor) -> None:
-    if not bool((torch.isfinite(c) & (c > 0)).all()):
-        raise NotPSDError(
-            f"the covariance's scales must be finite and not all zero; got a largest entry in "
-            f"[{c.min().item():.3e}, {c.max().item():.3e}]."
-        )
-
-
-def _cause(c: Tensor, z: Tensor) -> str:
-    """Why refinement could not meet the rows: subnormal scales or values, else the conditioning of S."""
-    tiny = torch.finfo(z.dtype).tiny
-    if bool((c < tiny).any()):
-        return (f"the covariance's largest standard deviation, {c.min().item():.3e}, is subnormal in {c.dtype} "
-                f"(below {tiny:.3e}), so the conditioned values have too few significant bits. Rescale the problem "
-                "(measure z in units of the scale) or use float64.")
-    return ("A Sigma A^T is too ill-conditioned for this dtype. Use float64, or rescale/remove nearly dependent rows "
-            "of A.")

@@ -32,7 +32,7 @@ Cost: factorisation O(batch n a^2 + batch a^3) at GEMM speed; a gain O(n a) (O(n
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Protocol, cast, overload
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 from torch import Tensor
@@ -41,11 +41,13 @@ from ..._utils import batch_mv
 from ...ops.gram_pairs import gram_from_pairs_flat
 from ..cholesky import gram_cholesky_lower
 from ..covariance import Covariance, DiagonalCovariance
+from ..device import profile
 from ..triangular import tri_solve_vec
 from .factor import Factor
+from .fused import _dense_2d, _rows_per_chunk, folded_gain_, sample_fused
 
 if TYPE_CHECKING:
-    from ...constraints import EqualityConstraint
+    from ...constraints.base import EqualityConstraint
     from ...constraints.linear import LinearConstraint
 
 
@@ -68,79 +70,6 @@ _CHUNK_ELEMS = 1 << 24
 #: blocked Gram-Cholesky (:func:`~hardeq.linalg.cholesky.gram_cholesky_lower`, CPU): below it, forming
 #: :math:`S` and ``torch.linalg.cholesky_ex`` cost little
 BLOCKED_MIN_ROWS = 256
-#: elements of one chunk of rows in :meth:`CholeskyFactor.sample_fused` (each of its transients is one chunk), on the
-#: CPU; on other devices one chunk holds every row (see :func:`_rows_per_chunk`)
-FUSED_CHUNK_ELEMS = 1 << 21
-#: the screen of the per-row check in :meth:`CholeskyFactor.sample_fused` sums :math:`|A||z|` over the first
-#: ``n // SCREEN_FRACTION`` columns (:func:`_screen_columns`): at a residual of 1e-8 of a row's terms against the
-#: float32 tolerance 2.5e-6, an eighth of them leaves a margin of about 30
-SCREEN_FRACTION = 8
-#: shortest vectors whose per-row check is screened (below it, the full product costs little)
-SCREEN_MIN_SIZE = 4096
-
-
-def _rows_per_chunk(count: int, n: int, min_rows: int, device: torch.device) -> int:
-    """Rows of ``n`` elements per chunk for a loop over ``count`` rows: on the CPU, chunks of about
-    :data:`FUSED_CHUNK_ELEMS` elements (every transient stays in cache) and at least ``min_rows`` rows (each chunk
-    streams ``A`` once); elsewhere all rows at once, since on a GPU each chunk costs kernel launches (a profile of
-    target B on an H200: 18 small GEMMs per call from four chunks) while the buffers stay the output's size.
-
-    On the CPU the rows of a chunk hold a multiple of 16 elements: ``normal_`` fills a tensor in blocks of 16 draws
-    and redraws the last 16 of a tensor whose size is not a multiple of 16, so only then is the noise of the chunks
-    the same stream as one ``torch.randn`` of the whole output."""
-    if device.type != "cpu":
-        return max(1, count)
-    step = max(1, min_rows, FUSED_CHUNK_ELEMS // max(1, n))
-    quantum = 16 // math.gcd(n, 16)  # rows whose elements fill whole blocks of 16 draws (see the docstring)
-    return max(1, min(count, -(-step // quantum) * quantum))
-
-
-def _screen_columns(n: int, dtype: torch.dtype, device: torch.device) -> tuple[int | None, float]:
-    r"""The columns ``[0, m)`` of the screen of the per-row check in :meth:`CholeskyFactor.sample_fused`, and its
-    factor ``f``: ``(m, f)``, or ``(None, 1.0)`` where it is not used (off the CPU, where reading its verdict per
-    chunk would cost a host synchronisation; vectors shorter than :data:`SCREEN_MIN_SIZE`).
-
-    The terms of :math:`(|A||z|)_i` are not negative, so the sum :math:`s_i` over the first ``m`` columns is a
-    lower bound of the full one; computed in floating point, each carries a relative error of at most
-    :math:`\gamma_n \approx n\varepsilon` (:math:`\gamma_m` for the part), so :math:`f\,\hat s_i` with
-    :math:`f = 1 - 3n\varepsilon` is at most the computed full sum (for :math:`n\varepsilon \le 1/6`). A row
-    with :math:`|(Az - k)_i| \le \mathrm{rtol}\,(f\hat s_i + |k_i|)` therefore passes the full check; a chunk with
-    a row that does not is checked in full."""
-    eps = torch.finfo(dtype).eps
-    if device.type != "cpu" or n < SCREEN_MIN_SIZE or 6 * n * eps > 1:
-        return None, 1.0
-    return n // SCREEN_FRACTION, 1.0 - 3 * n * eps
-
-
-def _chunk_fails(z: Tensor, k: Tensor, A_t: Tensor, abs_A_t: Tensor, rtol: float, screen: int | None,
-                 shrink: float, scratch: Tensor) -> tuple[Tensor, int | None]:
-    r"""The per-row check of a chunk ``z`` (``(rows, n)``) of :meth:`CholeskyFactor.sample_fused`: a 0-dim bool
-    tensor, true when a row of a vector misses :math:`|(Az - k)_i| \le \mathrm{rtol}\,((|A||z|)_i + |k_i|)`, and
-    the screen for the next chunk.
-
-    With ``screen = m`` (:func:`_screen_columns`), :math:`|A||z|` is first summed over the columns ``[0, m)`` only
-    and scaled by ``shrink``: a lower bound of the full sum, so a chunk whose rows all pass with it passes the full
-    check, with no more work (one host read). Otherwise the full product decides, as without a screen, and the
-    screen is off for the next chunks (``A`` is shared: its rows that missed would miss there too). The verdict
-    is the full check's either way. ``scratch`` (at least ``z``'s shape) receives ``|z|``. Cost: one GEMM for
-    :math:`Az`, plus :math:`|z|` and its GEMM over ``m`` columns when screened, over all ``n`` otherwise."""
-    miss, slack = (z @ A_t - k).abs(), k.abs()
-    if screen is not None:
-        size = torch.abs(z[:, :screen], out=scratch[:, :screen]) @ abs_A_t[:screen]
-        if bool((miss <= rtol * (size.mul_(shrink) + slack)).all()):
-            return torch.zeros((), dtype=torch.bool, device=z.device), screen
-        screen = None
-    full = torch.abs(z, out=scratch[:z.shape[0]]) @ abs_A_t
-    return ~(miss <= rtol * (full + slack)).all(), screen
-
-
-def _dense_2d(con: "EqualityConstraint") -> Tensor | None:
-    """The shared dense 2-D ``A`` of a constraint that keeps its per-``A`` constants (``columns()``, ``abs_A()``,
-    the row pairs: a :class:`~hardeq.LinearConstraint`), else ``None``."""
-    A = getattr(con, "A", None)
-    if getattr(con, "columns", None) is None or not isinstance(A, Tensor) or A.layout != torch.strided or A.dim() != 2:
-        return None
-    return A
 
 
 def _blocked_operand(con: "EqualityConstraint", cov: "Covariance") -> Tensor | None:
@@ -150,7 +79,7 @@ def _blocked_operand(con: "EqualityConstraint", cov: "Covariance") -> Tensor | N
     A = _dense_2d(con)
     if A is None or not cov.is_diagonal:
         return None
-    if A.dim() != 2 or A.shape[0] < BLOCKED_MIN_ROWS or A.device.type != "cpu":
+    if A.dim() != 2 or A.shape[0] < BLOCKED_MIN_ROWS or not profile(A.device).blocked_drivers:
         return None
     if torch.is_grad_enabled() and (A.requires_grad or any(t.requires_grad for t in cov.tensors())):
         return None
@@ -267,7 +196,7 @@ class CholeskyFactor(Factor):
         flat = torch.empty((count, pairs.shape[0]), dtype=self.precision, device=pairs.device)
         c = self.c.to(self.precision)
         span = 2.0 ** (math.frexp(torch.finfo(self.precision).max)[1] // 16)
-        squares = (squares and pairs.device.type == "cpu" and self._scaled_cov is None
+        squares = (squares and profile(pairs.device).host_guards and self._scaled_cov is None
                    and bool((c >= 1.0 / span).all() & (c <= span).all()))
         for r0 in range(0, count, step):
             r1 = min(r0 + step, count)
@@ -343,117 +272,16 @@ class CholeskyFactor(Factor):
             return z.addcmul_(self._cov.variance, con.rmatvec(x))
         return z.add_(self._apply_cross(x))
 
-    @torch.no_grad()
     def sample_fused(self, loc: Tensor, sample_shape: torch.Size, generator: torch.Generator | None,
                      rtol: float) -> tuple[Tensor, bool] | None:
-        r"""Draw, reparameterise, take the Matheron step and check every row, chunk by chunk of rows of the output,
-        so that every transient stays in cache and every ``n``-sized temporary is reused (a fresh ``batch x n``
-        tensor costs its page faults, about as much as one pass over it).
-
-        Per chunk of rows: ``randn`` into the output, :math:`z = \mu + \sigma\varepsilon` (one ``addcmul``),
-        :math:`r = k - Az` (one GEMM), :math:`x = S'^{-1}r`, :math:`z \mathrel{+}= \Sigma'(A^\top x)` (one GEMM into
-        the one reused buffer and, for per-sample scales on the CPU, ``y *= sigma`` and ``z += y sigma`` with
-        :math:`1/c^2` folded into ``x``: :meth:`_folded_gain_`), then the conditioner's per-row check
-        :math:`|(Az - k)_i| \le \mathrm{rtol}\,((|A||z|)_i + |k_i|)` (:func:`_chunk_fails`: one GEMM for
-        :math:`Az`; on the CPU :math:`|A||z|` over the first ``n / 8`` columns screens the rows, the full product
-        only when a row misses that lower bound); the verdicts of all chunks are read with one host synchronisation
-        at the end (plus one small read per chunk on the CPU: the screen's and the gain's guards).
-
-        Applies to a shared dense 2-D ``A`` under a diagonal covariance, a factor in the working precision, and
-        either no batch dimensions (chunks of samples) or no sample dimensions (chunks of batch elements; the
-        per-batch tensors are sliced, not copied). Returns ``(z, passed)`` (``passed``: every row of every vector
-        met the check, so the conditioner needs no refinement), or ``None`` where it does not apply (the caller
-        then takes the unfused path). The noise is drawn in the same order as ``torch.randn`` of the whole
-        output."""
-        con, cov = self.constraint, self.cov
-        if (self.precision != self.dtype or _dense_2d(con) is None
-                or not cov.is_diagonal or not hasattr(cov, "scale") or loc.dtype != self.dtype):
-            return None
-        n = con.event_size
-        batch = torch.broadcast_shapes(loc.shape[:-1], cov.batch_shape, con.batch_shape)
-        if len(batch) > 1 or (len(batch) == 1 and len(sample_shape) > 0) or not loc.is_contiguous():
-            return None
-        count = batch.numel() if batch else torch.Size(sample_shape).numel()
-        dense = cast("LinearConstraint", con)  # (_dense_2d: a shared dense 2-D A with its per-A constants)
-        A = dense.A
-        A_t, abs_A_t = dense.columns()
-        out = torch.empty(torch.Size(sample_shape) + batch + (n,), dtype=self.dtype, device=loc.device)
-        flat = out.view(count, n)
-        # at least a rows per chunk: each chunk's products stream A once, which must not cost more than the chunk
-        step = _rows_per_chunk(count, n, con.num_constraints, loc.device)
-        buffer = torch.empty((step, n), dtype=self.dtype, device=loc.device)
-        v_buffer: Tensor | None = None
-        failed = torch.zeros((), dtype=torch.bool, device=loc.device)
-        scale, k_all, L, d = cast(_Scaled, cov).scale, con.k, self.L, self.d
-        per_row_scale = bool(batch) and scale.dim() > 1 and scale.shape[0] == count
-        if not per_row_scale:
-            variance = self._cov.variance
-        # max |A_kj|, for the overflow guard of the folded gain (CPU only: the guard reads a value per chunk)
-        a_max = float(abs_A_t.amax()) if per_row_scale and loc.device.type == "cpu" else None
-        screen, shrink = _screen_columns(n, self.dtype, loc.device)
-
-        @overload
-        def rows(t: Tensor, r0: int, r1: int, event_dims: int) -> Tensor: ...
-        @overload
-        def rows(t: None, r0: int, r1: int, event_dims: int) -> None: ...
-
-        def rows(t: Tensor | None, r0: int, r1: int, event_dims: int) -> Tensor | None:
-            """The rows ``r0:r1`` of a per-batch-element tensor; a shared one as it is."""
-            if t is None or not batch or t.dim() == event_dims:
-                return t
-            return t[0] if t.shape[0] == 1 else t[r0:r1]
-
-        for r0 in range(0, count, step):
-            r1 = min(r0 + step, count)
-            z, y = flat[r0:r1], buffer[:r1 - r0]
-            z.normal_(generator=generator)
-            s = rows(scale, r0, r1, 1)
-            torch.addcmul(rows(loc, r0, r1, 1), z, s, out=z)  # as reparameterize_: loc + scale * eps, one pass
-            k = rows(k_all, r0, r1, 1)
-            residual = k - z @ A_t
-            Lr, dr = rows(L, r0, r1, 2), rows(d, r0, r1, 1)
-            residual = residual if dr is None else residual / dr
-            x = tri_solve_vec(Lr.mT, tri_solve_vec(Lr, residual, upper=False), upper=True)
-            x = x if dr is None else x / dr
-            if self._W is not None and self._W.dim() == 2:
-                z.addmm_(x, self._W)  # shared covariance: the gain as one GEMM with beta = 1
-            elif not per_row_scale:
-                z.addcmul_(variance, torch.mm(x, A, out=y))
-            elif not self._folded_gain_(z, x, s, r0, r1, y, A, a_max):
-                if v_buffer is None:  # the normalised variances (sigma/c)^2 of a chunk, made on first need
-                    v_buffer = torch.empty_like(buffer)
-                z.addcmul_(self._scaled_variance(r0, r1, v_buffer[:r1 - r0]), torch.mm(x, A, out=y))
-            fails, screen = _chunk_fails(z, k, A_t, abs_A_t, rtol, screen, shrink, y)
-            failed |= fails
-        return out, not bool(failed)
+        """Draw, reparameterise, take the Matheron step and check every row, chunk by chunk of the output
+        (:func:`~.fused.sample_fused`); ``None`` where it does not apply."""
+        return sample_fused(self, loc, sample_shape, generator, rtol)
 
     def _folded_gain_(self, z: Tensor, x: Tensor, s: Tensor, r0: int, r1: int, y: Tensor, A: Tensor,
                       a_max: float | None) -> bool:
-        r""":math:`z \mathrel{+}= (\sigma/c)^2 \circ (A^\top x)` for the rows ``r0:r1`` of a per-sample diagonal
-        covariance, computed as :math:`z \mathrel{+}= \sigma \circ (\sigma \circ (A^\top x'))` with
-        :math:`x' = x / c^2` folded into the ``a``-sized ``x``: one GEMM into ``y`` and two elementwise passes
-        (``y *= sigma``, ``z += y sigma``) instead of four (:math:`\sigma / c`, its square, the GEMM, ``z += v y``).
-
-        Every intermediate is bounded by :math:`\lVert x'_i\rVert_1 \max|A| \max(1, c_i)` (the GEMM's partial
-        sums by the first two factors, ``y sigma`` with :math:`|\sigma| \le c_i`; the result is the gain itself), so
-        it applies, and returns ``True``, when that bound is below an eighth of the dtype's largest value and every
-        :math:`c_i` lies within :math:`2^{\pm e/8}` (:math:`2^e`: the dtype's overflow threshold; :math:`c^2` and
-        :math:`1/c^2` are then normal and far from either end, and the products underflow where
-        :math:`(\sigma/c)^2` would, give or take a factor :math:`2^{e/4}`). Otherwise it does nothing and returns
-        ``False``. ``a_max`` is :math:`\max|A|`; ``None`` (off the CPU, where the guard's host read would cost a
-        synchronisation per chunk) returns ``False``."""
-        if a_max is None:
-            return False
-        finfo = torch.finfo(z.dtype)
-        span = 2.0 ** (math.frexp(finfo.max)[1] // 8)  # 2^16 (float32), 2^128 (float64)
-        c = self.c[r0:r1]
-        xs = x / c.square()
-        bound = (xs.abs().sum(-1, keepdim=True) * c.clamp_min(1.0)).amax() * a_max
-        if not bool((c >= 1.0 / span).all() & (c <= span).all() & (bound <= finfo.max / 8)):
-            return False
-        torch.mm(xs, A, out=y)
-        z.addcmul_(y.mul_(s), s)
-        return True
+        """The gain of a chunk with :math:`1/c^2` folded into ``x`` (:func:`~.fused.folded_gain_`)."""
+        return folded_gain_(self, z, x, s, r0, r1, y, A, a_max)
 
     def whiten(self, residual: Tensor) -> Tensor:
         y = tri_solve_vec(self.L, self._unscale(residual.to(self.precision)), upper=False)

@@ -30,7 +30,7 @@ from torch import Tensor
 from ...errors import NotPSDError
 
 if TYPE_CHECKING:
-    from ...constraints import EqualityConstraint
+    from ...constraints.base import EqualityConstraint
     from ..covariance import Covariance
 
 __all__ = ["Factor", "check_pivots"]

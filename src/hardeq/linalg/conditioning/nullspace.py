@@ -27,7 +27,7 @@ from ..triangular import tri_solve_vec
 from .factor import Factor
 
 if TYPE_CHECKING:
-    from ...constraints import EqualityConstraint
+    from ...constraints.base import EqualityConstraint
 
 __all__ = ["NullspaceFactor"]
 

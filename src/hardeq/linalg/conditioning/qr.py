@@ -24,7 +24,7 @@ from ..triangular import tri_solve_vec
 from .factor import Factor, check_pivots
 
 if TYPE_CHECKING:
-    from ...constraints import EqualityConstraint
+    from ...constraints.base import EqualityConstraint
     from ..covariance import Covariance
 
 __all__ = ["QRFactor"]

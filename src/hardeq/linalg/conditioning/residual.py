@@ -26,6 +26,7 @@ which such rows reach after a refinement step or two (their terms come back at :
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,10 +35,18 @@ from torch import Tensor
 from ...errors import NotPSDError
 
 if TYPE_CHECKING:
-    from ...constraints import EqualityConstraint
+    from ...constraints.base import EqualityConstraint
     from ..covariance import Covariance
 
-__all__ = ["CHECK_RTOL_CAP", "ResidualCheck", "check_rtol"]
+__all__ = ["CHECK_RTOL_CAP", "DEFERRED_MESSAGE", "ResidualCheck", "check_rtol"]
+
+#: the message of the deferred per-row check (:meth:`ResidualCheck.defer`)
+DEFERRED_MESSAGE = ("hardeq: a conditioned vector misses a row of A z = k beyond its tolerance rtol (|A||z| + |k|)_i "
+                    "(checked on the device, without a host read: validate_args=False or under torch.compile / "
+                    "CUDA-graph capture). A Sigma A^T is too ill-conditioned for the sync-free path (float64 "
+                    "Cholesky of the equilibrated Gram matrix, refined), or the inputs are not finite. Use "
+                    "validate_args=True in eager mode (it escalates to a QR factor and names the row), float64, or "
+                    "rescale/remove nearly dependent rows of A.")
 
 #: cap of the check's tolerance per row, a quarter of the exactness target 1e-5 (float32) / 1e-12 (float64)
 CHECK_RTOL_CAP = {torch.float32: 2.5e-6, torch.float64: 2.5e-13}
@@ -65,16 +74,21 @@ class ResidualCheck:
         self.covariance = covariance
         self._wide: "EqualityConstraint | None" = None
         self._floor: Tensor | None = None
+        self._base: tuple[float, Tensor] | None = None  # (rtol, rtol |k| + floor) of defer()
 
     def floor(self) -> Tensor | float:
         r""":math:`\varepsilon^2(|A|\sigma)_i` (``(*batch, a)``, float64), 0 without a covariance."""
         if self.covariance is None:
             return 0.0
         if self._floor is None:
-            with torch.no_grad():
-                wide = self.wide()
-                sigma = self.covariance.to(dtype=torch.float64).diagonal().detach().clamp_min(0).sqrt()
-                self._floor = torch.finfo(self.constraint.dtype).eps ** 2 * wide.abs_matvec(sigma)
+            with torch.no_grad():  # (a tolerance: the working precision is plenty, and the (*batch, n) passes
+                # stay in it; only the (*batch, a) result is widened)
+                cov = self.covariance
+                scale = getattr(cov, "scale", None) if type(cov).__name__ == "DiagonalCovariance" else None
+                sigma = scale.detach().abs() if isinstance(scale, Tensor) else \
+                    cov.diagonal().detach().clamp_min(0).sqrt()
+                floor = self.constraint.abs_matvec(sigma.to(self.constraint.dtype)).to(torch.float64)
+                self._floor = floor.mul_(torch.finfo(self.constraint.dtype).eps ** 2)
         return self._floor
 
     @torch.no_grad()
@@ -104,6 +118,43 @@ class ResidualCheck:
         bad = bad.any(-1)
         return bad if bool(bad.any()) else None
 
+    def defer(self, z: Tensor, cause: "Callable[[Tensor], str] | None" = None) -> Tensor:
+        r"""The per-row check of ``z`` on the device, without a host read: every row of every vector must meet
+        :math:`|(Az - k)_i| \le \mathrm{rtol}\,((|A||z|)_i + |k_i|) + \varepsilon^2(|A|\sigma)_i`, with the
+        residual and the scale evaluated in float64 (so that evaluation noise never fails an exact vector); the
+        error is deferred with ``torch._assert_async`` (a GPU raises it at its next synchronisation, a CPU at once).
+        In eager mode on the CPU the error is re-raised as :class:`~hardeq.NotPSDError` naming the row
+        (:meth:`describe`, and ``cause(z)`` when given). Inside a ``torch.func`` transform (which has no batching rule for a device assertion)
+        the vectors that fail are returned as NaN instead. Returns ``z``. Cost: one float64 copy of ``z`` (for
+        float32), :math:`Az` and :math:`|A||z|` in float64 (O(n a), O(nnz) sparse) and a few elementwise passes
+        over ``(*sample, *batch, a)``."""
+        from ..._utils import is_tracing
+
+        with torch.no_grad():
+            wide = self.wide()
+            zd = z.detach()
+            # the residual in float64 (it cancels); |A||z| (a tolerance) in the working precision, widened
+            Az = wide.matvec(zd.to(torch.float64))
+            scale = self.constraint.abs_matvec(zd.abs()).to(torch.float64)
+            rtol = check_rtol(z.dtype, z.shape[-1])
+            k = wide.k.detach()
+            if self._base is None or self._base[0] != rtol:  # rtol |k| + floor, once per check and rtol
+                floor = self.floor()
+                self._base = (rtol, k.abs() * rtol + floor)
+            met = (Az - k).abs_() <= torch.add(self._base[1], scale, alpha=rtol)
+        if torch._C._functorch.maybe_current_level() is not None:  # vmap / grad: NaN marks a failing vector
+            return torch.where(met.all(-1, keepdim=True), z, torch.nan)
+        ok = met.all()
+        if is_tracing() or z.device.type != "cpu":
+            torch._assert_async(ok, DEFERRED_MESSAGE)
+            return z
+        try:
+            torch._assert_async(ok, DEFERRED_MESSAGE)
+        except RuntimeError:
+            why = "" if cause is None else f"; {cause(z)}"
+            raise NotPSDError(f"{DEFERRED_MESSAGE} {self.describe(z)}{why}") from None
+        return z
+
     def wide(self) -> "EqualityConstraint":
         """The constraint in float64 (itself when it is float64), converted once."""
         if self.constraint.dtype == torch.float64:
@@ -129,3 +180,26 @@ class ResidualCheck:
         return (f"row {index[-1]} (index {index} over (*sample, *batch, row)) has |(A z - k)_i| = "
                 f"{res[index].item():.3e} > its tolerance {tol[index].item():.3e} = rtol (|A||z| + |k|)_i + "
                 "eps^2 (|A| sigma)_i")
+
+
+def _check_scale(c: Tensor) -> None:
+    if not bool((torch.isfinite(c) & (c > 0)).all()):
+        raise NotPSDError(
+            f"the covariance's scales must be finite and not all zero; got a largest entry in "
+            f"[{c.min().item():.3e}, {c.max().item():.3e}]."
+        )
+
+
+def _cause(c: Tensor, z: Tensor) -> str:
+    """Why refinement could not meet the rows: scales that are not finite or all zero, subnormal scales or values,
+    else the conditioning of S."""
+    if not bool((torch.isfinite(c) & (c > 0)).all()):
+        return (f"the covariance's scales must be finite and not all zero; got a largest entry in "
+                f"[{c.min().item():.3e}, {c.max().item():.3e}].")
+    tiny = torch.finfo(z.dtype).tiny
+    if bool((c < tiny).any()):
+        return (f"the covariance's largest standard deviation, {c.min().item():.3e}, is subnormal in {c.dtype} "
+                f"(below {tiny:.3e}), so the conditioned values have too few significant bits. Rescale the problem "
+                "(measure z in units of the scale) or use float64.")
+    return ("A Sigma A^T is too ill-conditioned for this dtype. Use float64, or rescale/remove nearly dependent rows "
+            "of A.")
