@@ -49,8 +49,9 @@ def truncated_standard_normal(lower: Tensor, upper: Tensor, *, generator: torch.
         Tensor: the draws, float64, of the broadcast shape; every one in ``[lower, upper]``.
 
     Raises:
-        TypeError: non-tensor or non-floating inputs. ValueError: nan, ``lower > upper``, or an empty interval at
-        infinity (these checks read the values back once; the Gibbs sampler calls the unchecked kernel).
+        TypeError: non-tensor or non-floating inputs.
+        ValueError: nan, ``lower > upper``, or an empty interval at infinity (these checks read the values back
+            once; the Gibbs sampler calls the unchecked kernel).
 
     Cost: O(1) per element, a fixed number of whole-tensor kernels (about 30).
 
