@@ -17,9 +17,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parent.parent / "src"
 PACKAGE = "hardeq"
 #: modules whose cycles are being removed in parallel (the truncated samplers); empty this to check every module
-KNOWN_CYCLES: frozenset[str] = frozenset({
-    "hardeq.bounds", "hardeq.distributions.truncated",
-})
+KNOWN_CYCLES: frozenset[str] = frozenset()
 
 
 def _module_name(path: Path) -> str:

@@ -419,15 +419,20 @@ def test_distribution_bad_input(builder, error, match):
         builder()
 
 
-@pytest.mark.parametrize("validate,match", [(True, "not numerically positive definite"),
-                                            (False, "misses a row of A z = k.*row 0")])
-def test_numerically_singular_gram_raises_precise_error(validate, match):
-    """The checked path refuses the factorisation; the sync-free one (no validation) checks the rows on the device
-    and raises (at once on the CPU) naming the row."""
+@pytest.mark.parametrize("validate,kind,match", [(True, "cpu", "not numerically positive definite"),
+                                                 (False, "cpu", "not numerically positive definite"),
+                                                 (True, "gpu", "not numerically positive definite"),
+                                                 (False, "gpu", "misses a row of A z = k.*row 0")])
+def test_numerically_singular_gram_raises_precise_error(validate, kind, match):
+    """The checked path refuses the factorisation (validated, or a CPU profile, where a read-back costs nothing);
+    the sync-free one (no validation, a GPU profile) checks the rows on the device and raises (at once on the CPU)
+    naming the row."""
+    from hardeq.linalg.device import forced
+
     A = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0 + 1e-9, 0.0]])
     c = hardeq.LinearConstraint(A, torch.zeros(2), validate_args=False)
     d = hardeq.ConstrainedNormal(torch.zeros(3), torch.ones(3), constraint=c, validate_args=validate)
-    with pytest.raises(hardeq.NotPSDError, match=match):
+    with forced(kind), pytest.raises(hardeq.NotPSDError, match=match):
         d.sample()
 
 

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import hardeq
+from hardeq.linalg.device import forced
 from hardeq.testing import assert_exact_per_row, exactness_tolerance, row_residual_ratio
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*[Ss]parse CSR.*:UserWarning")  # torch's beta notice
@@ -95,7 +96,7 @@ def make_case(g: torch.Generator, dtype: torch.dtype, structure: str, kind: str,
     return d, noise, f"{dtype} {structure} {kind} n={n} a={a} batch={batch} decades={decades:.1f} off={off:.1e}"
 
 
-def run_group(dtype, structure, kind, cases=CASES_PER_GROUP, validate=False):
+def run_group(dtype, structure, kind, cases=CASES_PER_GROUP, validate=False, profile="gpu"):
     """``(failures, worst per-row ratio, description of the worst case)`` over ``cases`` random problems."""
     seed = STRUCTURES.index(structure) * 10 + KINDS.index(kind) + (0 if dtype == torch.float64 else 500)
     g = torch.Generator().manual_seed(seed)
@@ -104,7 +105,8 @@ def run_group(dtype, structure, kind, cases=CASES_PER_GROUP, validate=False):
     for _ in range(cases):
         d, noise, desc = make_case(g, dtype, structure, kind, validate)
         try:
-            zs = [d.mean, d.sample((2,)), d.rsample((2,), noise=noise)]
+            with forced(profile):  # (the device profile decides the form of validate_args=False: linalg.device)
+                zs = [d.mean, d.sample((2,)), d.rsample((2,), noise=noise)]
             ratios = [row_residual_ratio(d.constraint, z).nan_to_num(float("inf"), float("inf")) for z in zs]
             ratio = max(float(r.max()) for r in ratios)
         except (RuntimeError, ValueError) as err:  # a failed factorisation counts as a failure
@@ -115,14 +117,16 @@ def run_group(dtype, structure, kind, cases=CASES_PER_GROUP, validate=False):
     return failures, worst, worst_desc
 
 
-@pytest.mark.parametrize("validate", [False, True], ids=["sync-free", "checked"])
+@pytest.mark.parametrize("validate,profile", [(False, "gpu"), (False, "cpu"), (True, "cpu")],
+                         ids=["sync-free", "unvalidated-cpu", "checked"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("structure", STRUCTURES)
 @DTYPES
-def test_every_row_of_every_vector_is_exact(dtype, structure, kind, validate):
-    """Both paths: without validation the sync-free one (float64 factor, fixed refinement, the check on the device),
-    with it the checked one (check on the host, refinement on demand, escalation)."""
-    failures, worst, desc = run_group(dtype, structure, kind, validate=validate)
+def test_every_row_of_every_vector_is_exact(dtype, structure, kind, validate, profile):
+    """Every path: without validation on a GPU profile the sync-free one (float64 factor, fixed refinement, the
+    check on the device), forced here on the CPU; without validation on a CPU profile, and with validation, the
+    checked one (check on the host, refinement on demand, escalation)."""
+    failures, worst, desc = run_group(dtype, structure, kind, validate=validate, profile=profile)
     assert failures == 0, (f"{failures} of {CASES_PER_GROUP} cases exceed {exactness_tolerance(dtype):g} in some row; "
                            f"worst ratio {worst:.2e} ({desc})")
 

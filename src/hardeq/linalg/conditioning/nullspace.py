@@ -28,6 +28,7 @@ from .factor import Factor
 
 if TYPE_CHECKING:
     from ...constraints.base import EqualityConstraint
+    from ..covariance import Covariance
 
 __all__ = ["NullspaceFactor"]
 
@@ -114,6 +115,10 @@ class NullspaceFactor(Factor):
 
     def gain_factor(self) -> Tensor:
         return self.base.gain_factor()
+
+    def trace_correction(self, other: "Covariance") -> Tensor:
+        # the base factor's (its float64 twin where it has one): the gain is the base factor's gain
+        return self.base.trace_correction(other)
 
     def plane_logdet(self) -> Tensor:
         r""":math:`-\log\det(N^\top\Sigma^{-1}N) = -\log\det M' + 2p\log c` from the float64 factor of
