@@ -93,6 +93,24 @@ def test_a_cuda_sampler_without_a_gpu_says_so(no_gpu):
         ddim_sample(lambda x, t: torch.zeros_like(x), (1, 1, 2, 2), options)
 
 
+@pytest.mark.parametrize("move", [
+    lambda m: m.to("cuda"),
+    lambda m: m.to(torch.device("cuda:0"), torch.float64),
+    lambda m: m.to(device="cuda", dtype=torch.float64),
+    lambda m: m.cuda(),
+    lambda m: m.cuda(0),
+], ids=["to-str", "to-device-dtype", "to-kwargs", "cuda", "cuda-index"])
+def test_a_head_moved_to_cuda_without_a_gpu_says_so(no_gpu, move):
+    """The heads are modules: their ``.to`` / ``.cuda`` name the fix instead of torch's AssertionError, and a move
+    to the CPU or a dtype still works."""
+    from hardeq.nn import ConstrainedGaussianHead
+
+    head = ConstrainedGaussianHead(3, 4, index=torch.zeros(4, dtype=torch.long), constraint_value=1.0)
+    with pytest.raises(ValueError, match=r"^device='cuda(:0)?' asks for a GPU, but this torch .*: use device='cpu'"):
+        move(head)
+    assert head.to("cpu") is head and head.to(torch.float64).linear.weight.dtype == torch.float64
+
+
 def test_cpu_and_none_devices_pass():
     c = LinearConstraint(A, K)
     assert c.to(device="cpu") is c and c.to() is c

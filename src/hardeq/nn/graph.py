@@ -39,6 +39,7 @@ from torch.distributions.utils import lazy_property
 from .._utils import LOG_2PI, is_tracing
 from ..constraints import SumConstraint
 from ..distributions.normal import HALF_DTYPES, ConstrainedNormal
+from ._device import DeviceCheckedModule
 from .heads import check_bound, check_bounds, truncate
 
 if TYPE_CHECKING:
@@ -274,7 +275,7 @@ def per_graph_log_prob(loc: Tensor, variance: Tensor, batch: Tensor, value: Tens
     return -0.5 * ((n - 1) * math.log(2 * math.pi) + gsum(variance.log()) - V.log() + n.log() + quad)
 
 
-class GraphGaussianHead(nn.Module):
+class GraphGaussianHead(DeviceCheckedModule):
     r"""Node features to a :class:`~hardeq.ConstrainedNormal` whose samples and mean sum to ``total`` per graph.
 
     Two linear maps give :math:`\mu_i = w_\mu^\top h_i + b_\mu` and

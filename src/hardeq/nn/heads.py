@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from ..constraints import EqualityConstraint, LinearConstraint, SumConstraint
 from ..distributions.normal import ConstrainedNormal
+from ._device import DeviceCheckedModule
 
 if TYPE_CHECKING:
     from ..distributions.truncated import TruncatedConstrainedNormal
@@ -76,7 +77,7 @@ def truncate(dist: _N, lower: Tensor | None, upper: Tensor | None) -> _N | Trunc
     return dist.truncate(conv(lower), conv(upper))
 
 
-class ConstrainedGaussianHead(nn.Module):
+class ConstrainedGaussianHead(DeviceCheckedModule):
     r"""Features :math:`h` to :math:`\mathcal N(\mu(h), \mathrm{diag}\,\sigma(h)^2)` conditioned on :math:`Az = k`.
 
     A linear layer predicts a mean and a pre-activation of the scale for each of ``out_features`` outputs,

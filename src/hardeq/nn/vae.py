@@ -29,6 +29,7 @@ from torch.distributions import Distribution, Independent, Normal, kl_divergence
 
 from ..constraints import EqualityConstraint
 from ..distributions.normal import ConstrainedNormal
+from ._device import DeviceCheckedModule
 
 __all__ = ["ConstrainedGaussianLatent", "ConstrainedGaussianObservation", "importance_log_likelihood"]
 
@@ -43,7 +44,7 @@ def _check_constraint(constraint: EqualityConstraint | None, size: int, name: st
         raise ValueError(f"constraint acts on vectors of size {constraint.event_size}, but {name} = {size}.")
 
 
-class ConstrainedGaussianLatent(nn.Module):
+class ConstrainedGaussianLatent(DeviceCheckedModule):
     r"""Features to a Gaussian posterior conditioned on :math:`Az = k`, with a prior on the same plane.
 
     Two linear heads predict :math:`\mu` and :math:`\log\sigma^2` (the usual VAE parameterisation), clamped to
@@ -174,7 +175,7 @@ class ConstrainedGaussianLatent(nn.Module):
                 f"constraint={'none' if self.constraint is None else type(self.constraint).__name__}")
 
 
-class ConstrainedGaussianObservation(nn.Module):
+class ConstrainedGaussianObservation(DeviceCheckedModule):
     r"""Decoder mean :math:`m` and log-variance :math:`v` to :math:`p(x\mid z) = \mathcal N(m, \mathrm{diag}\,e^{v})`
     conditioned on :math:`Ax = k`.
 
