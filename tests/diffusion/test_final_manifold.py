@@ -174,3 +174,41 @@ def test_scheduler_final_on_the_manifold(base, dtype, tmp_path):
     eps = torch.finfo(dtype).eps
     torch.testing.assert_close(x_aff, x_lin, rtol=0.0, atol=256 * eps * float(x_lin.abs().max()))
     assert math.isfinite(float(x_aff.sum()))
+
+
+@pytest.mark.parametrize("name", list(SAMPLERS))
+def test_a_linear_constraint_on_earlier_steps_and_the_manifold_last(name):
+    """constraint= conditions the scheduled steps before the last; final= finishes on the manifold."""
+    from hardeq.diffusion import Uniform
+
+    sample, opts = SAMPLERS[name]
+    con, terms = energy_constraint(torch.float64)
+    linear = channel_sum_constraint(SHAPE, torch.tensor([1.0, -1.0], dtype=torch.float64))
+    seen = []
+    x = sample(toy_eps, SHAPE, constraint=linear, schedule=Uniform(2), final=con, dtype=torch.float64,
+               generator=torch.Generator().manual_seed(4), callback=lambda i, t, x, x0: seen.append(i), **opts)
+    assert_rows_meet(x, con, terms)
+    assert len(seen) >= 2
+
+
+def test_projected_last_step_does_not_depend_on_the_rest_of_the_batch():
+    con, _ = energy_constraint(torch.float64)
+    noise = torch.randn(SHAPE, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    full = flow_sample(toy_eps, SHAPE, final=con, deterministic=True, noise=noise, num_steps=3)
+    one = flow_sample(toy_eps, (1,) + SHAPE[1:], final=NonlinearConstraint(channel_energy, con.k[1:2]),
+                      deterministic=True, noise=noise[1:2], num_steps=3)
+    torch.testing.assert_close(one[0], full[1], rtol=0, atol=1e-13)
+
+
+def test_scheduler_with_a_linear_constraint_and_a_manifold_final_step():
+    diffusers = pytest.importorskip("diffusers")
+    from hardeq.diffusion import ConstrainedScheduler, Uniform
+
+    con, terms = energy_constraint(torch.float64)
+    linear = channel_sum_constraint(SHAPE, torch.tensor([1.0, -1.0], dtype=torch.float64))
+    cs = ConstrainedScheduler(diffusers.DDIMScheduler(num_train_timesteps=50, clip_sample=False), linear, Uniform(2),
+                              final=con)
+    assert_rows_meet(_run_scheduler(cs, torch.float64), con, terms)
+    assert "NonlinearConstraint" in repr(cs)
+    with pytest.raises(ValueError, match="last_step"):
+        cs.final = "manifold"
