@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .._validation import check_device
 from ..constraints import EqualityConstraint
-from .box import check_final
+from .final import Finish, resolve_final
 from .image_constraints import validate_image_constraint
 from .noise import check_generator, derive_generator, randn
 from .options import SamplerOptions
@@ -28,8 +28,7 @@ class LoopSetup:
     steps: frozenset[int]
     condition_generator: torch.Generator | None
     post: Callable[[Tensor], Tensor] | None
-    box: tuple[float, float] | None  # (lo, hi) of final="box" / "sample_box", else None
-    final: str | None = None  # None, "box" or "sample_box"
+    finish: Finish | None = None  # the last step of final= (None: as the schedule says)
 
 
 def _default_device() -> torch.device:
@@ -93,16 +92,16 @@ def setup_loop(model: object, shape: object, constraint: EqualityConstraint | No
     steps = resolve_steps(schedule, num_steps, default_last=con is not None)
     if steps and con is None:
         raise ValueError(f"schedule {schedule!r} conditions steps {sorted(steps)}, but constraint is None.")
+    finish = resolve_final(options.final, options.box, con, deterministic)
     cond_gen = condition_generator
-    if cond_gen is None and ((steps and not deterministic) or options.final == "sample_box"):
+    if cond_gen is None and ((steps and not deterministic) or (finish is not None and finish.random)):
         cond_gen = derive_generator(generator, device)
     if noise is None:
         x = randn(shape, generator=generator, device=device, dtype=dtype)
     else:
         x = noise.to(device=device, dtype=dtype)
     return LoopSetup(x=x, constraint=con, steps=steps, condition_generator=cond_gen,
-                     post=resolve_post(options.post, con, options.clip_range),
-                     box=check_final(options.final, options.box, con), final=options.final)
+                     post=resolve_post(options.post, con, options.clip_range), finish=finish)
 
 
 _T = TypeVar("_T", int, float)

@@ -33,7 +33,6 @@ from torch import Tensor
 
 from ..constraints import EqualityConstraint
 from ._loop import iterate, setup_loop
-from .box import final_step
 from .conditioning import constrained_x0, resolve_scale
 from .model import EpsModel, predict_noise
 from .noise import randn
@@ -120,9 +119,8 @@ def ddim_sample(
         ab_prev = abar[ts[i + 1]] if i < last else final_abar
         eps = predict_noise(model, x, t)
         x0 = (x - math.sqrt(1 - ab_t) * eps) / math.sqrt(ab_t)
-        if s.box is not None and i == last:
-            assert s.final is not None and s.constraint is not None  # (check_final: a box has both)
-            x = final_step(s.final, x0, s.constraint, resolve_scale(scale, t, b), s.box, s.condition_generator)
+        if s.finish is not None and i == last:
+            x = s.finish(x0, resolve_scale(scale, t, b), s.condition_generator, deterministic)
             if callback is not None:
                 callback(i, t, x, x)
             break

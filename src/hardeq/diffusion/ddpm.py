@@ -39,7 +39,6 @@ from torch import Tensor
 
 from ..constraints import EqualityConstraint
 from ._loop import iterate, setup_loop
-from .box import final_step
 from .conditioning import constrained_x0, resolve_scale
 from .model import EpsModel, predict_noise
 from .noise import randn
@@ -126,9 +125,8 @@ def ddpm_sample(
         ab_prev = abar[t - 1] if t > 0 else 1.0
         beta_t = 1 - ab_t / ab_prev
         x0 = (x - math.sqrt(1 - ab_t) * eps) / math.sqrt(ab_t)
-        if s.box is not None and i == last:
-            assert s.final is not None and s.constraint is not None  # (check_final: a box has both)
-            x = final_step(s.final, x0, s.constraint, resolve_scale(scale, t, b), s.box, s.condition_generator)
+        if s.finish is not None and i == last:
+            x = s.finish(x0, resolve_scale(scale, t, b), s.condition_generator, deterministic)
             if callback is not None:
                 callback(i, t, x, x)
             break

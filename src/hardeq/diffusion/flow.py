@@ -39,7 +39,6 @@ from torch import Tensor
 
 from ..constraints import EqualityConstraint
 from ._loop import iterate, setup_loop
-from .box import final_step
 from .conditioning import constrained_x0
 from .model import call_model
 from .noise_schedule import flow_sigmas
@@ -123,9 +122,8 @@ def flow_sample(
         x0 = x - t * v
         std = (t - t_next) if scale is None else (scale(t) if callable(scale) and not isinstance(scale, Tensor)
                                                   else scale)
-        if s.box is not None and i == last:
-            assert s.final is not None and s.constraint is not None  # (check_final: a box has both)
-            x = final_step(s.final, x0, s.constraint, std, s.box, s.condition_generator)
+        if s.finish is not None and i == last:
+            x = s.finish(x0, std, s.condition_generator, deterministic)
             if callback is not None:
                 callback(i, t, x, x)
             break

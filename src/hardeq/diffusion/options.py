@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
+from .final import FinalStep, is_final_step
 from .noise_schedule import SPACINGS, check_betas, ddim_timesteps, flow_sigmas, make_betas
 
 __all__ = ["SamplerOptions", "NoiseScheduleOptions", "DDPMOptions", "DDIMOptions", "FlowOptions",
@@ -117,7 +118,13 @@ class SamplerOptions:
             last step returns a *sample* of the same Gaussian given the constraint and the box (the law
             ``ConstrainedNormal(x0, scale).truncate(lo, hi)``, :class:`~hardeq.TruncatedConstrainedNormal`,
             drawn from the conditioning stream), exact in the sums and in ``[lo, hi]``; ``to_uint8_exact`` then
-            keeps the channel totals in 8 bits.
+            keeps the channel totals in 8 bits. A :class:`hardeq.NonlinearConstraint` :math:`h(x) = k` on the
+            flattened images (or any object with ``last_step(loc, scale, noise)``,
+            :class:`hardeq.diffusion.final.FinalStep`): the last step is taken on its manifold, a ``"linearised"``
+            draw of :math:`\mathcal N(\hat x_0, \mathrm{scale}^2 I) \mid h = k` from the conditioning stream
+            (``deterministic=True``: its mode, the projection of :math:`\hat x_0`); every row of :math:`h = k`
+            holds to the manifold's per-row tolerance. ``constraint`` is then optional (it conditions the scheduled
+            steps before the last) and ``box`` is not used.
         box: ``(lo, hi)`` of ``final="box"`` / ``"sample_box"``; default ``(-1.0, 1.0)``, the model's pixel range.
         post: post-processing of the returned :math:`x_0`: ``None``, ``"project"`` (orthogonal projection onto
             the constraint), ``"project_clip"`` (projection, then clipping to ``clip_range``), ``"clip"`` or a
@@ -141,7 +148,7 @@ class SamplerOptions:
 
     deterministic: bool = False
     scale: ScaleOption = None
-    final: str | None = None
+    final: str | FinalStep | None = None
     box: tuple[float, float] = (-1.0, 1.0)
     post: str | Callable[[Tensor], Tensor] | None = None
     clip_range: tuple[float, float] = (-1.0, 1.0)
@@ -159,10 +166,11 @@ class SamplerOptions:
                 raise TypeError(f"{owner}: scale must be a floating tensor, got {s.dtype}.")
         elif s is not None and not callable(s):
             _real("scale", s, owner, positive=True)
-        if self.final not in FINAL_NAMES:
+        if self.final not in FINAL_NAMES and not is_final_step(self.final):
             raise ValueError(f"{owner}: final must be None (the last step as the schedule says), 'box' (the "
-                             f"conditional mode in the box, box_project) or 'sample_box' (a sample of the conditional "
-                             f"truncated to the box), got {self.final!r}.")
+                             f"conditional mode in the box, box_project), 'sample_box' (a sample of the conditional "
+                             f"truncated to the box) or an object with last_step(loc, scale, noise) such as a "
+                             f"hardeq.NonlinearConstraint (the last step on its manifold), got {self.final!r}.")
         object.__setattr__(self, "box", _pair("box", self.box, owner))
         if self.post is not None and not callable(self.post) and self.post not in POST_NAMES:
             raise ValueError(f"{owner}: post must be None, a callable x0 -> x0 or one of {POST_NAMES}, "

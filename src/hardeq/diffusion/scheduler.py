@@ -48,7 +48,8 @@ from torch import Tensor
 from ..constraints import EqualityConstraint
 from . import _scheduler_spec as spec
 from ._optional import require_diffusers
-from .box import FINAL_OPTIONS, _check_box, check_final, final_step
+from .box import FINAL_OPTIONS, _check_box
+from .final import FinalStep, is_final_step, resolve_final
 from .conditioning import ScaleLike, constrained_x0, resolve_scale
 from .image_constraints import check_image_constraint
 from .noise import check_generator, derive_generator
@@ -204,7 +205,9 @@ class ConstrainedScheduler(SchedulerMixin, ConfigMixin):
         final: ``None`` (default: the last step as the schedule says), ``"box"`` (the last step returns the
             conditional mode in ``box``) or ``"sample_box"`` (a sample of the conditional truncated to ``box``);
             both need a grouped-sum constraint (e.g. :func:`channel_sum_constraint`) and condition the last step
-            whatever the schedule says.
+            whatever the schedule says. A :class:`~hardeq.NonlinearConstraint` on the flattened images: the last
+            step is a ``"linearised"`` sample on its manifold (the projection with ``deterministic``), with or
+            without ``constraint``; it is not saved (``save_pretrained`` raises).
         box: ``(lo, hi)`` of ``final``, in the model's space; default ``(-1.0, 1.0)`` (the pipelines' clamp range).
         condition_generator: the conditioning stream (never saved); default: derived, at the first conditioned
             step after each :meth:`set_timesteps`, from the state of the ``generator`` passed to :meth:`step` (or
@@ -248,7 +251,7 @@ class ConstrainedScheduler(SchedulerMixin, ConfigMixin):
                  schedule: Schedule | list[int] | dict[str, Any] | None = None,
                  scale: ScaleLike | dict[str, Any] = None,
                  deterministic: bool = False, condition_generator: torch.Generator | None = None,
-                 final: str | None = None, box: tuple[float, float] | list[float] = (-1.0, 1.0)) -> None:
+                 final: str | FinalStep | None = None, box: tuple[float, float] | list[float] = (-1.0, 1.0)) -> None:
         base = _base_from_spec(base_scheduler)
         _check_base(base)
         check_generator("condition_generator", condition_generator)
@@ -340,18 +343,20 @@ class ConstrainedScheduler(SchedulerMixin, ConfigMixin):
         self.register_to_config(deterministic=self._deterministic)
 
     @property
-    def final(self) -> str | None:
-        """The last step: ``None`` (as the schedule says), ``"box"`` (the mode in :attr:`box`) or ``"sample_box"``
-        (a sample in :attr:`box`); assigning it updates the config."""
+    def final(self) -> str | FinalStep | None:
+        """The last step: ``None`` (as the schedule says), ``"box"`` (the mode in :attr:`box`), ``"sample_box"``
+        (a sample in :attr:`box`) or a :class:`~hardeq.NonlinearConstraint` (a sample on its manifold, or the
+        projection with :attr:`deterministic`; not saved); assigning it updates the config."""
         return self._final
 
     @final.setter
-    def final(self, value: str | None) -> None:
-        if value not in FINAL_OPTIONS:
+    def final(self, value: str | FinalStep | None) -> None:
+        if value not in FINAL_OPTIONS and not is_final_step(value):
             raise ValueError(f"final must be one of {FINAL_OPTIONS} (None: the last step as the schedule says; 'box': "
-                             f"the conditional mode in the box; 'sample_box': a sample in the box), got {value!r}.")
+                             f"the conditional mode in the box; 'sample_box': a sample in the box) or an object with "
+                             f"last_step(loc, scale, noise) such as a hardeq.NonlinearConstraint, got {value!r}.")
         self._final = value
-        self.register_to_config(final=value)
+        self.register_to_config(final=value if value in FINAL_OPTIONS else spec.unsaved(value))
 
     @property
     def box(self) -> tuple[float, float]:
@@ -461,7 +466,7 @@ class ConstrainedScheduler(SchedulerMixin, ConfigMixin):
         """
         check_generator("generator", generator)
         inner = self.scheduler
-        if self.constraint is None:
+        if self.constraint is None and not is_final_step(self.final):
             out = inner.step(model_output, timestep, sample, *args, generator=generator, return_dict=True, **kwargs)
             prev, x0 = out.prev_sample, out.pred_original_sample
         else:
@@ -496,12 +501,13 @@ class ConstrainedScheduler(SchedulerMixin, ConfigMixin):
         :math:`\mathcal N(\hat x_0, \mathrm{scale}^2 I)` given the constraint and the box, where :math:`\hat x_0`
         is the base scheduler's (unconditioned) prediction; the base ``step`` is not called (the last update would
         only rescale :math:`\hat x_0`)."""
-        con = check_image_constraint(self.constraint, sample, owner="ConstrainedScheduler.step")
-        box = check_final(self.final, self.box, con)
-        assert self.final is not None and box is not None  # (called for final="box" / "sample_box" only)
-        if self._condition_generator is None and self.final == "sample_box":
+        con = (None if self.constraint is None
+               else check_image_constraint(self.constraint, sample, owner="ConstrainedScheduler.step"))
+        finish = resolve_final(self.final, self.box, con, self.deterministic)
+        assert finish is not None  # (called with final set only)
+        if self._condition_generator is None and finish.random:
             self._condition_generator = derive_generator(generator, sample.device)
         scale = resolve_scale(self.scale, t, self.scheduler.betas.to(torch.float64))
-        x0 = self._x0(model_output, t, sample)
-        return final_step(self.final, x0, con, scale, box, self._condition_generator).to(sample.dtype)
+        x0 = self._x0(model_output, t, sample).to(sample.dtype)
+        return finish(x0, scale, self._condition_generator, self.deterministic).to(sample.dtype)
 

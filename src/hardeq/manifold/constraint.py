@@ -250,6 +250,40 @@ class NonlinearConstraint:
                 f"|h(z) - k| = {abs(res):.3e} exceeds tol * s = {tol:.0e} * {s:.3e} "
                 f"({int(bad.any(-1).sum())} element(s) fail).")
 
+    # ------------------------------------------------------------------ a sampler's last step
+    def last_step(self, loc: Tensor, scale: Tensor, noise: Tensor | None = None) -> Tensor:
+        r"""Finish a diffusion / flow sampler on :math:`\mathcal M` (``final=`` of :mod:`hardeq.diffusion`).
+
+        With ``noise`` (standard normals, ``loc``'s shape) one ``"linearised"`` draw per row of ``loc`` of
+        :math:`\mathcal N(\mathrm{loc}, \mathrm{diag}(\mathrm{scale}^2)) \mid h = k` (the tangent-plane
+        conditional at the mode, returned along :math:`\Sigma J_*^\top`); with ``noise=None`` the mode, the
+        :math:`\Sigma^{-1}`-metric projection of ``loc`` onto :math:`\mathcal M`. For an affine ``h`` these are the
+        linear conditional's sample (Matheron's rule with the same noise) and mean.
+
+        Args:
+            loc: ``(B, n)`` (the flattened :math:`\hat x_0`), float32 or float64; ``k`` is cast to its dtype and
+                device (``h`` must accept them), ``k``'s batch shape ``()`` or ``(B,)``.
+            scale: standard deviations ``(n,)`` or ``(B, n)``, positive.
+            noise: ``(B, n)`` standard normals, or ``None``.
+
+        Returns:
+            ``(B, n)``, every row of :math:`h = k` within the per-row tolerance (one host read).
+
+        Raises:
+            ManifoldError: a row could not be brought onto :math:`\mathcal M` (it names the batch element and row).
+
+        Cost: one projection (Newton on the KKT system) and, for a draw, one tangent-plane sample and a few
+        Newton steps in the ``a`` normal coordinates.
+        """
+        cls = type(self).distribution_class
+        if cls is None:  # (registered when hardeq.manifold is imported, which importing this class does)
+            raise RuntimeError("hardeq.manifold.distribution is not imported.")
+        con = self.to(device=loc.device, dtype=loc.dtype)
+        dist = cls(loc, scale, constraint=con, validate_args=False)
+        z: Tensor = dist.mode if noise is None else dist.rsample(noise=noise)
+        con.assert_feasible(z, "the last step's sample" if noise is not None else "the last step's projection")
+        return z
+
     def __repr__(self) -> str:
         name = getattr(self.h, "__name__", type(self.h).__name__)
         return f"NonlinearConstraint(h={name}, a={self.num_constraints}, batch_shape={tuple(self.batch_shape)})"
