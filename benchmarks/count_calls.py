@@ -5,9 +5,12 @@ of its index, laid out at the first two uses of an index tensor), then once coun
 with ``validate_args=False`` (the steady state of a training loop that reuses its ``A`` / index tensors); the
 unconstrained reference is counted the same way. The last row is D with a new index tensor every step (a PyG
 ``DataLoader``), whose layout costs a host read.
-Counts do not depend on the machine's speed (they are a property of the code path), so they are measured on the CPU.
+Counts do not depend on the machine's speed (they are a property of the code path), so they are measured on the CPU,
+by default with the GPU's choices (``hardeq.linalg.device.forced("gpu")``: ``validate_args=False`` takes the
+sync-free static path there); ``--profile cpu`` counts the CPU's own choices (the checked path, whose host reads
+synchronise nothing on a CPU).
 
-    PYTHONPATH=src python benchmarks/count_calls.py [--json out.json]
+    PYTHONPATH=src python benchmarks/count_calls.py [--profile gpu|cpu] [--json out.json]
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from tests.budget_cases import PATHS, d_run, d_setup  # noqa: E402
 
 D = "D ragged SumConstraint, 128 graphs: rsample + backward"
 
+from hardeq.linalg.device import forced  # noqa: E402
 from hardeq.testing import count_calls  # noqa: E402
 
 
@@ -53,9 +57,12 @@ def measure() -> dict[str, dict[str, int]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--profile", choices=("gpu", "cpu"), default="gpu",
+                        help="the device profile whose choices run (default: a GPU's, on this CPU)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    rows = measure()
+    with forced(args.profile):
+        rows = measure()
     print("| path | ATen calls | host reads | unconstrained |")
     print("|---|---|---|---|")
     for name, r in rows.items():
