@@ -320,13 +320,14 @@ def _report(args: argparse.Namespace, prog: str, meta: dict) -> int:
 
 def summary(markdown: str) -> str:
     """A few lines for the terminal from a study's Markdown report: its title and, for each claims table (a
-    table whose last column is ``verdict``), the number of claims under each verdict, in the order first met.
+    table whose last column is ``verdict``), the number of claims under each verdict's label (its reason, after
+    `` (`` or ``: ``, left out), in the order first met.
 
     >>> print(summary("# study (cpu preset)\\n\\n## Claims of the paper\\n\\n| claim | p | verdict |\\n|---|---|---|\\n"
     ...               "| a | 0.01 | reproduced (Wilcoxon) |\\n| b | 0.4 | undecided (more seeds) |\\n"
-    ...               "| c | 0.02 | reproduced |\\n"))
+    ...               "| c | 0.02 | reproduced |\\n| d | 0.3 | undecided: still improving |\\n"))
     study (cpu preset)
-    Claims of the paper: 3 claims: 2 reproduced, 1 undecided
+    Claims of the paper: 4 claims: 2 reproduced, 2 undecided
     """
     lines = markdown.splitlines()
     out = [next((line.lstrip("# ").strip() for line in lines if line.startswith("# ")), "(report without a title)")]
@@ -341,7 +342,8 @@ def summary(markdown: str) -> str:
             tally: dict[str, int] = {}
             i += 2  # the header and its |---| row
             while i < len(lines) and lines[i].lstrip().startswith("|"):
-                verdict = lines[i].strip().strip("|").split("|")[-1].strip().split(" (")[0]
+                # the verdict's label: its reason (after " (" or ": ") is the report's, not the summary's
+                verdict = lines[i].strip().strip("|").split("|")[-1].strip().split(" (")[0].split(": ")[0]
                 tally[verdict] = tally.get(verdict, 0) + 1
                 i += 1
             counts = ", ".join(f"{n} {verdict}" for verdict, n in tally.items())

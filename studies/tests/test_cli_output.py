@@ -4,6 +4,7 @@ library; ``reproduce`` and ``report`` print a short summary and the paths (``--v
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -80,7 +81,7 @@ def test_summary_is_the_title_and_the_verdict_tally_of_each_claims_table():
 def test_summary_of_each_committed_report_counts_every_claim(name):
     text = (ROOT / "results" / f"{name}.md").read_text()
     lines = summary(text).splitlines()
-    rows = sum(int(line.split(": ")[-2].split()[0]) for line in lines[1:])
+    rows = sum(int(re.search(r": (\d+) claims: ", line).group(1)) for line in lines[1:])
     # every row of every table whose header ends in "verdict", counted independently
     blocks, expected, inside = text.split("\n"), 0, False
     for line in blocks:
