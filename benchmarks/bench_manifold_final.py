@@ -75,11 +75,18 @@ def main() -> None:
             scale = torch.full((N,), SCALE, dtype=dtype)
             before = float(con.row_ratio(x0).max())
             print(f"| {str(dtype)[6:]} | {B} | (the prediction x0 itself) | {before:.1e} | 0 | - | - |")
-            runs = (
-                ("hardeq projected (`deterministic=True`)", lambda: (con.last_step(x0, scale, None), "-")),
-                ("hardeq sampled (linearised draw)", lambda: (con.last_step(x0, scale, noise), "-")),
-                ("PCFM Gauss-Newton projection", lambda: gauss_newton_pcfm(con.residual, x0, tol=tol)),
-            )
+            def projected(con=con, x0=x0, scale=scale):
+                return con.last_step(x0, scale, None), "-"
+
+            def sampled(con=con, x0=x0, scale=scale, noise=noise):
+                return con.last_step(x0, scale, noise), "-"
+
+            def pcfm(con=con, x0=x0, tol=tol):
+                return gauss_newton_pcfm(con.residual, x0, tol=tol)
+
+            runs = (("hardeq projected (`deterministic=True`)", projected),
+                    ("hardeq sampled (linearised draw)", sampled),
+                    ("PCFM Gauss-Newton projection", pcfm))
             for name, fn in runs:
                 (z, its), seconds = best_of(fn)
                 ratio = float(con.row_ratio(z).max())

@@ -62,7 +62,8 @@ def d():
 
 
 def dv():
-    ((hardeq.ConstrainedNormal(dl, ds, constraint=hardeq.SumConstraint(batch, tot)).rsample() - tgt) ** 2).sum().backward()
+    con = hardeq.SumConstraint(batch, tot)
+    ((hardeq.ConstrainedNormal(dl, ds, constraint=con).rsample() - tgt) ** 2).sum().backward()
 
 
 def d0():

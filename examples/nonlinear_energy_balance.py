@@ -25,7 +25,6 @@ matplotlib (for the figure). Exactness is the per-row criterion of the nonlinear
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 

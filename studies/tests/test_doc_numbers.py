@@ -9,7 +9,6 @@ injected cases here have 4 or more."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
