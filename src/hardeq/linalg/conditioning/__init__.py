@@ -68,6 +68,7 @@ from .qr import QRFactor
 from .fused_static import STATIC_REFINEMENT_STEPS, sample_static_checked
 from .residual import CHECK_RTOL_CAP, ResidualCheck, _cause, _check_scale, check_rtol
 from .sparse import SparseCholeskyFactor
+from .static_dense import StaticPairsFactor
 
 if TYPE_CHECKING:
     from ...constraints.base import EqualityConstraint
@@ -128,8 +129,9 @@ def build_factor(step: PlanStep, cov: "Covariance", con: "EqualityConstraint", c
         assert precision is not None  # (every Cholesky step names its precision)
         # a sparse constraint's factor adds its gain in place, block by block (same factorisation)
         cls = SparseCholeskyFactor if hasattr(con, "rmatvec_add_") else CholeskyFactor
-        if kappa_max is None:
-            return cls(cov, con, c, precision, checked=not static)
+        if kappa_max is None:  # (static: the fused factor of a shared A under per-sample scales, where it applies)
+            fused = StaticPairsFactor.build_static(cov, con, c, precision) if static else None
+            return fused or cls(cov, con, c, precision, checked=not static)
         return cls.build(cov, con, c, precision, kappa_max)
     if kind == "qr":
         return QRFactor.build(cov, con, c)

@@ -50,10 +50,13 @@ def sample_static_checked(factor: Factor, check: ResidualCheck, cause: Callable[
     if not hasattr(factor, "L") or not hasattr(factor, "_con"):
         return None
     rtol = check_rtol(loc.dtype, loc.shape[-1])
-    floor = check.floor()
-    base = check.wide().k.detach().abs() * rtol + floor
-    done = sample_static_fused(cast(_FusedFactor, factor), loc, sample_shape, generator,
-                               STATIC_REFINEMENT_STEPS.get(loc.dtype, 1), rtol, base)
+    steps = STATIC_REFINEMENT_STEPS.get(loc.dtype, 1)
+    own = getattr(factor, "sample_checked", None)  # (a factor with its own fused sampler: .static_dense)
+    done = own(loc, sample_shape, generator, steps, rtol) if own is not None else None
+    if done is None:
+        floor = check.floor()
+        base = check.wide().k.detach().abs() * rtol + floor
+        done = sample_static_fused(cast(_FusedFactor, factor), loc, sample_shape, generator, steps, rtol, base)
     if done is None:
         return None
     z, ok = done
