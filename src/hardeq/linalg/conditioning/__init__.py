@@ -44,7 +44,9 @@ Gram matrix; the null-space form when ``2a > n``, in eager mode), determined coo
 branch, every vector gets :data:`STATIC_REFINEMENT_STEPS` refinement steps (one for float32, two for float64), and
 every row is then checked on the device with its error deferred (:meth:`.residual.ResidualCheck.defer`). The
 per-row criterion holds when :math:`\varepsilon_{64}\kappa(\tilde S)` is small (up to about 1e12 for float32
-vectors, 1e10 for float64); beyond, the deferred check raises.
+vectors, 1e10 for float64); beyond, the deferred check raises. A shared dense ``A`` under per-sample diagonal scales
+gets :class:`~.static_dense.StaticPairsFactor`, the same float64 factor written as a few whole-batch calls, with
+its own sampler and log-density (:mod:`.static_dense`).
 
 Cost: factorisation O(batch n a^2 + batch a^3) (GEMM speed; grouped O(n)); each conditioned vector O(n a) (grouped:
 O(n); sparse: O(nnz)) plus the check, one more O(n a) product. :meth:`Conditioner.sample` fuses ``loc + F eps`` and the

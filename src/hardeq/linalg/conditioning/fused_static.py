@@ -14,7 +14,9 @@ per chunk, ``randn`` into the output, :math:`z = \mu + \sigma\varepsilon`, then 
 of all chunks are one device tensor, asserted once at the end (``torch._assert_async``); no host read.
 
 Applies to a shared dense 2-D ``A`` under a diagonal covariance, a float64 factor, no determined coordinates, and
-either no batch dimensions (chunks of samples) or no sample dimensions (chunks of batch elements). The noise is
+either no batch dimensions (chunks of samples) or no sample dimensions (chunks of batch elements). A factor with a
+sampler of its own (``sample_checked``: :class:`~.static_dense.StaticPairsFactor`, per-sample scales) draws with
+it instead, in whole-batch calls. The noise is
 drawn in the order of one ``torch.randn`` of the whole output.
 """
 
