@@ -137,3 +137,24 @@ def test_a_gradient_takes_the_general_path():
         lp.sum().backward()
     torch.testing.assert_close(lp.detach(), value, rtol=1e-12, atol=1e-9)
     assert loc_g.grad is not None and torch.isfinite(loc_g.grad).all()
+
+
+@pytest.mark.parametrize("centre", [1e30, 1e-30], ids=["1e30", "1e-30"])
+def test_float32_scales_far_from_one_need_no_normalising_scale(centre, monkeypatch):
+    """A float32 covariance enters the float64 factor as sigma^2 itself (no c): at scales of 1e+-30 nothing over-
+    or underflows; samples exact per row, log_prob as the general path's (which normalises by c)."""
+    g = torch.Generator().manual_seed(6)
+    A = torch.randn(5, 300, generator=g)
+    scale = (centre * (0.5 + torch.rand(4, 300, generator=g, dtype=torch.float64))).float()
+    loc = (torch.randn(4, 300, generator=g, dtype=torch.float64) * centre).float()
+    k = (torch.randn(4, 5, generator=g, dtype=torch.float64) * centre * 10).float()
+    with forced("gpu"):
+        d = _dist(A, loc, scale, k)
+        z = d.sample()
+        fused = d.log_prob(z)
+        monkeypatch.setattr(static_dense, "MAX_ROWS", 0)
+        general = _dist(A, loc, scale, k).log_prob(z)
+    assert isinstance(d.conditioner.factor, StaticPairsFactor)
+    assert_exact_per_row(d.constraint, z)
+    eps = torch.finfo(torch.float32).eps
+    torch.testing.assert_close(fused, general, rtol=20 * eps, atol=20 * eps * float(general.abs().max()))
