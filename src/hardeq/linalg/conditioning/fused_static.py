@@ -53,9 +53,11 @@ def sample_static_checked(factor: Factor, check: ResidualCheck, cause: Callable[
         return None
     rtol = check_rtol(loc.dtype, loc.shape[-1])
     steps = STATIC_REFINEMENT_STEPS.get(loc.dtype, 1)
-    own = getattr(factor, "sample_checked", None)  # (a factor with its own fused sampler: .static_dense)
-    done = own(loc, sample_shape, generator, steps, rtol) if own is not None else None
-    if done is None:
+    # a factor with a fused sampler of its own (.static_dense) uses it; where that does not apply, neither does the
+    # chunked one below (its factor has no per-row normalising scale c)
+    own = getattr(factor, "sample_checked", None)
+    done: tuple[Tensor, Tensor] | None = own(loc, sample_shape, generator, steps, rtol) if own is not None else None
+    if done is None and own is None:
         floor = check.floor()
         base = check.wide().k.detach().abs() * rtol + floor
         done = sample_static_fused(cast(_FusedFactor, factor), loc, sample_shape, generator, steps, rtol, base)

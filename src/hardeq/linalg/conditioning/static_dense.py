@@ -73,8 +73,9 @@ _F64 = torch.float64
 
 def _constants(con64: "LinearConstraint") -> dict[str, Any] | None:
     """The per-``A`` constants (float64), kept with the constraint's other derived values: ``P^T`` of the row pairs,
-    the gather index of the symmetric Gram from its packed triangle, ``A^T`` and ``|A|^T``; ``None`` when ``A`` keeps
-    no derived values (it requires grad, or under tracing) or the row pairs would be too large."""
+    the gather index of the symmetric Gram from its packed triangle, ``A^T``, ``|A|^T`` and a ``1`` (the ``c`` of a
+    float32 covariance); ``None`` when ``A`` keeps no derived values (it requires grad) or the row pairs would be
+    too large. (Under tracing a constraint keeps nothing: they are computed afresh.)"""
     from ...constraints.linear import shared_row_pairs
 
     derived = con64.derived()
@@ -92,7 +93,8 @@ def _constants(con64: "LinearConstraint") -> dict[str, Any] | None:
             index[iu[0], iu[1]] = slots
             index[iu[1], iu[0]] = slots
             A_t, abs_A_t = con64.columns()
-            derived["static"] = {"pairs_t": pairs.mT, "index": index.flatten(), "A_t": A_t, "abs_A_t": abs_A_t}
+            derived["static"] = {"pairs_t": pairs.mT, "index": index.flatten(), "A_t": A_t, "abs_A_t": abs_A_t,
+                                 "one": torch.ones((1,), dtype=_F64, device=pairs.device)}
     constants: dict[str, Any] | None = derived["static"]
     return constants
 
@@ -114,7 +116,7 @@ class StaticPairsFactor(CholeskyFactor):
     def __init__(self, cov: "Covariance", constraint: "EqualityConstraint", c: Tensor, con64: "LinearConstraint",
                  constants: dict[str, Any]) -> None:
         wide_cov = constraint.dtype == _F64  # (a float64 covariance keeps its normalising scale c)
-        Factor.__init__(self, cov, constraint, c if wide_cov else torch.ones_like(c, dtype=_F64))
+        Factor.__init__(self, cov, constraint, c if wide_cov else constants["one"])  # (c = 1: broadcasts)
         self.precision = _F64
         if constraint.dtype != _F64:
             self.name = "cholesky64"
