@@ -111,7 +111,7 @@ class StaticPairsFactor(CholeskyFactor):
     r"""The float64 Cholesky factor of the static mode for a shared 2-D ``A`` and per-sample diagonal scales (see
     the module docstring); a :class:`~.cholesky.CholeskyFactor` (every method of which applies, with ``d = None``,
     no kept :math:`W'` and, for a float32 covariance, ``c = 1``) with a fused sampler and log-density. Use
-    :meth:`build`."""
+    :meth:`build_static`."""
 
     def __init__(self, cov: "Covariance", constraint: "EqualityConstraint", c: Tensor, con64: "LinearConstraint",
                  constants: dict[str, Any]) -> None:
@@ -141,7 +141,8 @@ class StaticPairsFactor(CholeskyFactor):
                      precision: torch.dtype) -> "StaticPairsFactor | None":
         """The factor, or ``None`` where it does not apply: not a float64 factor, not a diagonal covariance with
         per-sample scales ``(B, n)``, not a shared 2-D dense ``A`` with fewer than :data:`MAX_ROWS` rows, a gradient
-        wanted through ``A`` or the scales, or no per-``A`` constants (under tracing)."""
+        wanted through ``A`` or the scales, or a row-pair matrix that would be too large
+        (:data:`~hardeq.ops.gram_pairs.PAIR_ELEMS`)."""
         A = _dense_2d(constraint)
         if precision != _F64 or A is None or A.shape[0] >= MAX_ROWS or not isinstance(cov, DiagonalCovariance):
             return None
