@@ -1,5 +1,5 @@
-"""The static (sync-free) sampler chunk by chunk (``hardeq.linalg.conditioning.fused_static``): the samples of the
-unfused static path on the same noise, to round-off, exact per row, with no host read; a failing row raises."""
+"""The static (sync-free) sampler chunk by chunk (``hardeq.linalg.conditioning.fused_static``; per-sample scales:
+the fused factor's, ``static_dense``): the samples of the unfused static path on the same noise, to round-off, exact per row, with no host read; a failing row raises."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from hardeq.linalg.conditioning import fused as fused_module
 from hardeq.linalg.conditioning import fused_static
 from hardeq.linalg.covariance import DiagonalCovariance
 from hardeq.linalg.conditioning import Conditioner
+from hardeq.linalg.conditioning.static_dense import StaticPairsFactor
 from hardeq.testing import assert_exact_per_row, count_calls
 
 DTYPES = (torch.float32, torch.float64)
@@ -39,8 +40,13 @@ def test_static_fused_sample_is_the_unfused_static_sample(dtype, shared, monkeyp
     cond = Conditioner(DiagonalCovariance(scale), con, static=True)
     shape = (4,) if shared else ()
     spy = []
-    original = fused_static.sample_static_fused
-    monkeypatch.setattr(fused_static, "sample_static_fused", lambda *a: spy.append(1) or original(*a))
+    if shared:
+        original = fused_static.sample_static_fused
+        monkeypatch.setattr(fused_static, "sample_static_fused", lambda *a: spy.append(1) or original(*a))
+    else:  # (per-sample scales: the fused factor's own sampler, linalg.conditioning.static_dense)
+        assert isinstance(cond.factor, StaticPairsFactor)
+        own = StaticPairsFactor.sample_checked
+        monkeypatch.setattr(StaticPairsFactor, "sample_checked", lambda *a: spy.append(1) or own(*a))
     torch.manual_seed(3)
     with count_calls() as count:
         z = cond.sample(loc, shape)

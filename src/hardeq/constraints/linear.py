@@ -316,6 +316,9 @@ class LinearConstraint(EqualityConstraint):
             if key not in derived:
                 derived[key] = self.A.to(dtype=dtype)
             new = LinearConstraint(derived[key], self.k.to(dtype=dtype), validate_args=False)
+            # (its own derived constants are kept in this A's entry: the converted A is the cache's, so it needs no
+            # comparison with a snapshot of its own)
+            new._derived = derived.setdefault(f"derived {dtype}", {})
             self._converted = {**(self._converted or {}), dtype: new}
             return new
         check_device(device)

@@ -21,6 +21,7 @@ from ..estimators import normal as _normal_estimators  # noqa: F401  (registers 
 from ..estimators.registry import get_estimator
 from ..linalg.conditioning import Conditioner, is_tracing
 from ..linalg.conditioning.grouped_sample import grouped_rsample
+from ..linalg.conditioning.static_dense import SINGULAR_SCALE_MESSAGE
 from ..linalg.device import profile as device_profile
 from ..linalg.covariance import Covariance, DiagonalCovariance, FullCovariance, LowRankCovariance
 from .losses import gaussian_expected_abs, gaussian_expected_square
@@ -404,10 +405,7 @@ class ConstrainedNormal(Distribution):
         n, a = self.event_shape[0], self.constraint.num_constraints
         plane_logdet = self.conditioner.plane_logdet()
         if not self._logdet_checked:  # once per distribution: a host read, or (static) a deferred device check
-            message = ("scale (the covariance) must be nonsingular for log_prob and entropy, but log det Sigma - "
-                       "log det S + log det(A A^T) is not finite (a zero scale?); such a law has no density on the "
-                       "(n - a)-dimensional plane. With validate_args=True a non-positive scale is rejected at "
-                       "construction.")
+            message = SINGULAR_SCALE_MESSAGE
             finite = torch.isfinite(plane_logdet.detach()).all()
             if not self.conditioner.static:
                 if not bool(finite):
@@ -483,8 +481,12 @@ class ConstrainedNormal(Distribution):
         # z - mu_bar = (z - mu) - K r without forming mu_bar: mu_bar is only representable to ulp(|mu_bar|),
         # which can be a large fraction of a small scale; r = k - A mu is accumulated in float64.
         cond = self.conditioner
-        d = cond.deviation(value, self._unbroadcasted_loc, self._loc_residual)
-        out = self._log_normaliser() - 0.5 * cond.inv_quad_covariance(d)
+        # (static, eagerly: a factor with its own fused log-density, linalg.conditioning.static_dense, where it applies)
+        fused = getattr(cond.factor, "log_density", None) if cond.static and not is_tracing() else None
+        out = fused(value, self._unbroadcasted_loc) if fused is not None else None
+        if out is None:
+            d = cond.deviation(value, self._unbroadcasted_loc, self._loc_residual)
+            out = self._log_normaliser() - 0.5 * cond.inv_quad_covariance(d)
         return self._out(out).expand(torch.broadcast_shapes(value.shape[:-1], self.batch_shape))
 
     @_full_precision

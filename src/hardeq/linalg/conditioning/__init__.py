@@ -44,7 +44,9 @@ Gram matrix; the null-space form when ``2a > n``, in eager mode), determined coo
 branch, every vector gets :data:`STATIC_REFINEMENT_STEPS` refinement steps (one for float32, two for float64), and
 every row is then checked on the device with its error deferred (:meth:`.residual.ResidualCheck.defer`). The
 per-row criterion holds when :math:`\varepsilon_{64}\kappa(\tilde S)` is small (up to about 1e12 for float32
-vectors, 1e10 for float64); beyond, the deferred check raises.
+vectors, 1e10 for float64); beyond, the deferred check raises. A shared dense ``A`` under per-sample diagonal scales
+gets :class:`~.static_dense.StaticPairsFactor`, the same float64 factor written as a few whole-batch calls, with
+its own sampler and log-density (:mod:`.static_dense`).
 
 Cost: factorisation O(batch n a^2 + batch a^3) (GEMM speed; grouped O(n)); each conditioned vector O(n a) (grouped:
 O(n); sparse: O(nnz)) plus the check, one more O(n a) product. :meth:`Conditioner.sample` fuses ``loc + F eps`` and the
@@ -68,6 +70,7 @@ from .qr import QRFactor
 from .fused_static import STATIC_REFINEMENT_STEPS, sample_static_checked
 from .residual import CHECK_RTOL_CAP, ResidualCheck, _cause, _check_scale, check_rtol
 from .sparse import SparseCholeskyFactor
+from .static_dense import StaticPairsFactor
 
 if TYPE_CHECKING:
     from ...constraints.base import EqualityConstraint
@@ -128,8 +131,9 @@ def build_factor(step: PlanStep, cov: "Covariance", con: "EqualityConstraint", c
         assert precision is not None  # (every Cholesky step names its precision)
         # a sparse constraint's factor adds its gain in place, block by block (same factorisation)
         cls = SparseCholeskyFactor if hasattr(con, "rmatvec_add_") else CholeskyFactor
-        if kappa_max is None:
-            return cls(cov, con, c, precision, checked=not static)
+        if kappa_max is None:  # (static: the fused factor of a shared A under per-sample scales, where it applies)
+            fused = StaticPairsFactor.build_static(cov, con, c, precision) if static else None
+            return fused or cls(cov, con, c, precision, checked=not static)
         return cls.build(cov, con, c, precision, kappa_max)
     if kind == "qr":
         return QRFactor.build(cov, con, c)

@@ -14,7 +14,9 @@ per chunk, ``randn`` into the output, :math:`z = \mu + \sigma\varepsilon`, then 
 of all chunks are one device tensor, asserted once at the end (``torch._assert_async``); no host read.
 
 Applies to a shared dense 2-D ``A`` under a diagonal covariance, a float64 factor, no determined coordinates, and
-either no batch dimensions (chunks of samples) or no sample dimensions (chunks of batch elements). The noise is
+either no batch dimensions (chunks of samples) or no sample dimensions (chunks of batch elements). A factor with a
+sampler of its own (``sample_checked``: :class:`~.static_dense.StaticPairsFactor`, per-sample scales) draws with
+it instead, in whole-batch calls. The noise is
 drawn in the order of one ``torch.randn`` of the whole output.
 """
 
@@ -50,10 +52,15 @@ def sample_static_checked(factor: Factor, check: ResidualCheck, cause: Callable[
     if not hasattr(factor, "L") or not hasattr(factor, "_con"):
         return None
     rtol = check_rtol(loc.dtype, loc.shape[-1])
-    floor = check.floor()
-    base = check.wide().k.detach().abs() * rtol + floor
-    done = sample_static_fused(cast(_FusedFactor, factor), loc, sample_shape, generator,
-                               STATIC_REFINEMENT_STEPS.get(loc.dtype, 1), rtol, base)
+    steps = STATIC_REFINEMENT_STEPS.get(loc.dtype, 1)
+    # a factor with a fused sampler of its own (.static_dense) uses it; where that does not apply, neither does the
+    # chunked one below (its factor has no per-row normalising scale c)
+    own = getattr(factor, "sample_checked", None)
+    done: tuple[Tensor, Tensor] | None = own(loc, sample_shape, generator, steps, rtol) if own is not None else None
+    if done is None and own is None:
+        floor = check.floor()
+        base = check.wide().k.detach().abs() * rtol + floor
+        done = sample_static_fused(cast(_FusedFactor, factor), loc, sample_shape, generator, steps, rtol, base)
     if done is None:
         return None
     z, ok = done
