@@ -75,7 +75,8 @@ def _transpose_csr(A: Tensor) -> Tensor:
 
 def _spmm(A: Tensor, z: Tensor) -> Tensor:
     r"""``A z`` for a CSR ``A`` ``(p, q)`` and ``z`` ``(*lead, q)``: the leading dims become the columns of one
-    sparse-dense product; returns ``(*lead, p)``.
+    sparse-dense product; returns ``(*lead, p)``. On a GPU profile (:mod:`hardeq.linalg.device`) the product reads
+    ``z`` column-major as it is and its result is returned transposed, without a copy either way.
 
     The product runs row-parallel over ``A`` with the columns of the dense operand contiguous (each stored entry
     reads ``N`` consecutive values). A wide result (``p > q``: :math:`A^\top u`) is written without gradient by
@@ -83,6 +84,8 @@ def _spmm(A: Tensor, z: Tensor) -> Tensor:
     transposing copy, which costs about as much as the product; for a narrow result the column-major product is
     2x slower than the copy); with gradient, through the copy (``out=`` is not differentiable)."""
     lead = z.shape[:-1]
+    if not profile(z.device).blocked_drivers:  # a GPU's: its vendor's product reads either layout, no copies
+        return _quiet(torch.mm, A, z.reshape(-1, z.shape[-1]).mT).mT.reshape(lead + (A.shape[0],))
     cols = z.reshape(-1, z.shape[-1]).mT.contiguous()  # shape: (q, N), rows of N contiguous values
     if A.shape[0] > A.shape[1] and cols.shape[1] > 1 and not (
             torch.is_grad_enabled() and (cols.requires_grad or A.requires_grad)):
@@ -331,8 +334,8 @@ class SparseConstraint(EqualityConstraint):
 
     @property
     def storage_numel(self) -> int:
-        """``nnz``: the stored entries of ``A``."""
-        return self._A._nnz()
+        """``nnz``: the stored entries of ``A`` (asked of ``A`` once: ``_nnz`` is an ATen call)."""
+        return self._cached("nnz", self._A._nnz)
 
     @property
     def operator_requires_grad(self) -> bool:
@@ -348,7 +351,7 @@ class SparseConstraint(EqualityConstraint):
         from ._pinned import pinned_from_rows
 
         A = self._A
-        nnz = A._nnz()
+        nnz = self.storage_numel
         if nnz == 0:
             return None
 
@@ -365,15 +368,15 @@ class SparseConstraint(EqualityConstraint):
         return pinned_from_rows(single, A.col_indices()[first], A.values()[first], self.k, self.event_size)
 
     def pinned_values_static(self) -> tuple[Tensor, Tensor] | None:
-        """As :meth:`pinned_values` (its verdict is found once per ``A`` and remembered); under tracing, formed
-        without a branch."""
+        """As :meth:`pinned_values` (its verdict is found once per ``A``, at the first use, and remembered: no host
+        read after that); under tracing, formed without a branch."""
         from ._pinned import pinned_from_rows
 
         A = self._A
-        nnz = A._nnz()
+        nnz = self.storage_numel
         if nnz == 0:
             return None
-        if "singleton_rows" in self._shared and not is_tracing():
+        if not is_tracing() and not A.requires_grad:  # the verdict once per A (a host read, at its first use)
             return self.pinned_values()
         crow = A.crow_indices()
         first = crow[:-1].clamp_max(nnz - 1)
