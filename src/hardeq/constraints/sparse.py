@@ -335,7 +335,8 @@ class SparseConstraint(EqualityConstraint):
     @property
     def storage_numel(self) -> int:
         """``nnz``: the stored entries of ``A`` (asked of ``A`` once: ``_nnz`` is an ATen call)."""
-        return self._cached("nnz", self._A._nnz)
+        nnz: int = self._cached("nnz", self._A._nnz)
+        return nnz
 
     @property
     def operator_requires_grad(self) -> bool:
