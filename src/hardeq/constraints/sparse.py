@@ -341,6 +341,13 @@ class SparseConstraint(EqualityConstraint):
     def _shared(self) -> dict[str, Any]:
         return self._parts.shared
 
+    def _traced_form(self) -> TracedSparse:
+        """The COO form for a traced product; refused for an ``A`` that requires grad (its values are copied)."""
+        if self._grad_A:
+            raise NotImplementedError("a SparseConstraint whose A requires grad is not traced by torch.compile (the "
+                                      "traced products use a copy of A's values); run this step eagerly.")
+        return self._traced
+
     def _make_traced(self) -> TracedSparse:
         """The COO form of ``A`` (:mod:`.sparse_traced`), with the Gram's pairs when the Gram matrix is not diagonal
         and they number at most :data:`TRACED_MAX_PAIRS` (the pair matrix of the eager Gram, built now)."""
@@ -395,7 +402,7 @@ class SparseConstraint(EqualityConstraint):
         from ._pinned import pinned_from_rows
 
         if _compiling():
-            return self._traced.pinned(self.k)
+            return self._traced_form().pinned(self.k)
         A = self._A
         nnz = self.storage_numel
         if nnz == 0:
@@ -419,7 +426,7 @@ class SparseConstraint(EqualityConstraint):
         from ._pinned import pinned_from_rows
 
         if _compiling():
-            return self._traced.pinned(self.k)
+            return self._traced_form().pinned(self.k)
         A = self._A
         nnz = self.storage_numel
         if nnz == 0:
@@ -471,7 +478,7 @@ class SparseConstraint(EqualityConstraint):
     # ------------------------------------------------------------------ products
     def matvec(self, z: Tensor) -> Tensor:
         if _compiling():
-            return self._traced.matvec(z)
+            return self._traced_form().matvec(z)
         if self._blocked(z, self.event_size):
             z2 = z.reshape(-1, z.shape[-1])
             if z2.stride(-1) == 1:
@@ -480,7 +487,7 @@ class SparseConstraint(EqualityConstraint):
 
     def rmatvec(self, u: Tensor) -> Tensor:
         if _compiling():
-            return self._traced.rmatvec(u)
+            return self._traced_form().rmatvec(u)
         if self._blocked(u, self.event_size):
             return self._blocks().rmatvec(u.reshape(-1, u.shape[-1])).reshape(u.shape[:-1] + (self.event_size,))
         return _spmm(self._At, u)
@@ -513,7 +520,7 @@ class SparseConstraint(EqualityConstraint):
 
     def abs_matvec(self, z_abs: Tensor) -> Tensor:
         if _compiling():
-            return self._traced.matvec(z_abs, absolute=True)
+            return self._traced_form().matvec(z_abs, absolute=True)
         return _spmm(self._abs(), z_abs)
 
     def matvec_and_scale(self, z: Tensor) -> tuple[Tensor, Tensor]:
@@ -540,7 +547,7 @@ class SparseConstraint(EqualityConstraint):
 
     def dense_matrix(self) -> Tensor:
         if _compiling():
-            return self._traced.dense()
+            return self._traced_form().dense()
         return self._A.to_dense()
 
     # ------------------------------------------------------------------ what the conditioner asks for
@@ -582,7 +589,7 @@ class SparseConstraint(EqualityConstraint):
         if not self.has_diagonal_gram:
             return None
         if _compiling():
-            return self._traced.diagonal_gram_of(variance)
+            return self._traced_form().diagonal_gram_of(variance)
         A = self._A
         square = self._cached("square", lambda: _csr(A.crow_indices(), A.col_indices(), A.values().square(), A.shape))
         return _spmm(square, variance)
@@ -591,7 +598,7 @@ class SparseConstraint(EqualityConstraint):
         r""":math:`\log\det(AA^\top) = 2\sum_i\log d_i + 2\sum_j\log L_{jj}` from the cached float64 Cholesky of
         the row-equilibrated Gram matrix (see :class:`_GramFactors`), a scalar in ``dtype``."""
         if _compiling():
-            return self._traced.logdet_gram_identity().to(self.dtype)
+            return self._traced_form().logdet_gram_identity().to(self.dtype)
         return self._gram_factors().logdet.to(self.dtype)
 
     # ------------------------------------------------------------------ geometry of the plane
@@ -731,7 +738,7 @@ def _gram_sparse(constraint: SparseConstraint, covariance: Covariance) -> Tensor
         return covariance.sandwich(constraint.dense_matrix())
     v = covariance.variance  # shape: (*batch, n)
     if _compiling():  # the traced form: the pairs scatter-added (sparse_traced)
-        return constraint._traced.gram(v)
+        return constraint._traced_form().gram(v)
     # (the memo compares on the host: not without host reads, where S is computed afresh)
     memo = host_reads_allowed() and not (torch.is_grad_enabled() and (v.requires_grad or constraint._A.requires_grad))
     if memo:  # the per-step pattern: the same A and variances, a new k each step
