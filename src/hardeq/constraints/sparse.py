@@ -666,9 +666,19 @@ class SparseConstraint(EqualityConstraint):
             return self._with(self._parts, self.k.to(dtype=dtype), self._traced.to(dtype))
         same_device = device is None or torch.device(device) == self._A.device
         if dtype == torch.float64 and self.dtype != torch.float64 and same_device and not self._A.requires_grad:
+            try:  # (asked twice per construction, by the factor and by the check: remembered while k is unchanged)
+                version: int | None = self.k._version
+            except RuntimeError:  # (an inference tensor has no version counter)
+                version = None
+            wide = self.__dict__.get("_wide")
+            if wide is not None and version is not None and wide[0] == version:
+                widened: SparseConstraint = wide[1]
+                return widened
             A64, At64 = self._float64()
-            return self._with(_Parts(A64, At64, self._cached("float64_shared", dict)), self.k.to(dtype=dtype),
-                              self._cached("traced_float64", lambda: self._traced.to(torch.float64)))
+            widened = self._with(_Parts(A64, At64, self._cached("float64_shared", dict)), self.k.to(dtype=dtype),
+                                 self._cached("traced_float64", lambda: self._traced.to(torch.float64)))
+            self._wide = (version, widened)
+            return widened
         A, k = _quiet(lambda: self._A.to(device=device, dtype=dtype)), self.k.to(device=device, dtype=dtype)
         if A is self._A and k is self.k:
             return self
@@ -708,6 +718,7 @@ class SparseConstraint(EqualityConstraint):
         arrays (``copy.deepcopy`` and ``pickle`` work on any constraint), and drops the caches (rebuilt on use)."""
         state = dict(self.__dict__)
         del state["_parts"]
+        state.pop("_wide", None)
         state["_A"], state["_At"] = _components(self._A), _components(self._At)
         return state
 
