@@ -4,8 +4,9 @@ network -> ``ConstrainedNormal`` -> ``rsample`` / ``log_prob`` -> loss -> ``back
 ``torch.compile(fullgraph=True)`` (``fullgraph``: any graph break is an error), for the three kinds of constraint a
 user batches: dense (``LinearConstraint``, a shared ``A`` and a ``k`` per input), grouped (a ragged PyG-like batch
 of graphs padded to a fixed node budget, as users of CUDA graphs do, ``SumConstraint``) and sparse
-(``SparseConstraint``; an expected failure: dynamo cannot trace sparse tensors). Inside the graph, validation and the per-row check run on the device
-(``torch._assert_async``), so nothing reads back to the host.
+(``SparseConstraint``: dynamo cannot trace a sparse tensor, so the constraint is built outside the step and given
+each step's ``k`` by ``with_k``; inside the graph it computes with its COO index and value arrays). Inside the graph,
+validation and the per-row check run on the device (``torch._assert_async``), so nothing reads back to the host.
 
 The default suite uses the ``aot_eager`` backend (dynamo and AOT autograd: the forward and backward graphs, without
 code generation); inductor is the ``slow`` variant. References: the same steps run eagerly from the same weights
@@ -53,7 +54,9 @@ def make_case(kind: str, dtype: torch.dtype):
             A[j % a, j] = 1.0 + torch.rand((), generator=g, dtype=dtype)
             A[(j + 1) % a, j] = -0.5
         A = A.to_sparse_csr()
-        make = lambda k, v=None: hardeq.SparseConstraint(A, k, validate_args=v)  # noqa: E731
+        # built outside the compiled step (a sparse tensor cannot enter a graph); a new k by with_k inside it
+        base = {v: hardeq.SparseConstraint(A, torch.zeros(a, dtype=dtype), validate_args=v) for v in (None, True)}
+        make = lambda k, v=None: base[v].with_k(k)  # noqa: E731
     x = torch.randn(3, FEATURES, generator=g, dtype=dtype)
     k = torch.randn(3, a, generator=g, dtype=dtype)
     if kind == "grouped":
@@ -124,15 +127,9 @@ def check(results, dtype):
     assert not torch.equal(w_c[0], make_case("dense", dtype)[0][0].weight)  # the steps did train
 
 
-#: dynamo cannot trace a sparse tensor at all in this torch ("Attempted to wrap sparse Tensor"): the sparse step is
-#: an expected failure, strict, so that it is noticed when torch (or a traceable SparseConstraint layout) lifts it
-SPARSE = pytest.param("sparse", marks=pytest.mark.xfail(
-    raises=torch._dynamo.exc.Unsupported, strict=True, reason="torch.compile cannot trace sparse tensors"))
-
-
 @pytest.mark.parametrize("validate", [None, True], ids=["default", "validated"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
-@pytest.mark.parametrize("kind", ["dense", "grouped", SPARSE])
+@pytest.mark.parametrize("kind", ["dense", "grouped", "sparse"])
 def test_training_step_compiles_without_graph_break(kind, dtype, validate):
     """``validate`` None: torch's default (under ``torch.compile`` torch turns distribution validation off);
     True: validation forced on, checked on the device inside the graph."""
@@ -140,6 +137,6 @@ def test_training_step_compiles_without_graph_break(kind, dtype, validate):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["dense", "grouped", SPARSE])
+@pytest.mark.parametrize("kind", ["dense", "grouped", "sparse"])
 def test_training_step_compiles_with_inductor(kind):
     check(run(kind, torch.float32, "inductor"), torch.float32)

@@ -98,8 +98,8 @@ def _assert_unchanged(A: Tensor, snapshot: tuple[Tensor, ...]) -> bool:
     parts = _parts(A)
     if len(parts) != len(snapshot) or any(p.shape != s.shape or p.dtype != s.dtype for p, s in zip(parts, snapshot)):
         return False
-    same = [torch.eq(p, s).all() for p, s in zip(parts, snapshot)]
-    torch._assert_async(same[0] if len(same) == 1 else torch.stack(same).all(), STALE_MESSAGE)
+    same = [torch.eq(p, s) for p, s in zip(parts, snapshot)]  # (a sparse A's parts: one reduction over all three)
+    torch._assert_async((same[0] if len(same) == 1 else torch.cat([x.reshape(-1) for x in same])).all(), STALE_MESSAGE)
     return True
 
 

@@ -22,6 +22,7 @@ from .._validation import check_device, check_not_transposed
 from ..linalg.device import profile
 from . import pairs
 from ._cache import PerTensorCache, host_reads_allowed, no_host_reads
+from .sparse_traced import TracedSparse
 from .base import EqualityConstraint, config_dtype, dtype_name, register_constraint_kind, require_keys
 
 if TYPE_CHECKING:
@@ -31,6 +32,10 @@ __all__ = ["SparseConstraint"]
 
 #: largest number of column pairs sum_j c_j^2 for which the diagonal-covariance Gram uses the cached pair matrix
 MAX_GRAM_PAIRS = 64_000_000
+
+#: most column pairs sum_j c_j^2 whose pair matrix (and its traced COO form, 20 bytes a pair more) a construction
+#: builds at once, for ``torch.compile``; above, a traced Gram matrix under a diagonal covariance is refused
+TRACED_MAX_PAIRS = 4_000_000
 
 #: columns of ``A`` per block of the blocked products of many vectors (:class:`_Blocks`)
 BLOCK_COLUMNS = 16384
@@ -45,6 +50,21 @@ _PREPARED = PerTensorCache()
 
 _T = TypeVar("_T")
 _Ts = TypeVarTuple("_Ts")
+
+
+class _Parts:
+    """The CSR tensors of one constraint (``A``, ``A^T``) and the caches shared per ``A``, in an object that traced
+    code only passes along: ``torch.compile`` refuses to wrap a sparse tensor, so none may be read while tracing
+    (the traced paths use :class:`~hardeq.constraints.sparse_traced.TracedSparse`)."""
+
+    __slots__ = ("A", "At", "shared")
+
+    def __init__(self, A: Tensor, At: Tensor, shared: dict[str, Any]) -> None:
+        self.A, self.At, self.shared = A, At, shared
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
 
 
 def _prepared(A: Tensor) -> list[Any] | None:
@@ -75,7 +95,8 @@ def _transpose_csr(A: Tensor) -> Tensor:
 
 def _spmm(A: Tensor, z: Tensor) -> Tensor:
     r"""``A z`` for a CSR ``A`` ``(p, q)`` and ``z`` ``(*lead, q)``: the leading dims become the columns of one
-    sparse-dense product; returns ``(*lead, p)``.
+    sparse-dense product; returns ``(*lead, p)``. On a GPU profile (:mod:`hardeq.linalg.device`) the product reads
+    ``z`` column-major as it is and its result is returned transposed, without a copy either way.
 
     The product runs row-parallel over ``A`` with the columns of the dense operand contiguous (each stored entry
     reads ``N`` consecutive values). A wide result (``p > q``: :math:`A^\top u`) is written without gradient by
@@ -83,6 +104,8 @@ def _spmm(A: Tensor, z: Tensor) -> Tensor:
     transposing copy, which costs about as much as the product; for a narrow result the column-major product is
     2x slower than the copy); with gradient, through the copy (``out=`` is not differentiable)."""
     lead = z.shape[:-1]
+    if not profile(z.device).blocked_drivers:  # a GPU's: its vendor's product reads either layout, no copies
+        return _quiet(torch.mm, A, z.reshape(-1, z.shape[-1]).mT).mT.reshape(lead + (A.shape[0],))
     cols = z.reshape(-1, z.shape[-1]).mT.contiguous()  # shape: (q, N), rows of N contiguous values
     if A.shape[0] > A.shape[1] and cols.shape[1] > 1 and not (
             torch.is_grad_enabled() and (cols.requires_grad or A.requires_grad)):
@@ -294,15 +317,43 @@ class SparseConstraint(EqualityConstraint):
             # tensor (never A itself: the cache holds A weakly)
             prepared = [None if A_csr is A else A_csr, _transpose_csr(A_csr), {}, False]
             _remember(A, prepared)
-        self._A = A if prepared[0] is None else prepared[0]
-        self._At, self._shared = prepared[1], prepared[2]
+        self._parts = _Parts(A if prepared[0] is None else prepared[0], prepared[1], prepared[2])
+        self._shape, self._grad_A = (a, n), A.requires_grad
         self.k = k
         self._validate_args = validate
+        #: the COO form of A for torch.compile (built once per A: O(nnz), and the Gram's pairs when they are needed)
+        self._traced: TracedSparse = self._cached("traced", self._make_traced)
         if self._validate_args:
             check_finite("k", k)
             if not prepared[3]:
                 self._validate_A()
                 prepared[3] = True
+
+    @property
+    def _A(self) -> Tensor:
+        return self._parts.A
+
+    @property
+    def _At(self) -> Tensor:
+        return self._parts.At
+
+    @property
+    def _shared(self) -> dict[str, Any]:
+        return self._parts.shared
+
+    def _traced_form(self) -> TracedSparse:
+        """The COO form for a traced product; refused for an ``A`` that requires grad (its values are copied)."""
+        if self._grad_A:
+            raise NotImplementedError("a SparseConstraint whose A requires grad is not traced by torch.compile (the "
+                                      "traced products use a copy of A's values); run this step eagerly.")
+        return self._traced
+
+    def _make_traced(self) -> TracedSparse:
+        """The COO form of ``A`` (:mod:`.sparse_traced`), with the Gram's pairs when the Gram matrix is not diagonal
+        and they number at most :data:`TRACED_MAX_PAIRS` (the pair matrix of the eager Gram, built now)."""
+        diagonal = self.has_diagonal_gram
+        small = not diagonal and int(self._column_counts().square().sum()) <= TRACED_MAX_PAIRS
+        return TracedSparse(self._A, self._pair_matrix() if small else None, diagonal)
 
     def _validate_A(self) -> None:
         A = self._A
@@ -319,11 +370,11 @@ class SparseConstraint(EqualityConstraint):
     # ------------------------------------------------------------------ shape
     @property
     def num_constraints(self) -> int:
-        return self._A.shape[0]
+        return self._shape[0]
 
     @property
     def event_size(self) -> int:
-        return self._A.shape[1]
+        return self._shape[1]
 
     @property
     def batch_shape(self) -> torch.Size:
@@ -331,12 +382,15 @@ class SparseConstraint(EqualityConstraint):
 
     @property
     def storage_numel(self) -> int:
-        """``nnz``: the stored entries of ``A``."""
-        return self._A._nnz()
+        """``nnz``: the stored entries of ``A`` (asked of ``A`` once: ``_nnz`` is an ATen call)."""
+        if _compiling():
+            return self._traced.nnz
+        nnz: int = self._cached("nnz", self._A._nnz)
+        return nnz
 
     @property
     def operator_requires_grad(self) -> bool:
-        return self._A.requires_grad
+        return self._grad_A
 
     @property
     def sparse_matrix(self) -> Tensor:
@@ -347,8 +401,10 @@ class SparseConstraint(EqualityConstraint):
         """Rows of ``A`` with one stored nonzero fix their column (see the base class); O(a) from the CSR rows."""
         from ._pinned import pinned_from_rows
 
+        if _compiling():
+            return self._traced_form().pinned(self.k)
         A = self._A
-        nnz = A._nnz()
+        nnz = self.storage_numel
         if nnz == 0:
             return None
 
@@ -365,15 +421,17 @@ class SparseConstraint(EqualityConstraint):
         return pinned_from_rows(single, A.col_indices()[first], A.values()[first], self.k, self.event_size)
 
     def pinned_values_static(self) -> tuple[Tensor, Tensor] | None:
-        """As :meth:`pinned_values` (its verdict is found once per ``A`` and remembered); under tracing, formed
-        without a branch."""
+        """As :meth:`pinned_values` (its verdict is found once per ``A``, at the first use, and remembered: no host
+        read after that); under tracing, formed without a branch."""
         from ._pinned import pinned_from_rows
 
+        if _compiling():
+            return self._traced_form().pinned(self.k)
         A = self._A
-        nnz = A._nnz()
+        nnz = self.storage_numel
         if nnz == 0:
             return None
-        if "singleton_rows" in self._shared and not is_tracing():
+        if not is_tracing() and not A.requires_grad:  # the verdict once per A (a host read, at its first use)
             return self.pinned_values()
         crow = A.crow_indices()
         first = crow[:-1].clamp_max(nnz - 1)
@@ -419,6 +477,8 @@ class SparseConstraint(EqualityConstraint):
 
     # ------------------------------------------------------------------ products
     def matvec(self, z: Tensor) -> Tensor:
+        if _compiling():
+            return self._traced_form().matvec(z)
         if self._blocked(z, self.event_size):
             z2 = z.reshape(-1, z.shape[-1])
             if z2.stride(-1) == 1:
@@ -426,6 +486,8 @@ class SparseConstraint(EqualityConstraint):
         return _spmm(self._A, z)
 
     def rmatvec(self, u: Tensor) -> Tensor:
+        if _compiling():
+            return self._traced_form().rmatvec(u)
         if self._blocked(u, self.event_size):
             return self._blocks().rmatvec(u.reshape(-1, u.shape[-1])).reshape(u.shape[:-1] + (self.event_size,))
         return _spmm(self._At, u)
@@ -442,7 +504,7 @@ class SparseConstraint(EqualityConstraint):
                              f"{tuple(u.shape)}.")
         if weight is not None and weight.shape[-1] != n:
             raise ValueError(f"weight must have shape (n,) with n = {n}, got weight.shape = {tuple(weight.shape)}.")
-        blocked = z.is_contiguous() and self._blocked(z, n) and u.dtype == z.dtype and (
+        blocked = not _compiling() and z.is_contiguous() and self._blocked(z, n) and u.dtype == z.dtype and (
             weight is None or (weight.dim() == 1 and weight.dtype == z.dtype and weight.device == z.device))
         if blocked and not (torch.is_grad_enabled() and (u.requires_grad or (weight is not None
                                                                              and weight.requires_grad))):
@@ -457,6 +519,8 @@ class SparseConstraint(EqualityConstraint):
         return out.reshape((self.num_constraints,) + Xt.shape[1:]).movedim(0, -2)
 
     def abs_matvec(self, z_abs: Tensor) -> Tensor:
+        if _compiling():
+            return self._traced_form().matvec(z_abs, absolute=True)
         return _spmm(self._abs(), z_abs)
 
     def matvec_and_scale(self, z: Tensor) -> tuple[Tensor, Tensor]:
@@ -465,7 +529,7 @@ class SparseConstraint(EqualityConstraint):
         transposed copy of each); for many vectors on the CPU, tile by tile (:class:`_Blocks`: one cache-sized
         transposed tile, no ``(n, N)`` buffer). Results ``(*lead, a)`` (transposed views of the ``(a, N)``
         products)."""
-        if torch.is_grad_enabled() and (z.requires_grad or self._A.requires_grad) or z.dim() < 2:
+        if _compiling() or torch.is_grad_enabled() and (z.requires_grad or self._A.requires_grad) or z.dim() < 2:
             return super().matvec_and_scale(z)
         lead, a = z.shape[:-1], self.num_constraints
         if self._blocked(z, self.event_size):
@@ -482,6 +546,8 @@ class SparseConstraint(EqualityConstraint):
         return Az.mT.reshape(lead + (a,)), scale.mT.reshape(lead + (a,))
 
     def dense_matrix(self) -> Tensor:
+        if _compiling():
+            return self._traced_form().dense()
         return self._A.to_dense()
 
     # ------------------------------------------------------------------ what the conditioner asks for
@@ -513,6 +579,8 @@ class SparseConstraint(EqualityConstraint):
     @property
     def has_diagonal_gram(self) -> bool:
         """Every column of ``A`` has at most one nonzero (checked once per ``A``: one host read)."""
+        if _compiling():
+            return self._traced.diagonal_gram
         return self._cached("diagonal_gram", lambda: not bool(self._column_counts().max() > 1))
 
     def diagonal_gram(self, variance: Tensor) -> Tensor | None:
@@ -520,6 +588,8 @@ class SparseConstraint(EqualityConstraint):
         for every ``v``, with diagonal :math:`(A\circ A)\,v` (O(nnz)); otherwise ``None``."""
         if not self.has_diagonal_gram:
             return None
+        if _compiling():
+            return self._traced_form().diagonal_gram_of(variance)
         A = self._A
         square = self._cached("square", lambda: _csr(A.crow_indices(), A.col_indices(), A.values().square(), A.shape))
         return _spmm(square, variance)
@@ -527,6 +597,8 @@ class SparseConstraint(EqualityConstraint):
     def logdet_gram_identity(self) -> Tensor:
         r""":math:`\log\det(AA^\top) = 2\sum_i\log d_i + 2\sum_j\log L_{jj}` from the cached float64 Cholesky of
         the row-equilibrated Gram matrix (see :class:`_GramFactors`), a scalar in ``dtype``."""
+        if _compiling():
+            return self._traced_form().logdet_gram_identity().to(self.dtype)
         return self._gram_factors().logdet.to(self.dtype)
 
     # ------------------------------------------------------------------ geometry of the plane
@@ -557,35 +629,63 @@ class SparseConstraint(EqualityConstraint):
         return super().same_row_space(other)
 
     # ------------------------------------------------------------------ copies
-    def _with(self, A: Tensor, At: Tensor, k: Tensor, shared: dict[str, Any]) -> SparseConstraint:
+    def _with(self, parts: _Parts, k: Tensor, traced: TracedSparse | None = None) -> SparseConstraint:
         new = object.__new__(SparseConstraint)
-        new._A, new._At, new.k, new._shared, new._validate_args = A, At, k, shared, False
+        new._parts, new._shape, new._grad_A = parts, self._shape, self._grad_A
+        new.k, new._validate_args, new._traced = k, False, self._traced if traced is None else traced
         return new
 
     def expand(self, batch_shape: torch.Size) -> SparseConstraint:
-        return self._with(self._A, self._At, self.k.expand(torch.Size(batch_shape) + self.k.shape[-1:]), self._shared)
+        return self._with(self._parts, self.k.expand(torch.Size(batch_shape) + self.k.shape[-1:]))
 
     def with_k(self, k: Tensor) -> SparseConstraint:
+        """This ``A`` with the right-hand side ``k`` (``(*batch, a)``), sharing every cache; under
+        ``torch.compile`` the way to a new ``k`` (construct the constraint outside the compiled code: a sparse
+        ``A`` cannot enter a graph). Like every copy, without validation of its own."""
         check_tensor("k", k, min_dim=1)
-        check_same_dtype_device(A=self._A, k=k)
+        if _compiling():
+            if k.dtype != self._traced.val.dtype:
+                raise TypeError(f"k must have the dtype of A, {self._traced.val.dtype}, got {k.dtype}.")
+        else:
+            check_same_dtype_device(A=self._A, k=k)
         if k.shape[-1] != self.num_constraints:
             raise ValueError(f"k must have shape (*batch, a) with a = {self.num_constraints}, got {tuple(k.shape)}.")
-        return self._with(self._A, self._At, k, self._shared)
+        return self._with(self._parts, k)
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> SparseConstraint:
         """This constraint on ``device`` / in ``dtype``. Float64 on the same device, for an ``A`` without gradient,
         reuses the cached float64 copies of ``A`` and ``A^T`` and keeps one cache dictionary for them per ``A``
         (the conditioner's float64 residual check and factor then prepare their blocks once per ``A``)."""
         check_device(device)
+        if _compiling():  # (the traced form in dtype; a device change is not traced)
+            if device is not None and torch.device(device) != self.k.device:
+                raise ValueError("SparseConstraint.to(device) is not traced under torch.compile: move the "
+                                 "constraint before compiling.")
+            if dtype is None or dtype == self.dtype:
+                return self
+            return self._with(self._parts, self.k.to(dtype=dtype), self._traced.to(dtype))
         same_device = device is None or torch.device(device) == self._A.device
         if dtype == torch.float64 and self.dtype != torch.float64 and same_device and not self._A.requires_grad:
+            try:  # (asked twice per construction, by the factor and by the check: remembered while k is unchanged)
+                version: int | None = self.k._version
+            except RuntimeError:  # (an inference tensor has no version counter)
+                version = None
+            wide = self.__dict__.get("_wide")
+            if wide is not None and version is not None and wide[0] == version:
+                widened: SparseConstraint = wide[1]
+                return widened
             A64, At64 = self._float64()
-            return self._with(A64, At64, self.k.to(dtype=dtype), self._cached("float64_shared", dict))
+            widened = self._with(_Parts(A64, At64, self._cached("float64_shared", dict)), self.k.to(dtype=dtype),
+                                 self._cached("traced_float64", lambda: self._traced.to(torch.float64)))
+            self._wide = (version, widened)
+            return widened
         A, k = _quiet(lambda: self._A.to(device=device, dtype=dtype)), self.k.to(device=device, dtype=dtype)
         if A is self._A and k is self.k:
             return self
         At = _quiet(lambda: self._At.to(device=device, dtype=dtype))
-        return self._with(A, At, k, {})
+        new = self._with(_Parts(A, At, {}), k)
+        new._traced = new._make_traced()
+        return new
 
     # ------------------------------------------------------------------ configs, copies and pickling
     def to_config(self) -> dict[str, Any]:
@@ -617,13 +717,14 @@ class SparseConstraint(EqualityConstraint):
         """Sparse CSR tensors have no storage to copy: the state holds ``A`` and ``A^T`` as their index and value
         arrays (``copy.deepcopy`` and ``pickle`` work on any constraint), and drops the caches (rebuilt on use)."""
         state = dict(self.__dict__)
+        del state["_parts"]
+        state.pop("_wide", None)
         state["_A"], state["_At"] = _components(self._A), _components(self._At)
-        state["_shared"] = {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
-        state["_A"], state["_At"] = _csr(*state["_A"]), _csr(*state["_At"])
+        state["_parts"] = _Parts(_csr(*state.pop("_A")), _csr(*state.pop("_At")), {})
         self.__dict__.update(state)
 
     def __repr__(self) -> str:
@@ -647,6 +748,8 @@ def _gram_sparse(constraint: SparseConstraint, covariance: Covariance) -> Tensor
     if not covariance.is_diagonal:
         return covariance.sandwich(constraint.dense_matrix())
     v = covariance.variance  # shape: (*batch, n)
+    if _compiling():  # the traced form: the pairs scatter-added (sparse_traced)
+        return constraint._traced_form().gram(v)
     # (the memo compares on the host: not without host reads, where S is computed afresh)
     memo = host_reads_allowed() and not (torch.is_grad_enabled() and (v.requires_grad or constraint._A.requires_grad))
     if memo:  # the per-step pattern: the same A and variances, a new k each step

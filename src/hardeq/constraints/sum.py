@@ -15,6 +15,7 @@ from ._cache import PerTensorCache, no_host_reads
 from .base import EqualityConstraint, config_dtype, dtype_name, register_constraint_kind, require_keys
 
 if TYPE_CHECKING:
+    from ..linalg.conditioning.grouped_exact import ExactSumOps
     from ..linalg.conditioning.grouped_sample import GroupedOps
 
 __all__ = ["SumConstraint"]
@@ -25,7 +26,7 @@ class _Layout:
     groups of one and the operations of the one-node grouped sample (the last two computed on first use). Shared by
     every constraint on that index."""
 
-    __slots__ = ("any_single", "counts", "group_sum", "index", "mask", "ops")
+    __slots__ = ("any_single", "counts", "exact", "group_sum", "index", "mask", "ops")
 
     def __init__(self, index: Tensor, a: int, counts: Tensor, *,
                  known: tuple[int | None, Tensor | None, bool] | None = None) -> None:
@@ -36,6 +37,7 @@ class _Layout:
         self.mask: Tensor | None = None
         self.group_sum = GroupSum(index, a, counts, layout=None if known is None else known[:2])
         self.ops: GroupedOps | None = None
+        self.exact: ExactSumOps | None = None
 
     @classmethod
     def of_sorted(cls, index: Tensor, a: int) -> _Layout | None:
@@ -104,6 +106,31 @@ class _Layout:
 
         self.ops = GroupedOps(matvec, gs.broadcast, matvec, matvec, pin, unpin)
         return self.ops
+
+
+    def exact_ops(self) -> ExactSumOps:
+        r"""The operations of the sync-free sample (:class:`~hardeq.linalg.conditioning.grouped_exact.ExactSumOps`),
+        built on first use: the group sums (the matvec of :meth:`grouped_ops`), the last member of each group (where
+        the repair goes: the segment ends for sorted groups, else the largest position in each group, one scatter)
+        and the groups of one (their members and groups, as in :meth:`grouped_ops`)."""
+        if self.exact is not None:
+            return self.exact
+        from ..linalg.conditioning.grouped_exact import ExactSumOps
+
+        ops = self.grouped_ops()
+        offsets, index, a = self.group_sum.offsets, self.index, self.counts.shape[0]
+        if offsets is not None:
+            last = offsets[1:] - 1
+        else:
+            positions = torch.arange(index.shape[0], device=index.device)
+            last = torch.zeros(a, dtype=torch.long, device=index.device).scatter_reduce_(0, index, positions, "amax")
+        members = groups = None
+        mask, any_single = self.singles()
+        if mask is not None and any_single:
+            members = mask.nonzero().squeeze(-1)
+            groups = index.index_select(0, members)
+        self.exact = ExactSumOps(index, a, ops.matvec, last, members, groups)
+        return self.exact
 
 
 #: per index tensor given by the user: ``{a: _Layout}``, so that the per-step pattern ``SumConstraint(batch, totals)``
@@ -274,6 +301,10 @@ class SumConstraint(EqualityConstraint):
         if layout.any_single is not None:
             return self.pinned_values()
         return self.counts.index_select(0, self.index) == 1, self.k.index_select(-1, self.index)
+
+    def _exact_sum_ops(self) -> ExactSumOps | None:
+        """The sync-free sample's operations of this index (:meth:`_Layout.exact_ops`); None for a subclass."""
+        return self._layout.exact_ops() if type(self) is SumConstraint else None
 
     def _grouped_ops(self) -> GroupedOps | None:
         """The one-node grouped sample's operations of this index (:meth:`_Layout.grouped_ops`); None for a

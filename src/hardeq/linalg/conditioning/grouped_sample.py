@@ -20,6 +20,7 @@ from ...constraints import pairs  # (the module hardeq.constraints.pairs)
 from ...constraints.base import _grouped
 from ..covariance import DiagonalCovariance
 from ...constraints._cache import host_reads_allowed
+from .grouped_exact import exact_sum_rsample
 from .residual import ResidualCheck, check_rtol
 
 if TYPE_CHECKING:
@@ -185,10 +186,12 @@ def grouped_rsample(cov: "Covariance", constraint: "EqualityConstraint", loc: Te
     check, a NaN, a Gram pivot at or near 0): the caller then takes the general path, which refines, escalates or
     raises exactly as before. Same value as the general path's (up to the rounding of the check),
     ``(*sample, *batch, n)``. Without host reads (:func:`~hardeq.constraints._cache.no_host_reads`:
-    ``validate_args=False``) the step is followed by one refinement step, always, and the per-row check runs in
-    float64 on the device (:meth:`~.residual.ResidualCheck.defer`): a failing row raises, deferred (``torch._assert_async``;
-    on the CPU at once): scales whose squares underflow the dtype (:math:`\sigma^2` subnormal) are then an error, not a
-    detour through the normalised general path.
+    ``validate_args=False``) a :class:`~hardeq.SumConstraint` takes :func:`.grouped_exact.exact_sum_rsample` (the
+    step in float64 and a repair, exact by construction, nothing to check); for another constraint the step is
+    followed by one refinement step, always, and the per-row check runs in float64 on the device
+    (:meth:`~.residual.ResidualCheck.defer`): a failing row raises, deferred (``torch._assert_async``; on the CPU at
+    once): scales whose squares underflow the dtype (:math:`\sigma^2` subnormal) are then an error, not a detour
+    through the normalised general path.
 
     Cost: one host synchronisation (the verdict; two when its screen fails; none without host reads); forward 6 products with ``A`` or
     :math:`A^\top` and 5 elementwise passes over ``n``, backward 2 products and 3 passes (O(n) for a
@@ -198,6 +201,11 @@ def grouped_rsample(cov: "Covariance", constraint: "EqualityConstraint", loc: Te
         return None
     if is_tracing() or not _generic_diagonal(constraint, cov):
         return None
+    if not host_reads_allowed():  # a SumConstraint's sync-free sample: exact by construction, no check to defer
+        exact = getattr(constraint, "_exact_sum_ops", None)
+        exact_ops = exact() if exact is not None else None
+        if exact_ops is not None:
+            return exact_sum_rsample(loc, cov.scale, constraint.k, eps, exact_ops)
     own = getattr(constraint, "_grouped_ops", None)  # (a SumConstraint's, laid out once per group index)
     ops = own() if own is not None else None
     if ops is None and (ops := GroupedOps.from_constraint(constraint)) is None:
