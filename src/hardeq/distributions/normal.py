@@ -51,15 +51,17 @@ HALF_SUPPORT_RTOL_EPS = 8.0
 def _full_precision(method: _F) -> _F:
     """Run ``method`` with autocast disabled on the parameters' device: under ``torch.autocast`` a float32
     matmul would otherwise run in bfloat16 / float16 and lose the per-row accuracy of the conditioner; and, with
-    ``validate_args=False`` on a device where a read-back synchronises (:func:`hardeq.linalg.device.profile`), inside
-    :func:`hardeq.constraints._cache.no_host_reads` (the constraints' caches check their tensors on the device)."""
+    on a device where a read-back synchronises (:func:`hardeq.linalg.device.profile`), inside
+    :func:`hardeq.constraints._cache.no_host_reads` (the constraints' caches check their tensors on the device), with
+    ``validate_args`` on or off."""
 
     @functools.wraps(method)
     def wrapper(self: _OnDevice, *args: Any, **kwargs: Any) -> Any:
         device_type = self._unbroadcasted_loc.device.type
         # (no_host_reads, without its generator; not under torch.compile, which cannot trace it and skips the caches)
         # (on a CPU, where a read-back synchronises nothing, only when the device profile is forced: linalg.device)
-        sync_free = not self._validate_args and not device_profile(self._unbroadcasted_loc.device).host_guards
+        # (validated or not: with validate_args=True the inputs were checked at construction, with one host read)
+        sync_free = not device_profile(self._unbroadcasted_loc.device).host_guards
         token = _NO_HOST_READS.set(True) if sync_free and not torch.compiler.is_compiling() else None
         try:
             if not torch.is_autocast_enabled(device_type):
@@ -227,10 +229,8 @@ class ConstrainedNormal(Distribution):
             validate_args = Distribution._validate_args
         if validate_args and is_tracing():  # inside a graph: one device-side check, its error deferred
             _assert_values(loc, covariance, constraint.k)
-        elif validate_args:
-            _check_values(loc, covariance)
-            if getattr(constraint, "_validate_args", False) is False:
-                check_finite("constraint right-hand side k", constraint.k)
+        elif validate_args:  # one host read (the constraint's k too, unless the constraint validated it)
+            _check_values(loc, covariance, None if getattr(constraint, "_validate_args", False) else constraint.k)
         #: the dtype every result is returned in (the inputs'); half precision is computed in float32
         self.result_dtype = loc.dtype
         self.loc = loc if loc.shape[:-1] == batch_shape else loc.expand(batch_shape + (n,))
@@ -291,10 +291,11 @@ class ConstrainedNormal(Distribution):
         the conditioner derives its :attr:`~hardeq.linalg.conditioning.Conditioner.requires_grad` itself.
         """
         needs_grad = any(t.requires_grad for t in self.covariance.tensors()) or self.constraint.k.requires_grad
-        # the sync-free (static) form under tracing, and with validate_args=False where a read-back would
-        # synchronise a device (hardeq.linalg.device); on a CPU a read-back costs nothing and the checked form's
-        # float32 factor with its host-side screen is 2-3x faster
-        static = is_tracing() or (not self._validate_args and not device_profile(self.loc.device).host_guards)
+        # the sync-free (static) form under tracing, and where a read-back would synchronise a device
+        # (hardeq.linalg.device), validated or not (validation checked the inputs at construction, in one host read);
+        # on a CPU a read-back costs nothing and the checked form's float32 factor with its host-side screen is 2-3x
+        # faster
+        static = is_tracing() or not device_profile(self.loc.device).host_guards
         with torch.set_grad_enabled(needs_grad or torch.is_grad_enabled()):
             return Conditioner(self.covariance, self.constraint, static=static)
 
@@ -570,20 +571,34 @@ class ConstrainedNormal(Distribution):
                 f"covariance={self.covariance!r}, constraint={self.constraint!r})")
 
 
-def _check_values(loc: Tensor, covariance: Covariance) -> None:
-    r"""``check_finite("loc", loc)`` and ``covariance.check_values()``; for a :class:`~hardeq.DiagonalCovariance` the
-    common case (all finite, every scale a positive normal number) first, from two reductions without autograd
-    nodes: :math:`\min\sigma \ge` ``tiny``, :math:`\max\sigma` and :math:`\sum\mu` finite (a NaN anywhere
-    propagates to them); the precise checks, with their messages, only when that fails (or when the sum overflows)."""
+def _check_values(loc: Tensor, covariance: Covariance, k: Tensor | None = None) -> None:
+    r"""``check_finite("loc", loc)``, ``covariance.check_values()`` and (when given) the finiteness of ``k``, with
+    **one host read** in the common case: for a :class:`~hardeq.DiagonalCovariance`, the verdicts of every check are
+    one device boolean, read once: :math:`\min\sigma \ge` ``tiny`` (every scale a positive normal number) and
+    :math:`\max\sigma + \sum\mu + \sum k` finite (a NaN or an infinity anywhere propagates to it), from
+    reductions without autograd nodes. Only when it is false (or when the sum overflows) do the precise checks run,
+    each naming its argument and what it found (more reads, on the way to the error). Other covariance structures:
+    ``loc`` and ``k`` in that one read, then their own :meth:`~hardeq.Covariance.check_values`."""
     scale = covariance.scale if type(covariance) is DiagonalCovariance else None
-    if scale is not None and scale.numel() and loc.numel():
-        # (detached where needed rather than under torch.no_grad(): the context manager costs more than the kernel)
+    parts = [t.detach() if t.requires_grad else t for t in (loc, k) if t is not None and t.numel()]
+    # (detached where needed rather than under torch.no_grad(): the context manager costs more than the kernel)
+    total = parts[0].sum() if parts else None
+    for t in parts[1:]:
+        total = total + t.sum()
+    verdict = None if total is None else (total * 0 == 0)  # (finite: x * 0 is 0; NaN for NaN and inf)
+    if scale is not None and scale.numel():
         low, high = torch.aminmax(scale.detach() if scale.requires_grad else scale)
-        total = (loc.detach() if loc.requires_grad else loc).sum()
-        if low.item() >= torch.finfo(loc.dtype).tiny and math.isfinite(high.item()) and math.isfinite(total.item()):
+        ok = (low >= torch.finfo(scale.dtype).tiny) & (high * 0 == 0)
+        verdict = ok if verdict is None else verdict & ok
+    if verdict is not None and bool(verdict):  # the one host read
+        if scale is not None or not parts:
             return
+        covariance.check_values()
+        return
     check_finite("loc", loc)
     covariance.check_values()
+    if k is not None:
+        check_finite("constraint right-hand side k", k)
 
 
 def _assert_values(loc: Tensor, covariance: Covariance, k: Tensor) -> None:
