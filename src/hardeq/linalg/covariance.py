@@ -290,7 +290,12 @@ def _check_positive(name: str, value: Tensor) -> None:
     check_finite(name, value)
     low = value.min().item()
     if not low > 0:
-        raise ValueError(f"{name} (shape {tuple(value.shape)}) must be positive, but its minimum is {low:.3e}.")
+        from .._utils import first_index
+
+        first = first_index(value.detach() <= 0)
+        raise ValueError(f"{name} (shape {tuple(value.shape)}) must be positive, but its minimum is {low:.3e} (the "
+                         f"first entry that is not: {name}[{', '.join(map(str, first))}] = "
+                         f"{value.detach()[first].item():.3e}).")
     tiny = torch.finfo(value.dtype).tiny
     if low < tiny:
         raise ValueError(f"{name} has entries down to {low:.3e}, below the smallest normal {value.dtype} number "
