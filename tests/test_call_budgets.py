@@ -4,7 +4,8 @@ Each path is the steady state of a training loop (the ``A`` / index tensors used
 distribution with ``validate_args=False`` per call; ``tests/budget_cases.py``). Host reads: none, on every path
 (each would be a device-to-host synchronisation on a GPU). ATen calls (each a kernel launch on a GPU): at most
 :data:`CEILINGS`, the counts of this code, so that a regression fails here. The issue's budgets
-(``tests.budget_cases.BUDGETS``) are lower and not met yet: :data:`CEILINGS` is to move down to them.
+(``tests.budget_cases.BUDGETS``) are met by the paths in :data:`BUDGETS_MET`; for the others they are lower, and
+:data:`CEILINGS` is to move down to them.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ from hardeq.testing import count_calls
 from tests.budget_cases import BUDGETS, PATHS, d_run, d_setup
 
 #: ATen calls per call of each path, as measured on this code (deterministic: a property of the code path)
-CEILINGS = {"B sample (n 1e4, a 8, batch 64)": 77, "B log_prob, fresh distribution": 112,
-            "D ragged SumConstraint, 128 graphs: rsample + backward": 49, "C sample (n 512, a 256, batch 4)": 119,
+CEILINGS = {"B sample (n 1e4, a 8, batch 64)": 56, "B log_prob, fresh distribution": 109,
+            "D ragged SumConstraint, 128 graphs: rsample + backward": 49, "C sample (n 512, a 256, batch 4)": 56,
             "sparse sample((16,)) (n 2e4, a 100, 40 nnz per row)": 100}
+
+#: the paths whose count is within the issue's budget
+BUDGETS_MET = {"C sample (n 512, a 256, batch 4)"}
 
 
 @pytest.mark.cpu_only(reason="the cases are built on the CPU")
@@ -33,7 +37,8 @@ def test_hot_path_makes_no_host_read_and_stays_within_its_calls(name):
             run(state)
     assert count.host_reads == 0, dict(count.host_read_names)
     assert count.calls <= CEILINGS[name], (count.calls, count.by_name.most_common(10))
-    assert CEILINGS[name] >= BUDGETS[name]  # (the issue's budget: where the ceiling is to go)
+    if name in BUDGETS_MET:
+        assert count.calls <= BUDGETS[name], (count.calls, BUDGETS[name])
 
 
 @pytest.mark.cpu_only(reason="the cases are built on the CPU")
