@@ -582,10 +582,12 @@ def _check_values(loc: Tensor, covariance: Covariance, k: Tensor | None = None) 
     scale = covariance.scale if type(covariance) is DiagonalCovariance else None
     parts = [t.detach() if t.requires_grad else t for t in (loc, k) if t is not None and t.numel()]
     # (detached where needed rather than under torch.no_grad(): the context manager costs more than the kernel)
-    total = parts[0].sum() if parts else None
-    for t in parts[1:]:
-        total = total + t.sum()
-    verdict = None if total is None else (total * 0 == 0)  # (finite: x * 0 is 0; NaN for NaN and inf)
+    verdict = None
+    if parts:
+        total = parts[0].sum()
+        for t in parts[1:]:
+            total = total + t.sum()
+        verdict = total * 0 == 0  # (finite: x * 0 is 0; NaN for NaN and inf)
     if scale is not None and scale.numel():
         low, high = torch.aminmax(scale.detach() if scale.requires_grad else scale)
         ok = (low >= torch.finfo(scale.dtype).tiny) & (high * 0 == 0)

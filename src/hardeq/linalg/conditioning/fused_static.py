@@ -8,8 +8,10 @@ much as the arithmetic. Here every pass runs on one chunk of rows (:func:`~harde
 cache-sized chunks on the CPU, one chunk on a GPU), on reused buffers. Same arithmetic as the unfused path:
 
 per chunk, ``randn`` into the output, :math:`z = \mu + \sigma\varepsilon`, then ``1 + steps`` times
-:math:`r = k - Az` (working precision, one GEMM), :math:`x = S'^{-1}r` (float64), :math:`z \mathrel{+}= \Sigma'(A^\top x)`
-(float64 product, one GEMM), and the check :math:`|(Az - k)_i| \le \mathrm{rtol}\,(|A||z|)_i + b_i` with
+:math:`r = k - Az` (working precision, one ``addmm``), :math:`x = S'^{-1}r` (float64, one ``cholesky_solve`` with the
+factor's rows scaled once per call: :math:`DL`, the factor of :math:`S'`; for per-sample float32 scales :math:`cDL`, the
+factor of :math:`S = c^2S'`, so that :math:`x'' = x/c^2` and the gain is :math:`\sigma^2 \circ (A^\top x'')`),
+:math:`z \mathrel{+}= \Sigma'(A^\top x)` (float64 product, one GEMM, added with one rounding), and the check :math:`|(Az - k)_i| \le \mathrm{rtol}\,(|A||z|)_i + b_i` with
 :math:`Az` in float64 and :math:`b = \mathrm{rtol}|k| + \varepsilon^2(|A|\sigma)` (the check's floor). The verdicts
 of all chunks are one device tensor, asserted once at the end (``torch._assert_async``); no host read.
 
