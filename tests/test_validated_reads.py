@@ -160,3 +160,38 @@ def test_an_edit_through_data_of_a_validated_A_is_seen(profile):
         A.data[1] = A3[1]
         z = _linear(A=A).sample()  # (restored: validated afresh, and sampled on the new contents)
     assert torch.allclose(A3.double() @ z.double(), K3.double(), atol=1e-5)
+
+
+_M = torch.tensor([[2.0, 0.5, 0.0, 0.1], [0.5, 1.5, 0.2, 0.0], [0.0, 0.2, 1.0, 0.3], [0.1, 0.0, 0.3, 1.2]])
+FORMS = {"scale_tril": dict(scale_tril=torch.linalg.cholesky(_M)), "covariance_matrix": dict(covariance_matrix=_M),
+         "precision_matrix": dict(precision_matrix=_M),
+         "cov_factor": dict(cov_factor=torch.ones(4, 2), scale=torch.full((4,), 0.5))}
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_every_covariance_form_is_validated_in_one_read(form):
+    con = hardeq.LinearConstraint(A3, K3, validate_args=False)
+    with forced("gpu"), count_calls() as count:
+        hardeq.ConstrainedNormal(LOC, constraint=con, validate_args=True, **FORMS[form])
+    assert count.host_reads == 1, dict(count.host_read_names)
+
+
+BAD_FORMS = [
+    ("covariance_matrix asymmetric", dict(covariance_matrix=_value_at(_M, (0, 1), 1.5)), "covariance_matrix.*symmetric"),
+    ("covariance_matrix NaN", dict(covariance_matrix=_nan_at(_M, (2, 3))),
+     r"covariance_matrix.*must be finite.*covariance_matrix\[2, 3\] = nan"),
+    ("precision_matrix not positive definite", dict(precision_matrix=-_M), "precision_matrix must be positive definite"),
+    ("scale_tril with a negative diagonal", dict(scale_tril=-torch.eye(4)), "scale_tril.*lower triangular"),
+    ("cov_factor NaN", dict(cov_factor=_nan_at(torch.ones(4, 2), (3, 1)), scale=torch.ones(4)),
+     r"cov_factor.*must be finite.*cov_factor\[3, 1\] = nan"),
+    ("low-rank scale negative", dict(cov_factor=torch.ones(4, 2), scale=_value_at(torch.ones(4), 2, -1.0)),
+     r"scale.*must be positive.*scale\[2\]"),
+]
+
+
+@pytest.mark.parametrize("profile", ["gpu", "cpu"])
+@pytest.mark.parametrize("case,kwargs,match", BAD_FORMS, ids=[b[0] for b in BAD_FORMS])
+def test_a_bad_covariance_is_named_in_a_value_error(case, kwargs, match, profile):
+    con = hardeq.LinearConstraint(A3, K3, validate_args=False)
+    with forced(profile), pytest.raises(ValueError, match=match):
+        hardeq.ConstrainedNormal(LOC, constraint=con, validate_args=True, **kwargs)
