@@ -481,7 +481,8 @@ class FullCovariance(Covariance):
                              "a positive diagonal.")
 
     def _lower_cholesky(self) -> Tensor:
-        return constraints.lower_cholesky.check(self.scale_tril.detach())
+        ok: Tensor = constraints.lower_cholesky.check(self.scale_tril.detach())
+        return ok
 
     def _value_verdict(self) -> Tensor | None:
         return _finite_verdict(self.scale_tril) & self._lower_cholesky().all()
