@@ -195,3 +195,30 @@ def test_a_bad_covariance_is_named_in_a_value_error(case, kwargs, match, profile
     con = hardeq.LinearConstraint(A3, K3, validate_args=False)
     with forced(profile), pytest.raises(ValueError, match=match):
         hardeq.ConstrainedNormal(LOC, constraint=con, validate_args=True, **kwargs)
+
+
+@pytest.mark.cpu_only(reason="the cases are built on the CPU")
+def test_every_validated_method_reads_the_host_at_most_once():
+    """Beyond the budget cases: the other methods of a validated distribution on a GPU profile. Those that take an
+    input (``log_prob``'s value, the expected losses' target) check it with one read; the others read nothing."""
+    s = bc._dense(300, 6, 8, seed=2)
+
+    def build():
+        con = hardeq.LinearConstraint(s["A"], s["k"], validate_args=True)
+        return hardeq.ConstrainedNormal(s["loc"], s["scale"], constraint=con, validate_args=True)
+
+    calls = {"sample": (lambda d, z, q: d.sample((2,)), 0), "rsample": (lambda d, z, q: d.rsample((2,)), 0),
+             "mean": (lambda d, z, q: d.mean, 0), "variance": (lambda d, z, q: d.variance, 0),
+             "entropy": (lambda d, z, q: d.entropy(), 0),
+             "kl": (lambda d, z, q: torch.distributions.kl_divergence(d, q), 0),
+             "log_prob": (lambda d, z, q: d.log_prob(z), 1), "expected_l2": (lambda d, z, q: d.expected_l2(z), 1),
+             "expected_l1": (lambda d, z, q: d.expected_l1(z), 1)}
+    with forced("gpu"):
+        z = build().sample()
+        for name, (call, reads) in calls.items():
+            for _ in range(2):
+                call(build(), z, build())
+            d, q = build(), build()
+            with count_calls() as count:
+                call(d, z, q)
+            assert count.host_reads == reads, (name, dict(count.host_read_names))
