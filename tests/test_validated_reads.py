@@ -177,10 +177,12 @@ def test_every_covariance_form_is_validated_in_one_read(form):
 
 
 BAD_FORMS = [
-    ("covariance_matrix asymmetric", dict(covariance_matrix=_value_at(_M, (0, 1), 1.5)), "covariance_matrix.*symmetric"),
+    ("covariance_matrix asymmetric", dict(covariance_matrix=_value_at(_M, (0, 1), 1.5)),
+     "covariance_matrix.*symmetric"),
     ("covariance_matrix NaN", dict(covariance_matrix=_nan_at(_M, (2, 3))),
      r"covariance_matrix.*must be finite.*covariance_matrix\[2, 3\] = nan"),
-    ("precision_matrix not positive definite", dict(precision_matrix=-_M), "precision_matrix must be positive definite"),
+    ("precision_matrix not positive definite", dict(precision_matrix=-_M),
+     "precision_matrix must be positive definite"),
     ("scale_tril with a negative diagonal", dict(scale_tril=-torch.eye(4)), "scale_tril.*lower triangular"),
     ("cov_factor NaN", dict(cov_factor=_nan_at(torch.ones(4, 2), (3, 1)), scale=torch.ones(4)),
      r"cov_factor.*must be finite.*cov_factor\[3, 1\] = nan"),

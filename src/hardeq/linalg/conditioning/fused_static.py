@@ -11,7 +11,8 @@ per chunk, ``randn`` into the output, :math:`z = \mu + \sigma\varepsilon`, then 
 :math:`r = k - Az` (working precision, one ``addmm``), :math:`x = S'^{-1}r` (float64, one ``cholesky_solve`` with the
 factor's rows scaled once per call: :math:`DL`, the factor of :math:`S'`; for per-sample float32 scales :math:`cDL`, the
 factor of :math:`S = c^2S'`, so that :math:`x'' = x/c^2` and the gain is :math:`\sigma^2 \circ (A^\top x'')`),
-:math:`z \mathrel{+}= \Sigma'(A^\top x)` (float64 product, one GEMM, added with one rounding), and the check :math:`|(Az - k)_i| \le \mathrm{rtol}\,(|A||z|)_i + b_i` with
+:math:`z \mathrel{+}= \Sigma'(A^\top x)` (float64 product, one GEMM, added with one rounding), and the check
+:math:`|(Az - k)_i| \le \mathrm{rtol}\,(|A||z|)_i + b_i` with
 :math:`Az` in float64 and :math:`b = \mathrm{rtol}|k| + \varepsilon^2(|A|\sigma)` (the check's floor). The verdicts
 of all chunks are one device tensor, asserted once at the end (``torch._assert_async``); no host read.
 
@@ -29,7 +30,6 @@ import torch
 from torch import Tensor
 
 from ..device import rows_per_chunk
-from ..triangular import tri_solve_vec
 from .factor import Factor
 from .fused import FUSED_CHUNK_ELEMS, _dense_2d, _FusedFactor, _Scaled
 from .residual import DEFERRED_MESSAGE, ResidualCheck, check_rtol
