@@ -10,7 +10,11 @@ by default with the GPU's choices (``hardeq.linalg.device.forced("gpu")``: ``val
 sync-free static path there); ``--profile cpu`` counts the CPU's own choices (the checked path, whose host reads
 synchronise nothing on a CPU).
 
-    PYTHONPATH=src python benchmarks/count_calls.py [--profile gpu|cpu] [--json out.json]
+    PYTHONPATH=src python benchmarks/count_calls.py [--profile gpu|cpu] [--json out.json] [--validated]
+
+``--validated`` counts instead each call of the validated path (``validate_args=True`` on the constraint and the
+distribution): building the constraint, building the distribution, and the method, after two warm-ups
+(``tests/test_validated_reads.py``).
 """
 
 from __future__ import annotations
@@ -59,8 +63,19 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--profile", choices=("gpu", "cpu"), default="gpu",
                         help="the device profile whose choices run (default: a GPU's, on this CPU)")
+    parser.add_argument("--validated", action="store_true", help="count each call of the validated path")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.validated:
+        from tests.test_validated_reads import CASES, _counted
+
+        with forced(args.profile):
+            counted = {name: _counted(*case) for name, case in CASES.items()}
+        print("| path (validate_args=True) | constraint: calls / host reads | distribution | method |")
+        print("|---|---|---|---|")
+        for name, r in counted.items():
+            print(f"| {name} | " + " | ".join(f"{c.calls} / {c.host_reads}" for c in r.values()) + " |")
+        return
     with forced(args.profile):
         rows = measure()
     print("| path | ATen calls | host reads | unconstrained |")

@@ -87,11 +87,20 @@ def check_finite(name: str, value: Tensor) -> None:
     if math.isfinite((value.detach() if value.requires_grad else value).sum().item()):
         return
     if not bool(torch.isfinite(value).all()):
-        bad = (~torch.isfinite(value)).sum().item()
+        mask = ~torch.isfinite(value.detach())
+        bad = mask.sum().item()
+        first = first_index(mask)
         raise ValueError(
             f"{name} (shape {tuple(value.shape)}) must be finite, but found {bad} NaN/inf entr"
-            f"{'y' if bad == 1 else 'ies'}."
+            f"{'y' if bad == 1 else 'ies'} (the first: {name}[{', '.join(map(str, first))}] = "
+            f"{value.detach()[first].item()})."
         )
+
+
+def first_index(mask: Tensor) -> tuple[int, ...]:
+    """The index of the first true entry of a boolean tensor with one (row-major order); for error messages."""
+    flat = int(mask.flatten().to(torch.uint8).argmax())
+    return tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), mask.shape))
 
 
 def check_same_dtype_device(**tensors: Tensor | None) -> None:

@@ -421,12 +421,12 @@ def test_distribution_bad_input(builder, error, match):
 
 @pytest.mark.parametrize("validate,kind,match", [(True, "cpu", "not numerically positive definite"),
                                                  (False, "cpu", "not numerically positive definite"),
-                                                 (True, "gpu", "not numerically positive definite"),
+                                                 (True, "gpu", "misses a row of A z = k.*row 0"),
                                                  (False, "gpu", "misses a row of A z = k.*row 0")])
 def test_numerically_singular_gram_raises_precise_error(validate, kind, match):
-    """The checked path refuses the factorisation (validated, or a CPU profile, where a read-back costs nothing);
-    the sync-free one (no validation, a GPU profile) checks the rows on the device and raises (at once on the CPU)
-    naming the row."""
+    """The checked path refuses the factorisation (a CPU profile, where a read-back costs nothing); the sync-free
+    one (a GPU profile, validated or not: validation checks the inputs, in one host read) checks the rows on the
+    device and raises (at once on the CPU) naming the row."""
     from hardeq.linalg.device import forced
 
     A = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0 + 1e-9, 0.0]])

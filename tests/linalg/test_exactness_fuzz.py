@@ -8,8 +8,8 @@ float64, ``tol = 1e-5`` (float32) / ``1e-12`` (float64); never relative to the l
   grouped ``SumConstraint`` (groups of one included) and ``SparseConstraint`` (CSR, 1-3 rows per column),
   diagonal / full / low-rank covariance, scales log-uniform over up to eight decades, loc up to 1e3 scales off
   the plane, right-hand sides of random magnitude, batched and not; 200 cases per (dtype, structure, constraint)
-  group, 3600 in all, on each of the two paths: the sync-free one (``validate_args=False``) and the checked one
-  (validated) (about 15 s on one core).
+  group, 3600 in all, on each path: the sync-free one (a GPU profile, forced on the CPU, with ``validate_args``
+  off and on) and the checked one (a CPU profile, with it off and on) (about 15 s per path on one core).
 * Ragged graph batches like PyG's: 128 graphs of 1-59 nodes (singletons included), per-graph standard
   deviations spanning 1e2, 1e4 or 1e8, totals zero or not, via ``SumConstraint(batch, totals)``: per-row
   exactness for every graph and sample; a single-node graph returns its total exactly (``==``); a graph's mean
@@ -117,15 +117,15 @@ def run_group(dtype, structure, kind, cases=CASES_PER_GROUP, validate=False, pro
     return failures, worst, worst_desc
 
 
-@pytest.mark.parametrize("validate,profile", [(False, "gpu"), (False, "cpu"), (True, "cpu")],
-                         ids=["sync-free", "unvalidated-cpu", "checked"])
+@pytest.mark.parametrize("validate,profile", [(False, "gpu"), (True, "gpu"), (False, "cpu"), (True, "cpu")],
+                         ids=["sync-free", "validated-sync-free", "unvalidated-cpu", "checked"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("structure", STRUCTURES)
 @DTYPES
 def test_every_row_of_every_vector_is_exact(dtype, structure, kind, validate, profile):
-    """Every path: without validation on a GPU profile the sync-free one (float64 factor, fixed refinement, the
-    check on the device), forced here on the CPU; without validation on a CPU profile, and with validation, the
-    checked one (check on the host, refinement on demand, escalation)."""
+    """Every path: on a GPU profile, validated or not, the sync-free one (float64 factor, fixed refinement, the
+    check on the device), forced here on the CPU; on a CPU profile the checked one (check on the host, refinement on
+    demand, escalation)."""
     failures, worst, desc = run_group(dtype, structure, kind, validate=validate, profile=profile)
     assert failures == 0, (f"{failures} of {CASES_PER_GROUP} cases exceed {exactness_tolerance(dtype):g} in some row; "
                            f"worst ratio {worst:.2e} ({desc})")

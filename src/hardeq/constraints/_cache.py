@@ -37,15 +37,26 @@ from torch import Tensor
 
 from .._utils import is_tracing
 
-__all__ = ["PerTensorCache", "host_reads_allowed", "no_host_reads"]
+__all__ = ["PerTensorCache", "host_reads_allowed", "lookup_on_host", "no_host_reads"]
 
 _NO_HOST_READS: contextvars.ContextVar[bool] = contextvars.ContextVar("hardeq_no_host_reads", default=False)
 
 #: the message of the deferred check of a cached tensor's contents (see the module docstring)
 STALE_MESSAGE = ("hardeq: a tensor a constraint caches derived values of (A, or a group index) was modified in place "
                  "without bumping its version (through .data or another view), or holds NaN, since it was first "
-                 "used; with validate_args=False such an edit is not looked for on the host. Build the constraint "
+                 "used; with validate_args=False (and on a GPU with validation too: lookup_on_host) such an edit is "
+                 "not looked for on the host. Build the constraint "
                  "from a new tensor (e.g. A.clone()) after editing it, or use validate_args=True.")
+
+
+def lookup_on_host(validate: bool, device: torch.device) -> bool:
+    """Whether a constraint's constructor compares a cached tensor with its snapshot on the host: with validation
+    where a read-back synchronises nothing (a CPU, :func:`hardeq.linalg.device.profile`). Otherwise the comparison is
+    made on the device and deferred (the tensor was checked when its entry was made; validation's one host read is
+    then the constructor's value checks)."""
+    from ..linalg.device import profile
+
+    return validate and profile(device).host_guards
 
 
 def host_reads_allowed() -> bool:
@@ -88,8 +99,18 @@ def _unchanged(A: Tensor, snapshot: tuple[Tensor, ...]) -> bool:
     if len(parts) == 1 == len(snapshot):  # (a dense tensor)
         p, s = parts[0], snapshot[0]
         return p.shape == s.shape and p.dtype == s.dtype and torch.equal(p, s)
-    return len(parts) == len(snapshot) and all(
-        p.shape == s.shape and p.dtype == s.dtype and bool(torch.equal(p, s)) for p, s in zip(parts, snapshot))
+    verdict = _unchanged_verdict(A, snapshot)  # (the parts of a sparse tensor: one host read for all of them)
+    return verdict is not None and bool(verdict)
+
+
+def _unchanged_verdict(A: Tensor, snapshot: tuple[Tensor, ...]) -> Tensor | None:
+    """The comparison of :func:`_unchanged` as a 0-dim bool device tensor, not read (``None`` when the shapes or
+    dtypes differ: a miss, known on the host)."""
+    parts = _parts(A)
+    if len(parts) != len(snapshot) or any(p.shape != s.shape or p.dtype != s.dtype for p, s in zip(parts, snapshot)):
+        return None
+    same = [torch.eq(p, s).all() for p, s in zip(parts, snapshot)]
+    return same[0] if len(same) == 1 else torch.stack(same).all()
 
 
 def _assert_unchanged(A: Tensor, snapshot: tuple[Tensor, ...]) -> bool:
@@ -136,6 +157,33 @@ class PerTensorCache:
             return None
         del self._entries[key]  # changed contents: the value is stale
         return None
+
+    def get_pending(self, A: Tensor) -> tuple[Any, Tensor | None] | None:
+        """Like :meth:`get`, without reading the comparison of ``A`` with its snapshot: ``(value, unchanged)`` with
+        ``unchanged`` a 0-dim bool device tensor (``None`` when the entry needs no comparison), or ``None`` for a
+        miss. The caller reads ``unchanged`` (batched with its own checks: one host read) and, when it is false,
+        calls :meth:`forget` and does not use ``value``."""
+        if is_tracing():
+            return None
+        key = id(A)
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        try:
+            if entry[0]() is A and entry[1] == A._version:
+                if entry[2] is None:  # (as get: a miss, and the put that follows takes the snapshot)
+                    return None
+                unchanged = _unchanged_verdict(A, entry[2])
+                if unchanged is not None:
+                    return entry[3], unchanged
+        except RuntimeError:  # inference tensors have no version counter
+            return None
+        del self._entries[key]
+        return None
+
+    def forget(self, A: Tensor) -> None:
+        """Drop the entry of ``A`` (if any)."""
+        self._entries.pop(id(A), None)
 
     def put(self, A: Tensor, value: Any) -> None:
         if is_tracing():

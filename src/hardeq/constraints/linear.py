@@ -97,8 +97,8 @@ class LinearConstraint(EqualityConstraint):
             ) from None
         self._set(A, k, batch_shape, None)
         self._validate_args = validate_default(validate_args)
-        if self._validate_args:
-            check_finite("k", k)
+        if self._validate_args and (is_tracing() or not self._validated_in_one_read()):
+            check_finite("k", k)  # (the precise checks: each names what it found)
             self._validate_A()
 
     def _set(self, A: Tensor, k: Tensor, batch_shape: torch.Size, factors: RowSpaceFactors | None,
@@ -111,6 +111,43 @@ class LinearConstraint(EqualityConstraint):
         self._abs_A: Tensor | None = None
         self._derived: dict[str, Any] | None = None  # the _DERIVED entry of the source A, looked up once per instance
         self._converted: dict[torch.dtype, LinearConstraint] | None = None  # to(dtype=...) of this instance
+
+    def _validated_in_one_read(self) -> bool:
+        """Validation with one host read: ``k`` finite and either ``A`` unchanged since it was validated (the
+        cache's comparison with its snapshot) or, for an ``A`` not validated before, ``A`` finite with full row rank
+        (the float64 QR's smallest pivot), all verdicts one device boolean read once. ``True`` when everything
+        passed (the rank verdict is then remembered); ``False`` sends the caller to the precise checks, which name
+        what failed (after a stale cache entry, they recompute)."""
+        k, A = self.k.detach(), self.A.detach()
+        verdict = k.sum() * 0 == 0 if k.numel() else None  # (finite: x * 0 is 0; NaN for NaN and inf)
+        hit = _FACTORS.get_pending(self._source)  # ((factors, validated), unchanged) or None
+        check: Tensor | None = None
+        if hit is not None:  # seen before: is it unchanged?
+            (factors, validated), check = hit
+        else:
+            try:
+                factors, validated = RowSpaceFactors(self._source), False
+            except RuntimeError:  # (a non-finite A whose QR fails: the precise checks say so)
+                return False
+        if not validated:  # A finite, with full row rank
+            pivot = factors._min_pivot
+            a, n = A.shape[-2:]
+            finite = A.sum() * 0 == 0 if A.numel() else None
+            for part in (finite, pivot > max(a, n) * torch.finfo(A.dtype).eps if isinstance(pivot, Tensor) else None):
+                if part is not None:
+                    check = part if check is None else check & part
+        if check is not None:
+            verdict = check if verdict is None else verdict & check
+        if verdict is not None and not bool(verdict):  # the one host read
+            if hit is not None:  # (changed through .data since: forget what was derived from it)
+                _FACTORS.forget(self._source)
+                _DERIVED.forget(self._source)
+                self._factors = None
+            return False
+        self._factors = factors
+        if not validated:
+            _remember(self._source, factors, validated=True)
+        return True
 
     def _validate_A(self) -> None:
         hit = _lookup(self._source)

@@ -21,7 +21,7 @@ from .._utils import check_finite, check_same_dtype_device, check_tensor, is_tra
 from .._validation import check_device, check_not_transposed
 from ..linalg.device import profile
 from . import pairs
-from ._cache import PerTensorCache, host_reads_allowed, no_host_reads
+from ._cache import PerTensorCache, host_reads_allowed, lookup_on_host, no_host_reads
 from .sparse_traced import TracedSparse
 from .base import EqualityConstraint, config_dtype, dtype_name, register_constraint_kind, require_keys
 
@@ -309,7 +309,7 @@ class SparseConstraint(EqualityConstraint):
             raise ValueError(f"A must have fewer rows than columns (a < n) so that A z = k leaves freedom, got "
                              f"A.shape = {tuple(A.shape)}.")
         validate = validate_default(validate_args)
-        with no_host_reads(not validate):  # (without validation, the cache checks A on the device)
+        with no_host_reads(not lookup_on_host(validate, A.device)):  # (else the cache checks A on the device)
             prepared = _prepared(A)
         if prepared is None:
             A_csr = _quiet(lambda: A.coalesce().to_sparse_csr()) if A.layout == torch.sparse_coo else A

@@ -11,7 +11,7 @@ from torch import Tensor
 from .._utils import check_finite, check_group_index, check_tensor, group_sizes, is_tracing, validate_default
 from .._validation import check_device, not_a_tensor
 from ..ops.group_sum import SUM_CHUNK, GroupSum
-from ._cache import PerTensorCache, no_host_reads
+from ._cache import PerTensorCache, lookup_on_host, no_host_reads
 from .base import EqualityConstraint, config_dtype, dtype_name, register_constraint_kind, require_keys
 
 if TYPE_CHECKING:
@@ -150,7 +150,7 @@ def _layout(index: Tensor, a: int, validate: bool) -> _Layout:
                                 f"index values must lie in [0, a) with a = {a}, and every group must have at least "
                                 "one coordinate (checked on the device).")
         return _Layout(index, a, counts)
-    with no_host_reads(not validate):  # (without validation the cache checks the index on the device)
+    with no_host_reads(not lookup_on_host(validate, index.device)):  # (else the cache checks it on the device)
         layouts = _LAYOUTS.get(index)
     layout = None if layouts is None else layouts.get(a)
     if layout is None:

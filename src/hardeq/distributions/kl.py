@@ -24,6 +24,7 @@ from torch.distributions import register_kl
 
 from ..constraints._cache import no_host_reads
 from ..linalg.covariance import trace_inv_mul
+from ..linalg.device import profile
 from .normal import ConstrainedNormal
 
 _K = TypeVar("_K", bound=Callable[..., Tensor])
@@ -40,8 +41,11 @@ __all__ = ["kl_constrained_normal"]
 @_register_kl(ConstrainedNormal, ConstrainedNormal)
 def kl_constrained_normal(q: ConstrainedNormal, p: ConstrainedNormal) -> Tensor:
     """``KL(q || p)``, shape ``broadcast(q.batch_shape, p.batch_shape)``; ``inf`` across subspaces. Without
-    validation on either side, the constraints' caches check their tensors on the device (``no_host_reads``)."""
-    with no_host_reads(not (q._validate_args or p._validate_args)):
+    validation on either side, and on a device where a read-back synchronises (validated or not:
+    :func:`hardeq.linalg.device.profile`), the constraints' caches check their tensors on the device
+    (``no_host_reads``)."""
+    validated = q._validate_args or p._validate_args
+    with no_host_reads(not validated or not profile(q._unbroadcasted_loc.device).host_guards):
         return _kl(q, p)
 
 

@@ -52,15 +52,17 @@ HALF_SUPPORT_RTOL_EPS = 8.0
 def _full_precision(method: _F) -> _F:
     """Run ``method`` with autocast disabled on the parameters' device: under ``torch.autocast`` a float32
     matmul would otherwise run in bfloat16 / float16 and lose the per-row accuracy of the conditioner; and, with
-    ``validate_args=False`` on a device where a read-back synchronises (:func:`hardeq.linalg.device.profile`), inside
-    :func:`hardeq.constraints._cache.no_host_reads` (the constraints' caches check their tensors on the device)."""
+    on a device where a read-back synchronises (:func:`hardeq.linalg.device.profile`), inside
+    :func:`hardeq.constraints._cache.no_host_reads` (the constraints' caches check their tensors on the device), with
+    ``validate_args`` on or off."""
 
     @functools.wraps(method)
     def wrapper(self: _OnDevice, *args: Any, **kwargs: Any) -> Any:
         device_type = self._unbroadcasted_loc.device.type
         # (no_host_reads, without its generator; not under torch.compile, which cannot trace it and skips the caches)
         # (on a CPU, where a read-back synchronises nothing, only when the device profile is forced: linalg.device)
-        sync_free = not self._validate_args and not device_profile(self._unbroadcasted_loc.device).host_guards
+        # (validated or not: with validate_args=True the inputs were checked at construction, with one host read)
+        sync_free = not device_profile(self._unbroadcasted_loc.device).host_guards
         token = _NO_HOST_READS.set(True) if sync_free and not torch.compiler.is_compiling() else None
         try:
             if not torch.is_autocast_enabled(device_type):
@@ -202,8 +204,9 @@ class ConstrainedNormal(Distribution):
             raise not_a_tensor("scale", scale, note=" (a real Python number is also accepted, as in "
                                "torch.distributions.Normal)")
         validate = Distribution._validate_args if validate_args is None else validate_args
+        pending: list[tuple[Tensor, Callable[[], None]]] = []  # (value checks read with _check_values)
         covariance = _build_covariance(n, scale, covariance, scale_tril, cov_factor, covariance_matrix,
-                                       precision_matrix, validate)
+                                       precision_matrix, validate, pending)
         if scale is not None and cov_factor is None and scale_tril is None and covariance_matrix is None \
                 and precision_matrix is None:  # (the common form)
             check_same_dtype_device(loc=loc, scale=scale, constraint=constraint.k)
@@ -228,10 +231,9 @@ class ConstrainedNormal(Distribution):
             validate_args = Distribution._validate_args
         if validate_args and is_tracing():  # inside a graph: one device-side check, its error deferred
             _assert_values(loc, covariance, constraint.k)
-        elif validate_args:
-            _check_values(loc, covariance)
-            if getattr(constraint, "_validate_args", False) is False:
-                check_finite("constraint right-hand side k", constraint.k)
+        elif validate_args:  # one host read (the constraint's k too, unless the constraint validated it)
+            _check_values(loc, covariance, None if getattr(constraint, "_validate_args", False) else constraint.k,
+                          pending)
         #: the dtype every result is returned in (the inputs'); half precision is computed in float32
         self.result_dtype = loc.dtype
         self.loc = loc if loc.shape[:-1] == batch_shape else loc.expand(batch_shape + (n,))
@@ -292,10 +294,11 @@ class ConstrainedNormal(Distribution):
         the conditioner derives its :attr:`~hardeq.linalg.conditioning.Conditioner.requires_grad` itself.
         """
         needs_grad = any(t.requires_grad for t in self.covariance.tensors()) or self.constraint.k.requires_grad
-        # the sync-free (static) form under tracing, and with validate_args=False where a read-back would
-        # synchronise a device (hardeq.linalg.device); on a CPU a read-back costs nothing and the checked form's
-        # float32 factor with its host-side screen is 2-3x faster
-        static = is_tracing() or (not self._validate_args and not device_profile(self.loc.device).host_guards)
+        # the sync-free (static) form under tracing, and where a read-back would synchronise a device
+        # (hardeq.linalg.device), validated or not (validation checked the inputs at construction, in one host read);
+        # on a CPU a read-back costs nothing and the checked form's float32 factor with its host-side screen is 2-3x
+        # faster
+        static = is_tracing() or not device_profile(self.loc.device).host_guards
         with torch.set_grad_enabled(needs_grad or torch.is_grad_enabled()):
             return Conditioner(self.covariance, self.constraint, static=static)
 
@@ -572,20 +575,40 @@ class ConstrainedNormal(Distribution):
                 f"covariance={self.covariance!r}, constraint={self.constraint!r})")
 
 
-def _check_values(loc: Tensor, covariance: Covariance) -> None:
-    r"""``check_finite("loc", loc)`` and ``covariance.check_values()``; for a :class:`~hardeq.DiagonalCovariance` the
-    common case (all finite, every scale a positive normal number) first, from two reductions without autograd
-    nodes: :math:`\min\sigma \ge` ``tiny``, :math:`\max\sigma` and :math:`\sum\mu` finite (a NaN anywhere
-    propagates to them); the precise checks, with their messages, only when that fails (or when the sum overflows)."""
-    scale = covariance.scale if type(covariance) is DiagonalCovariance else None
-    if scale is not None and scale.numel() and loc.numel():
-        # (detached where needed rather than under torch.no_grad(): the context manager costs more than the kernel)
-        low, high = torch.aminmax(scale.detach() if scale.requires_grad else scale)
-        total = (loc.detach() if loc.requires_grad else loc).sum()
-        if low.item() >= torch.finfo(loc.dtype).tiny and math.isfinite(high.item()) and math.isfinite(total.item()):
-            return
+def _check_values(loc: Tensor, covariance: Covariance, k: Tensor | None = None,
+                  pending: list[tuple[Tensor, Callable[[], None]]] | None = None) -> None:
+    r"""``check_finite("loc", loc)``, ``covariance.check_values()`` and (when given) the finiteness of ``k``, with
+    **one host read**: the verdicts of every check are one device boolean, read once: :math:`\sum\mu + \sum k`
+    finite (a NaN or an infinity anywhere propagates to it) and the covariance's own verdict
+    (``Covariance._value_verdict``; for a diagonal one :math:`\min\sigma + 0\cdot\sum\sigma \ge` ``tiny``: every
+    scale finite and a positive normal number), from reductions without autograd nodes. Only when it is false (or
+    when a sum overflows) do the precise checks run, each naming its argument, the first bad element and its value
+    (more reads, on the way to the error). A covariance without a verdict (a structure of one's own) runs its
+    ``check_values`` after the read. ``pending``: more ``(verdict, explain)`` pairs for that read (the checks of a
+    ``covariance_matrix`` / ``precision_matrix``); on failure their ``explain()`` runs first."""
+    parts = [t.detach() if t.requires_grad else t for t in (loc, k) if t is not None and t.numel()]
+    verdict: Tensor | None = None
+    if parts:
+        total = parts[0].sum()
+        for t in parts[1:]:
+            total = total + t.sum()
+        verdict = total * 0 == 0  # (finite: x * 0 is 0; NaN for NaN and inf)
+    cls = type(covariance)
+    owner = next(c for c in cls.__mro__ if "check_values" in c.__dict__)
+    own = covariance._value_verdict() if "_value_verdict" in owner.__dict__ else None
+    for part in [own] + [ok for ok, _ in pending or ()]:
+        if part is not None:
+            verdict = part if verdict is None else verdict & part
+    if verdict is None or bool(verdict):  # the one host read
+        if own is None:
+            covariance.check_values()
+        return
+    for _, explain in pending or ():
+        explain()
     check_finite("loc", loc)
     covariance.check_values()
+    if k is not None:
+        check_finite("constraint right-hand side k", k)
 
 
 def _assert_values(loc: Tensor, covariance: Covariance, k: Tensor) -> None:
@@ -628,7 +651,8 @@ def _sample_shape(sample_shape: object, name: str = "sample_shape") -> torch.Siz
 
 def _build_covariance(n: int, scale: Tensor | None, covariance: Covariance | None, scale_tril: Tensor | None,
                       cov_factor: Tensor | None, covariance_matrix: Tensor | None = None,
-                      precision_matrix: Tensor | None = None, validate: bool = False) -> Covariance:
+                      precision_matrix: Tensor | None = None, validate: bool = False,
+                      pending: list[tuple[Tensor, Callable[[], None]]] | None = None) -> Covariance:
     """The covariance object from ``covariance=`` or the keyword shortcuts (exactly one form), shape-checked."""
     if scale is not None and covariance is None and scale_tril is None and covariance_matrix is None \
             and precision_matrix is None:
@@ -662,7 +686,7 @@ def _build_covariance(n: int, scale: Tensor | None, covariance: Covariance | Non
                              f"{tuple(scale_tril.shape)}.")
         covariance = FullCovariance(scale_tril)
     elif covariance_matrix is not None or precision_matrix is not None:
-        covariance = FullCovariance(_scale_tril_from(n, covariance_matrix, precision_matrix, validate))
+        covariance = FullCovariance(_scale_tril_from(n, covariance_matrix, precision_matrix, validate, pending))
     else:
         raise ValueError("one of scale, scale_tril / covariance_matrix / precision_matrix, or covariance must be "
                          "given (cov_factor needs scale too).")
@@ -690,33 +714,48 @@ def _scale_covariance(n: int, scale: Tensor, cov_factor: Tensor | None) -> Covar
 
 
 def _scale_tril_from(n: int, covariance_matrix: Tensor | None, precision_matrix: Tensor | None,
-                     validate: bool) -> Tensor:
+                     validate: bool, pending: list[tuple[Tensor, Callable[[], None]]] | None = None) -> Tensor:
     r"""Lower Cholesky factor :math:`L` (:math:`LL^\top = \Sigma`) of ``covariance_matrix``, or of the inverse of
     ``precision_matrix`` without forming it: :math:`JPJ = L_fL_f^\top` gives :math:`P = UU^\top`,
     :math:`U = JL_fJ` upper, so :math:`L = U^{-\top}` (one Cholesky and one triangular solve, :math:`2n^3/3`
     flops). ``ValueError`` naming the argument for a wrong shape, an asymmetric matrix (with ``validate``) or one
-    that is not positive definite."""
+    that is not positive definite. With ``validate`` and ``pending``, the value checks are not read here: their
+    verdict and the function that raises the precise error are appended to ``pending`` (read with the
+    distribution's other checks, :func:`_check_values`)."""
     name, M = ("covariance_matrix", covariance_matrix) if covariance_matrix is not None else \
         ("precision_matrix", precision_matrix)
     M = check_tensor(name, M, min_dim=2)
     if M.shape[-2:] != (n, n):
         raise ValueError(f"{name} must have shape (..., n, n) with n = loc.shape[-1] = {n}, got {tuple(M.shape)}.")
-    if validate:
-        check_finite(name, M)
-        if not bool(torch.isclose(M, M.mT, rtol=1e-5, atol=1e-8).all()):
-            raise ValueError(f"{name} (shape {tuple(M.shape)}) must be symmetric; its largest asymmetry "
-                             f"|M - M^T| is {(M - M.mT).abs().max().item():.3g}.")
+    original = M
     if M.dtype in HALF_DTYPES:  # factorised in float32, the precision half-precision distributions compute in
         M = M.to(torch.float32)
     flipped = M if name == "covariance_matrix" else M.flip(-2, -1)
     factor: Tensor
     factor, info = torch.linalg.cholesky_ex(flipped)
-    if not is_tracing() and bool((info != 0).any()):
-        where = tuple(int(i) for i in (info != 0).nonzero()[0]) if info.dim() else ()
-        order = int(info[where])
-        raise ValueError(f"{name} must be positive definite, but its Cholesky factorisation fails"
-                         f"{f' at batch index {where}' if where else ''} (leading minor of order {order}"
-                         f"{' of the reversed matrix' if name == 'precision_matrix' else ''} is not positive).")
+
+    def explain() -> None:  # the precise checks, each raising a ValueError that names what it found
+        if validate:
+            check_finite(name, original)
+            if not bool(torch.isclose(original, original.mT, rtol=1e-5, atol=1e-8).all()):
+                raise ValueError(f"{name} (shape {tuple(original.shape)}) must be symmetric; its largest asymmetry "
+                                 f"|M - M^T| is {(original - original.mT).abs().max().item():.3g}.")
+        if bool((info != 0).any()):
+            where = tuple(int(i) for i in (info != 0).nonzero()[0]) if info.dim() else ()
+            order = int(info[where])
+            raise ValueError(f"{name} must be positive definite, but its Cholesky factorisation fails"
+                             f"{f' at batch index {where}' if where else ''} (leading minor of order {order}"
+                             f"{' of the reversed matrix' if name == 'precision_matrix' else ''} is not positive).")
+
+    if is_tracing():
+        if validate:
+            check_finite(name, M)
+    elif validate and pending is not None:  # finite, symmetric, factorised: read with the distribution's checks
+        data = original.detach()
+        pending.append(((data.sum() * 0 == 0) & torch.isclose(data, data.mT, rtol=1e-5, atol=1e-8).all()
+                        & (info == 0).all(), explain))
+    else:
+        explain()
     if name == "covariance_matrix":
         return factor
     lower_t = factor.flip(-2, -1).mT  # U^T, lower triangular

@@ -27,7 +27,8 @@ from torch.distributions import constraints
 from .._utils import check_group_index, check_same_dtype_device, check_tensor, is_tracing, stale_without_graph
 from ..constraints import SumConstraint, pairs
 from ..ops.group_sum import GroupSum
-from .covariance import Covariance, _check_positive, low_rank_max_abs_sqrt, register_trace_inv_mul
+from .covariance import (Covariance, _check_positive, _finite_verdict, _positive_verdict, low_rank_max_abs_sqrt,
+                         register_trace_inv_mul)
 
 __all__ = ["BlockDiagonalCovariance"]
 
@@ -95,6 +96,9 @@ class BlockDiagonalCovariance(Covariance):
 
         check_finite("cov_factor", self.cov_factor)
         _check_positive("scale", self.scale)
+
+    def _value_verdict(self) -> Tensor | None:
+        return _finite_verdict(self.cov_factor) & _positive_verdict(self.scale)
 
     # ------------------------------------------------------------------ group helpers
     def _sum_rows(self, X: Tensor) -> Tensor:

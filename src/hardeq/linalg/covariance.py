@@ -144,6 +144,14 @@ class Covariance(ABC):
             return self
         return self.with_tensors(*moved)
 
+    def _value_verdict(self) -> Tensor | None:
+        """:meth:`check_values` as a 0-dim bool device tensor, not read (validation batches it with its other checks
+        into one host read, and calls :meth:`check_values` for the message only when it is false); ``None`` when the
+        structure has none (then :meth:`check_values` runs). Default: ``None``. Used only where the class that
+        defines it also defines :meth:`check_values` (a subclass that overrides one of them is checked its own
+        way)."""
+        return None
+
     def check_values(self) -> None:
         """Raise ``ValueError`` (naming the parameter) unless the values are finite and satisfy
         :attr:`arg_constraints`. Default: both checks for every parameter, in the order of :meth:`tensors`."""
@@ -279,6 +287,21 @@ def _fold(op: Callable[[Tensor], Tensor], x: Tensor, batch_dims: int) -> Tensor:
     return out.reshape(sample + out.shape[1:])
 
 
+def _finite_verdict(value: Tensor) -> Tensor:
+    """0-dim bool device tensor: every entry finite (the sum is finite; its overflow reads as a failure, and the
+    precise check then decides)."""
+    value = value.detach()
+    return value.sum() * 0 == 0 if value.numel() else torch.ones((), dtype=torch.bool, device=value.device)
+
+
+def _positive_verdict(value: Tensor) -> Tensor:
+    """0-dim bool device tensor: the common case of :func:`_check_positive` (finite, and positive normal numbers)."""
+    value = value.detach()
+    if not value.numel():
+        return torch.ones((), dtype=torch.bool, device=value.device)
+    return value.amin() + value.sum() * 0 >= torch.finfo(value.dtype).tiny
+
+
 def _check_positive(name: str, value: Tensor) -> None:
     """Finite, positive, and a normal number of its dtype (a subnormal scale has lost its precision)."""
     from .._utils import check_finite
@@ -290,7 +313,12 @@ def _check_positive(name: str, value: Tensor) -> None:
     check_finite(name, value)
     low = value.min().item()
     if not low > 0:
-        raise ValueError(f"{name} (shape {tuple(value.shape)}) must be positive, but its minimum is {low:.3e}.")
+        from .._utils import first_index
+
+        first = first_index(value.detach() <= 0)
+        raise ValueError(f"{name} (shape {tuple(value.shape)}) must be positive, but its minimum is {low:.3e} (the "
+                         f"first entry that is not: {name}[{', '.join(map(str, first))}] = "
+                         f"{value.detach()[first].item():.3e}).")
     tiny = torch.finfo(value.dtype).tiny
     if low < tiny:
         raise ValueError(f"{name} has entries down to {low:.3e}, below the smallest normal {value.dtype} number "
@@ -345,6 +373,9 @@ class DiagonalCovariance(Covariance):
 
     def check_values(self) -> None:
         _check_positive("scale", self.scale)
+
+    def _value_verdict(self) -> Tensor | None:
+        return _positive_verdict(self.scale)
 
     def diagonal(self) -> Tensor:
         return self.variance
@@ -445,9 +476,16 @@ class FullCovariance(Covariance):
         from .._utils import check_finite
 
         check_finite("scale_tril", self.scale_tril)
-        if not bool(constraints.lower_cholesky.check(self.scale_tril).all()):
+        if not bool(self._lower_cholesky().all()):
             raise ValueError(f"scale_tril (shape {tuple(self.scale_tril.shape)}) must be lower triangular with "
                              "a positive diagonal.")
+
+    def _lower_cholesky(self) -> Tensor:
+        ok: Tensor = constraints.lower_cholesky.check(self.scale_tril.detach())
+        return ok
+
+    def _value_verdict(self) -> Tensor | None:
+        return _finite_verdict(self.scale_tril) & self._lower_cholesky().all()
 
     def diagonal(self) -> Tensor:
         return self.scale_tril.square().sum(-1)
@@ -555,6 +593,9 @@ class LowRankCovariance(Covariance):
 
         check_finite("cov_factor", self.cov_factor)
         _check_positive("scale", self.scale)
+
+    def _value_verdict(self) -> Tensor | None:
+        return _finite_verdict(self.cov_factor) & _positive_verdict(self.scale)
 
     @property
     def capacitance_tril(self) -> Tensor:

@@ -3,6 +3,8 @@ one GEMM (:func:`row_pairs`, :func:`gram_from_pairs`)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -34,9 +36,16 @@ def gram_from_pairs(pairs: Tensor, variance: Tensor, a: int) -> Tensor:
 
 def gram_from_pairs_flat(flat: Tensor, a: int) -> Tensor:
     """The symmetric ``(B, a, a)`` Gram matrices from their packed upper triangles ``flat`` (``(B, a(a+1)/2)``, the
-    product ``v @ P^T`` of :func:`gram_from_pairs`)."""
-    iu = torch.triu_indices(a, a, device=flat.device)
-    S = flat.new_zeros(flat.shape[0], a, a)
-    S[:, iu[0], iu[1]] = flat
-    S[:, iu[1], iu[0]] = flat
-    return S
+    product ``v @ P^T`` of :func:`gram_from_pairs`): one gather (``index_select`` with :func:`_unpacking_index`),
+    both triangles from the same packed entry."""
+    return flat.index_select(-1, _unpacking_index(a, flat.device)).view(flat.shape[0], a, a)
+
+
+@functools.lru_cache(maxsize=64)
+def _unpacking_index(a: int, device: torch.device) -> Tensor:
+    """``(a * a,)`` long: entry ``i * a + l`` is the position of the pair ``(min(i, l), max(i, l))`` in the packed
+    upper triangle (row-major, as ``torch.triu_indices``), made once per ``a`` and device."""
+    i = torch.arange(a, device=device)
+    lo, hi = torch.minimum(i[:, None], i[None, :]), torch.maximum(i[:, None], i[None, :])
+    # row r of the packed upper triangle starts at r a - r (r - 1) / 2
+    return (lo * a - lo * (lo - 1) // 2 + (hi - lo)).flatten()

@@ -8,8 +8,11 @@ much as the arithmetic. Here every pass runs on one chunk of rows (:func:`~harde
 cache-sized chunks on the CPU, one chunk on a GPU), on reused buffers. Same arithmetic as the unfused path:
 
 per chunk, ``randn`` into the output, :math:`z = \mu + \sigma\varepsilon`, then ``1 + steps`` times
-:math:`r = k - Az` (working precision, one GEMM), :math:`x = S'^{-1}r` (float64), :math:`z \mathrel{+}= \Sigma'(A^\top x)`
-(float64 product, one GEMM), and the check :math:`|(Az - k)_i| \le \mathrm{rtol}\,(|A||z|)_i + b_i` with
+:math:`r = k - Az` (working precision, one ``addmm``), :math:`x = S'^{-1}r` (float64, one ``cholesky_solve`` with the
+factor's rows scaled once per call: :math:`DL`, the factor of :math:`S'`; for per-sample float32 scales :math:`cDL`, the
+factor of :math:`S = c^2S'`, so that :math:`x'' = x/c^2` and the gain is :math:`\sigma^2 \circ (A^\top x'')`),
+:math:`z \mathrel{+}= \Sigma'(A^\top x)` (float64 product, one GEMM, added with one rounding), and the check
+:math:`|(Az - k)_i| \le \mathrm{rtol}\,(|A||z|)_i + b_i` with
 :math:`Az` in float64 and :math:`b = \mathrm{rtol}|k| + \varepsilon^2(|A|\sigma)` (the check's floor). The verdicts
 of all chunks are one device tensor, asserted once at the end (``torch._assert_async``); no host read.
 
@@ -29,7 +32,6 @@ import torch
 from torch import Tensor
 
 from ..device import rows_per_chunk
-from ..triangular import tri_solve_vec
 from .factor import Factor
 from .fused import FUSED_CHUNK_ELEMS, _dense_2d, _FusedFactor, _Scaled
 from .residual import DEFERRED_MESSAGE, ResidualCheck, check_rtol
@@ -98,12 +100,22 @@ def sample_static_fused(factor: _FusedFactor, loc: Tensor, sample_shape: torch.S
     flat = out.view(count, n)
     step = rows_per_chunk(count, n, a, loc.device, FUSED_CHUNK_ELEMS)
     v_buffer = torch.empty((step, n), dtype=torch.float64, device=loc.device)
-    ok = torch.ones((), dtype=torch.bool, device=loc.device)
+    ok: Tensor | None = None  # (the verdicts of the chunks, and-ed on the device)
     scale, k_all, L, d = cast(_Scaled, cov).scale, con.k, factor.L, factor.d
-    k64_all = k_all.to(torch.float64)
+    k64_all = cast("LinearConstraint", factor._con).k  # (k in float64: the factor's constraint's)
     per_row_scale = bool(batch) and scale.dim() > 1 and scale.shape[0] == count
     W = factor._W if factor._W is not None and factor._W.dim() == 2 else None
     variance = None if per_row_scale or W is not None else factor._cov.variance
+    # float32 scales: sigma^2 / c^2 folded into the solve (below) and the product sigma^2 (A^T x'') in float64 (whose
+    # range holds the square of any float32 number): no (sigma / c)^2 pass per chunk
+    fold = W is None and per_row_scale and dtype == torch.float32
+    # the solve with S' = D L L^T D as one Cholesky solve with the factor L_s = D L, its rows scaled once per call;
+    # folded, with L_s = c D L, the factor of S = c^2 S' itself, so that x'' = S^{-1} r = x / c^2
+    row_scale = None if d is None else d
+    if fold:
+        c64 = factor.c.to(torch.float64)
+        row_scale = c64 if row_scale is None else row_scale * c64
+    L_s = L if row_scale is None else row_scale.unsqueeze(-1) * L
 
     @overload
     def rows(t: Tensor, r0: int, r1: int, event_dims: int) -> Tensor: ...
@@ -122,28 +134,34 @@ def sample_static_fused(factor: _FusedFactor, loc: Tensor, sample_shape: torch.S
         s = rows(scale, r0, r1, 1)
         torch.addcmul(rows(loc, r0, r1, 1), z, s, out=z)
         k, k64 = rows(k_all, r0, r1, 1), rows(k64_all, r0, r1, 1)
-        Lr, dr = rows(L, r0, r1, 2), rows(d, r0, r1, 1)
-        # float32 scales: sigma^2 / c^2 folded into the a-sized x, the product sigma (sigma (A^T x')) in float64 (whose
-        # range holds the square of any float32 number): no (sigma / c)^2 pass per chunk
-        fold = W is None and per_row_scale and dtype == torch.float32
+        Lr = rows(L_s, r0, r1, 2)
         v = None if fold or not (W is None and per_row_scale) else factor._scaled_variance(r0, r1, v_buffer[:r1 - r0])
         v = variance if v is None and not fold else v
-        inv_c2 = 1.0 / factor.c[r0:r1].to(torch.float64).square() if fold else None
-        s64 = s.to(torch.float64) if fold else s  # (once per chunk: a mixed-dtype product would convert per call)
+        # sigma^2 in float64, exact (a float32 number's square has at most 48 significant bits); once per chunk
+        s2 = s.to(torch.float64).square() if fold else None
         for _ in range(1 + steps):
-            residual = (k - z @ A_t).to(torch.float64)
-            residual = residual if dr is None else residual / dr
-            x = tri_solve_vec(Lr.mT, tri_solve_vec(Lr, residual, upper=False), upper=True)
-            x = x if dr is None else x / dr
+            residual = torch.addmm(k, z, A_t, alpha=-1.0).to(torch.float64)  # k - A z
+            x = _cholesky_solve(Lr, residual)
             if W is not None:
                 z.add_(x @ W)
-            elif inv_c2 is not None:
-                z.add_(torch.mm(x * inv_c2, A64, out=v_buffer[:r1 - r0]).mul_(s64).mul_(s64))
+            elif s2 is not None:  # z += sigma^2 (A^T x''), the product in float64, rounded once
+                z.addcmul_(torch.mm(x, A64, out=v_buffer[:r1 - r0]), s2)
             else:
                 assert v is not None
                 z.add_((x @ A64).mul_(v))
         b = rows(base, r0, r1, 1)
-        miss = (z.to(torch.float64) @ A64_t).sub_(k64).abs_()
+        miss = torch.addmm(k64, z.to(torch.float64), A64_t, alpha=-1.0).abs_()
         size = (z.abs() @ abs_A_t).to(torch.float64)
-        ok = ok & (miss <= torch.add(b, size, alpha=rtol)).all()
+        met = (miss <= torch.add(b, size, alpha=rtol)).all()
+        ok = met if ok is None else ok & met
+    if ok is None:  # (no rows)
+        ok = torch.ones((), dtype=torch.bool, device=loc.device)
     return out, ok
+
+
+def _cholesky_solve(L: Tensor, r: Tensor) -> Tensor:
+    """:math:`(LL^\top)^{-1}r` for ``r`` ``(rows, a)`` and a lower ``L``, ``(a, a)`` shared or ``(rows, a, a)``: one
+    ``torch.cholesky_solve`` (it reads the lower triangle only)."""
+    if L.dim() == 2:
+        return torch.cholesky_solve(r.mT, L).mT
+    return torch.cholesky_solve(r.unsqueeze(-1), L).squeeze(-1)

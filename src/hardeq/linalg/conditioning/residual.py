@@ -42,11 +42,11 @@ __all__ = ["CHECK_RTOL_CAP", "DEFERRED_MESSAGE", "ResidualCheck", "check_rtol"]
 
 #: the message of the deferred per-row check (:meth:`ResidualCheck.defer`)
 DEFERRED_MESSAGE = ("hardeq: a conditioned vector misses a row of A z = k beyond its tolerance rtol (|A||z| + |k|)_i "
-                    "(checked on the device, without a host read: validate_args=False or under torch.compile / "
-                    "CUDA-graph capture). A Sigma A^T is too ill-conditioned for the sync-free path (float64 "
-                    "Cholesky of the equilibrated Gram matrix, refined), or the inputs are not finite. Use "
-                    "validate_args=True in eager mode (it escalates to a QR factor and names the row), float64, or "
-                    "rescale/remove nearly dependent rows of A.")
+                    "(checked on the device, without a host read: the sync-free path of a GPU, validated or not, or "
+                    "of torch.compile / CUDA-graph capture). A Sigma A^T is too ill-conditioned for the sync-free "
+                    "path (float64 Cholesky of the equilibrated Gram matrix, refined), or the inputs are not finite. "
+                    "Use float64, rescale/remove nearly dependent rows of A, or the checked path (eager mode on a "
+                    "CPU: it escalates to a QR factor and names the row).")
 
 #: cap of the check's tolerance per row, a quarter of the exactness target 1e-5 (float32) / 1e-12 (float64)
 CHECK_RTOL_CAP = {torch.float32: 2.5e-6, torch.float64: 2.5e-13}
