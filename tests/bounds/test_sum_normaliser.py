@@ -183,3 +183,25 @@ def test_log_prob_uses_it_and_where_it_does_not_apply():
     with pytest.raises(ValueError, match="normaliser='exact' needs one free dimension"):
         hardeq.ConstrainedNormal(torch.zeros(4, dtype=F64), 0.3, constraint=two).truncate(0.0, 1.0,
                                                                                           normaliser="exact")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [[[1.0, 1, -1, 2]], [[1.0, 1, 1, 1], [1, -1, 0, 0], [0, 0, 1, -1]]],
+                         ids=["one row", "a line"])
+def test_gradient_with_an_infinite_bound_is_finite(rows, dtype):
+    """Regression: an infinite bound gave NaN in the scales' gradient ((inf - mean) / w has an infinite derivative,
+    and log_ndtr's at -inf is NaN). With upper = inf the gradient equals the one with upper = 1e3 (the same law to
+    float64: the box's far end is 3,000 sd away)."""
+    grads = []
+    for upper in (None, 1e3):
+        loc = torch.tensor([0.3, 0.5, 0.2, 0.1], dtype=dtype, requires_grad=True)
+        scale = torch.tensor([0.3, 0.2, 0.4, 0.3], dtype=dtype, requires_grad=True)
+        A = torch.tensor(rows, dtype=dtype)
+        con = hardeq.LinearConstraint(A, A @ torch.tensor([0.3, 0.3, 0.2, 0.2], dtype=dtype))
+        t = hardeq.ConstrainedNormal(loc, scale, constraint=con).truncate(0.0, upper)
+        assert t.normaliser_exact
+        t.log_normaliser.backward()
+        grads.append(torch.cat([loc.grad, scale.grad]))
+    assert bool(torch.isfinite(grads[0]).all())
+    tol = 1e-9 if dtype == F64 else 1e-4
+    torch.testing.assert_close(grads[0], grads[1], rtol=tol, atol=tol)

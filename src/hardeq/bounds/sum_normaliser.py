@@ -62,7 +62,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .normaliser import log_diff_ndtr
+from .normaliser import _standardized, log_diff_ndtr
 from .target import PlaneTarget
 
 __all__ = ["SumRowLayout", "sum_row_layout", "sum_row_log_normaliser", "NODES_PER_ROOT", "GRID_ELEMENTS_MAX",
@@ -218,7 +218,9 @@ def _chunk(m: Tensor, s: Tensor, al: Tensor, be: Tensor, valid: Tensor, k: Tenso
         own = torch.where(valid, _tilted_mean(m, s, al, be, torch.zeros_like(m)), zero).sum(-1)
     k_eff = torch.where(count >= 2, k, own)
     theta = _tilt(m.detach(), s.detach(), al.detach(), be.detach(), valid, k_eff.detach()).unsqueeze(-1)
-    a, b = al - theta * s, be - theta * s
+    # an infinite end stays a constant (no path from it to s: log_ndtr's derivative at -inf is NaN)
+    a = torch.where(torch.isfinite(al), al - theta * s, al)
+    b = torch.where(torch.isfinite(be), be - theta * s, be)
     log_p = log_diff_ndtr(a, b)
     nu = m + theta * s * s
     var = torch.where(valid, s * s, zero).sum(-1)
@@ -275,9 +277,10 @@ def sum_row_log_normaliser(dist: object, lower: Tensor, upper: Tensor, layout: S
     in_row = w != 0
     w_safe = torch.where(in_row, w, torch.ones_like(w))
     m, s = w_safe * loc, w_safe.abs() * sd
-    wl, wu = w_safe * lo, w_safe * hi
-    al, be = (torch.minimum(wl, wu) - m) / s, (torch.maximum(wl, wu) - m) / s
-    free = torch.where(in_row, torch.zeros_like(loc), log_diff_ndtr((lo - loc) / sd, (hi - loc) / sd)).sum(-1)
+    z_lo, z_hi = _standardized(lo, loc, sd), _standardized(hi, loc, sd)  # +-inf kept out of the gradient
+    positive = w_safe > 0
+    al, be = torch.where(positive, z_lo, -z_hi), torch.where(positive, z_hi, -z_lo)
+    free = torch.where(in_row, torch.zeros_like(loc), log_diff_ndtr(z_lo, z_hi)).sum(-1)
     slots = layout.slots
     G, size = slots.shape
 
