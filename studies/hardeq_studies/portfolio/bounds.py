@@ -125,15 +125,16 @@ def long_only_targets(returns: Tensor, *, rf: float, days: int) -> Tensor:
     tensor (the runs of a universe share it; a weak-keyed cache)."""
     from .classical import max_sharpe_long_only
 
-    cached = _TARGETS.get(returns)
-    if cached is None or cached[0] != (rf, days):
-        cached = ((rf, days), max_sharpe_long_only(returns.detach().cpu(), rf=rf, days=days))
-        _TARGETS[returns] = cached
-    return cached[1]
+    cached = _TARGETS.get(id(returns))
+    if cached is None or cached[0]() is not returns or cached[1] != (rf, days):
+        _TARGETS.clear()  # one universe at a time: no other entry is needed again
+        cached = (weakref.ref(returns), (rf, days), max_sharpe_long_only(returns.detach().cpu(), rf=rf, days=days))
+        _TARGETS[id(returns)] = cached
+    return cached[2]
 
 
-#: :func:`long_only_targets` per returns tensor
-_TARGETS: weakref.WeakKeyDictionary[Tensor, tuple[tuple[float, int], Tensor]] = weakref.WeakKeyDictionary()
+#: :func:`long_only_targets` of the last returns tensor (by id, checked through a weak reference)
+_TARGETS: dict[int, tuple[Any, tuple[float, int], Tensor]] = {}
 
 
 def truncated_nll(head, raw: Tensor, target: Tensor, state: dict[str, Any]) -> Tensor:
