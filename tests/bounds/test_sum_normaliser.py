@@ -205,3 +205,16 @@ def test_gradient_with_an_infinite_bound_is_finite(rows, dtype):
     assert bool(torch.isfinite(grads[0]).all())
     tol = 1e-9 if dtype == F64 else 1e-4
     torch.testing.assert_close(grads[0], grads[1], rtol=tol, atol=tol)
+
+
+def test_rows_too_long_for_the_grid_fall_back_to_monte_carlo():
+    """Memory stays bounded: a row of 256 coordinates gets the grid (16,384 nodes), one of 257 the Monte Carlo
+    normaliser (normaliser_exact False), checked on the layout alone."""
+    def dist(n):
+        return hardeq.ConstrainedNormal(torch.zeros(n, dtype=F64), 1.0, constraint=hardeq.SumConstraint(
+            torch.zeros(n, dtype=torch.long), torch.ones(1, dtype=F64)))
+
+    layout = sum_row_layout(dist(256))
+    assert layout is not None and layout.nodes == 16384
+    assert sum_row_layout(dist(257)) is None
+    assert not dist(257).truncate(0.0, 1.0).normaliser_exact

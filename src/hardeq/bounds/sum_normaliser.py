@@ -70,8 +70,9 @@ __all__ = ["SumRowLayout", "sum_row_layout", "sum_row_log_normaliser", "NODES_PE
 
 #: grid nodes per square root of the row's size (then the next power of two, at least 1,024)
 NODES_PER_ROOT = 540
-#: largest (coordinates in the row) x (grid nodes) per batch element for which the path applies
-GRID_ELEMENTS_MAX = 1 << 24
+#: largest (coordinates in the row) x (grid nodes) per batch element for which the path applies (4M: rows of up to
+#: 256 coordinates; one batch element's working arrays then stay near 32 MiB each)
+GRID_ELEMENTS_MAX = 1 << 22
 #: elements of the working arrays per chunk of the batch
 CHUNK_ELEMENTS = 1 << 21
 #: largest tilt, in standard deviations of a coordinate
