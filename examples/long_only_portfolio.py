@@ -8,8 +8,9 @@ upper=1.0``: the Gaussian of the weights conditioned on ``sum w = 1`` and trunca
 expected squared error ``E||w - y||^2`` of the untruncated conditional law (``dist.base.expected_l2(y)``: exact,
 no sampling, and it never leaves the plane ``sum w = 1``), and used through the truncated law: its ``mode``
 (the most probable feasible portfolio, an exact QP) and its samples (exactly feasible draws). Training by the
-truncated density instead, ``-dist.log_prob(y)``, also works but estimates ``log P(box | plane)`` by Monte Carlo
-at every step, which needs the untrained model's box probability not to be tiny (docs/bounds.md).
+truncated density instead, ``-dist.log_prob(y)``, also works: in ``train()`` the head builds the truncated law
+with its persistent Gibbs chains, which give the gradient of ``log P(box | plane)`` in a few sweeps per step
+(docs/bounds.md).
 
 On the held-out days it prints the worst per-row residual ``|sum w - 1| / sum |w|`` of the mode and of samples
 (claim: below 1e-5 in float32), the smallest and largest weight (claim: in [0, 1], exactly, no clipping), and

@@ -25,6 +25,7 @@ COLORS: dict[str, str] = {
     # chemical: ours and its variants
     "ours": "#d62728", "ours-L1": "#e377c2", "ours-NLL": "#9467bd", "ours-sg": "#ff9896",
     "ours-NLL-sg": "#c5b0d5", "ours-NLL-sepnet": "#17becf", "ours-bNLL": "#bcbd22", "ours-NLL-homvar": "#000000",
+    "ours-tNLL": "#c49c94",
     # synthetic: gradient estimators
     "pathwise": "#1f77b4", "marginal_expectation": "#d62728", "constrained_marginal": "#ff7f0e",
     "unconstrained_marginal": "#2ca02c", "constrained_layer": "#9467bd", "constrained_layer_independent": "#c5b0d5",

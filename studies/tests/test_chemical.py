@@ -173,13 +173,16 @@ def test_quick_structure(quick_run):
     part = doc["nonnegative_flows"]
     assert (part["config"]["draws"], part["config"]["chains"], part["config"]["burn_in"]) == (8, 2, 5)  # quick's
     for d in DATASETS:
-        rules = part["per_seed"][d]["ours-NLL"]
-        for rule in ("clip-project", "truncated mean", "truncated mode"):
-            assert max(rules[rule]["negative_share"]) == 0.0
-            assert max(rules[rule]["max_balance_residual"]) < 1e-9
-            assert len(rules[rule]["test_mse"]) == 2
-        assert [s["method"] in ("rejection", "gibbs") for s in rules["sampler"]] == [True, True]
+        for m in ("ours-NLL", "ours-tNLL"):  # ours-tNLL: trained through the truncated likelihood
+            rules = part["per_seed"][d][m]
+            for rule in ("clip-project", "truncated mean", "truncated mode"):
+                assert max(rules[rule]["negative_share"]) == 0.0
+                assert max(rules[rule]["max_balance_residual"]) < 1e-9
+                assert len(rules[rule]["test_mse"]) == 2
+            assert [s["method"] in ("rejection", "gibbs") for s in rules["sampler"]] == [True, True]
+        assert sum(t["claim"].startswith("training through the bounds") for t in part["significance"][d]) == 2
     assert "## Non-negative flows: do the bounds help?" in md and "the truncated mean was sampled by" in md
+    assert md.count(": training through the bounds: ours-tNLL's truncated") == 2 * len(DATASETS)
 
 
 @pytest.mark.slow

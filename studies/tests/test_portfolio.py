@@ -300,15 +300,15 @@ def test_quick_preset_end_to_end_through_the_cli(tmp_path):
     methods = {r["method"] for r in doc["records"] if r.get("variant") != "long-only"}
     assert set(METHODS) | {"equal-weight", "Markowitz", "min-variance"} == methods
     # the long-only variant (portfolio/bounds.py): every rule long-only and summing to one, its own claims section
-    from hardeq_studies.portfolio.bounds import RULES
+    from hardeq_studies.portfolio.bounds import RULES, TRAINED_RULES
 
     for u in universes:
         part = doc["long_only"][u]
-        for rule in RULES[1:]:
+        for rule in (*RULES[1:], *TRAINED_RULES):  # with the network trained through the truncated likelihood
             assert max(part["per_run"][rule]["max_violation"]) == 0.0
             assert max(part["per_run"][rule]["max_sum_residual"]) < 1e-12
             assert len(part["per_run"][rule]["test_sharpe"]) == 2
-        assert len(part["significance"]) == 3
+        assert len(part["significance"]) == 5 and len(part["trained"]["best_epoch"]) == 2
         for sampler in part["sampler"]:  # how each run's truncated mean was drawn, with its diagnostics
             assert sampler["method"] in ("rejection", "gibbs")
             assert (sampler["max_rhat"] is None) == (sampler["method"] == "rejection")
@@ -335,7 +335,7 @@ def test_quick_preset_end_to_end_through_the_cli(tmp_path):
     # 2 runs decide nothing
     assert claims.count(": ours beats") == 3 * 2 and claims.count("undecided (Wilcoxon, n = 2") == 3 * 2
     bounds_section = md.split("## Long-only variant: do the bounds help?")[1].split("\n## ")[0]
-    assert bounds_section.count("undecided (Wilcoxon, n = 2") == 3 * 2  # 2 runs decide nothing here either
+    assert bounds_section.count("undecided (Wilcoxon, n = 2") == 5 * 2  # 2 runs decide nothing here either
     (tmp_path / "portfolio.md").unlink()
     assert main(["report", "portfolio", "--out", str(tmp_path), "--quiet"]) == 0
     assert (tmp_path / "portfolio.md").read_text() == md

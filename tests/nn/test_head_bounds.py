@@ -91,14 +91,70 @@ def test_bounded_head_trains_by_log_prob():
                                    upper=2.0)
     x = torch.randn(8, 3)
     y = torch.softmax(torch.randn(8, 4), -1)
-    dist = head(x)
-    assert not dist.normaliser_exact  # three free dimensions: the Monte Carlo normaliser and its gradient identity
+    dist = head(x, training=False)  # the normalised density (the default in train() is the persistent chains)
+    assert dist.training is None and dist.normaliser_exact  # one row, diagonal: the 1-D convolution (sum_normaliser)
     loss = -dist.log_prob(y).mean()
     assert torch.isfinite(loss)
     loss.backward()
     grads = [p.grad for p in head.parameters()]
     assert all(g is not None and bool(torch.isfinite(g).all()) for g in grads)
     assert sum(float(g.abs().sum()) for g in grads) > 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_head_training_mode_default_follows_train_eval_and_grad(dtype):
+    """In train() with grad on the head builds the truncation with its own PersistentChains (the same object at
+    every call, so the chains persist across steps); in eval() or under no_grad, or with training=False, the
+    normalised density; an explicit PersistentChains is passed through. The unnormalised training value differs from
+    the normalised one by exactly log Z."""
+    from hardeq.bounds import PersistentChains
+
+    torch.manual_seed(0)
+    head = ConstrainedGaussianHead(3, 4, index=torch.zeros(4, dtype=torch.long), constraint_value=1.0, lower=0.0,
+                                   upper=1.0).to(dtype)
+    x = torch.randn(5, 3, dtype=dtype)
+    y = torch.softmax(torch.randn(5, 4, dtype=dtype), -1)
+    first = head(x)
+    chains = first.training
+    assert isinstance(chains, PersistentChains) and chains.state is None
+    (-first.log_prob(y).mean()).backward()
+    assert chains.steps == 1 and chains.state is not None and chains.state.shape == (chains.chains, 5, 4)
+    assert all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in head.parameters())
+    assert head(x).training is chains and head(x, training=True).training is chains
+    head(x).log_prob(y).sum().backward()
+    assert chains.steps == 2  # the same chains advanced
+    with torch.no_grad():
+        assert head(x).training is None
+    assert head(x, training=False).training is None
+    own = PersistentChains(chains=2, sweeps=1)
+    assert head(x, training=own).training is own
+    with pytest.raises(TypeError, match="training must be None, a bool or a hardeq.bounds.PersistentChains"):
+        head(x, training="yes")
+    with torch.no_grad():
+        unnormalised = head(x, training=True).log_prob(y)
+    head.eval()
+    normalised_dist = head(x)
+    assert normalised_dist.training is None
+    with torch.no_grad():
+        torch.testing.assert_close(unnormalised - normalised_dist.log_normaliser, normalised_dist.log_prob(y))
+    head.train()
+    assert head(x).training is chains
+
+
+def test_graph_head_training_mode_default():
+    torch.manual_seed(0)
+    head = GraphGaussianHead(4, total=2.0, lower=0.0, dtype=torch.float64)
+    batch = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2])
+    h = torch.randn(9, 4)
+    dist = head(h, batch)
+    chains = dist.training
+    assert chains is not None and head(h, batch).training is chains
+    y = torch.tensor([0.5, 0.7, 0.8, 1.5, 0.5, 0.1, 0.2, 0.9, 0.8], dtype=torch.float64)
+    (-dist.log_prob(y).sum()).backward()
+    assert chains.steps == 1 and all(bool(torch.isfinite(p.grad).all()) for p in head.parameters())
+    head.eval()
+    assert head(h, batch).training is None
+    assert head(h, batch, training=True).training is chains
 
 
 @pytest.mark.parametrize("kwargs, err, match", [

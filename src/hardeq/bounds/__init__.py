@@ -8,6 +8,9 @@ The user-facing object is :class:`hardeq.TruncatedConstrainedNormal`, made by
 * :mod:`~hardeq.bounds.rejection` -- exact iid draws by rejection from the untruncated conditional;
 * :mod:`~hardeq.bounds.normaliser` -- :math:`\log P(\text{box}\mid\text{plane})`, exact for one free dimension,
   Monte Carlo otherwise, and the gradient identity :math:`\nabla\log Z = \mathbb E_{\text{trunc}}[\nabla\log p]`;
+* :mod:`~hardeq.bounds.sum_normaliser` -- the normaliser of one sum row (or a grouped sum) with a diagonal
+  covariance: the density of a sum of independent truncated normals, a tilted 1-D FFT convolution with a stated
+  grid error;
 * :mod:`~hardeq.bounds.hmc` and :mod:`~hardeq.bounds.diagnostics` -- exact Hamiltonian Monte Carlo on the plane and
   its effective sample size and split R-hat (``exact_hmc``, ``HMCResult``);
 * :mod:`~hardeq.bounds.gibbs` -- random-partition blocked Gibbs (``blocked_gibbs``, ``GibbsResult``), for any

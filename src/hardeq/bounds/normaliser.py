@@ -87,6 +87,15 @@ def null_direction(constraint: EqualityConstraint) -> Tensor:
     return basis[..., 0]
 
 
+def _standardized(bound: Tensor, mean: Tensor, w: Tensor) -> Tensor:
+    """``(bound - mean) / w``, ``+-inf`` where the bound is infinite, computed so that its gradient stays finite there
+    (a direct ``(inf - mean) / w`` has an infinite derivative in ``w``, which the min / max that follow turn into
+    ``0 * inf = NaN`` in the scales' gradient)."""
+    finite = torch.isfinite(bound)
+    t = (torch.where(finite, bound, torch.zeros_like(bound)) - mean) / w
+    return torch.where(finite, t, torch.sign(bound) * torch.sign(w) * float("inf"))
+
+
 def line_bounds(dist: object, lower: Tensor, upper: Tensor, direction: Tensor | None = None
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     r"""For ``n - a == 1``: each coordinate's standardized interval on the line, ``(lows, highs, moves, pinned_out,
@@ -104,8 +113,7 @@ def line_bounds(dist: object, lower: Tensor, upper: Tensor, direction: Tensor | 
     w = w.expand(batch + (n,))
     zero = d.abs() <= 64 * torch.finfo(torch.float64).eps
     w_safe = torch.where(zero, torch.ones_like(w), w)
-    t_lo = (lower - mean) / w_safe
-    t_hi = (upper - mean) / w_safe
+    t_lo, t_hi = _standardized(lower, mean, w_safe), _standardized(upper, mean, w_safe)
     inf = torch.full_like(t_lo, float("inf"))
     lows = torch.where(zero, -inf, torch.minimum(t_lo, t_hi))
     highs = torch.where(zero, inf, torch.maximum(t_lo, t_hi))

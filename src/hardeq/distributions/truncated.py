@@ -17,6 +17,7 @@ from ..bounds.target import PlaneTarget
 from ..bounds.normaliser import exact_log_normaliser, line_bounds, null_direction, subset_log_normaliser, surrogate
 from ..bounds.polytope import as_bound, check_bounds, check_polytope
 from ..bounds.rejection import AUTO_THRESHOLD, ROUND_ELEMENTS, rejection_sample
+from ..bounds.sum_normaliser import SumRowLayout, sum_row_layout, sum_row_log_normaliser
 from ..bounds.result import TruncatedSamples
 from ..bounds.training import PersistentChains
 from ..bounds.volume import check_line_section, check_volume
@@ -155,7 +156,10 @@ class TruncatedConstrainedNormal(Distribution):
       (:mod:`hardeq.bounds.mode`).
     * :meth:`log_prob`: ``log p(z | Az = k) - log Z`` in the box, ``-inf`` outside it. :attr:`normaliser_exact`
       says which normaliser it uses: **exact** for one free dimension (``n - a == 1``: a normal CDF difference,
-      differentiable, exact gradient), otherwise a **Monte Carlo estimate** from ``normaliser_samples`` untruncated
+      differentiable, exact gradient); **exact up to a stated grid error** for a diagonal covariance and one row or a
+      grouped sum (the density of a sum of independent truncated normals, a 1-D convolution:
+      :mod:`hardeq.bounds.sum_normaliser`; the error estimate in :attr:`log_normaliser_stderr`, differentiable);
+      otherwise a **Monte Carlo estimate** from ``normaliser_samples`` untruncated
       draws with its standard error in :attr:`log_normaliser_stderr`; where fewer than 64 of them fall in the box
       (a box the model makes unlikely, e.g. at the start of training), a **subset-simulation estimate** through
       nested boxes (:func:`~hardeq.bounds.normaliser.subset_log_normaliser`), with its standard error.
@@ -173,13 +177,14 @@ class TruncatedConstrainedNormal(Distribution):
         normaliser_samples (int): untruncated draws of the Monte Carlo normaliser (``n - a > 1``).
         grad_samples (int): truncated draws of the normaliser's gradient estimate.
         pilot_samples (int): untruncated draws of ``method="auto"``'s acceptance pilot.
-        normaliser (str): ``"auto"`` (exact for ``n - a == 1``, else Monte Carlo), ``"exact"`` (``ValueError``
-            unless ``n - a == 1``) or ``"monte-carlo"`` (forced, e.g. to check the estimator against the exact one).
+        normaliser (str): ``"auto"`` (exact for ``n - a == 1`` or one sum row with a diagonal covariance, else Monte
+            Carlo), ``"exact"`` (``ValueError`` unless one of those) or ``"monte-carlo"`` (forced, e.g. to check the estimator against the exact one).
         training (bool | PersistentChains): training mode (:mod:`hardeq.bounds.training`): :meth:`log_prob` returns
             the *unnormalised* :math:`\log p(z \mid Az = k)` in the box, and its gradient carries the estimate of
             :math:`-\nabla\log Z` from a few sweeps of persistent chains (``hardeq.bounds.PersistentChains``, kept
             across optimiser steps; ``True``: chains of this object only) instead of estimating :math:`\log Z`;
-            biased, cheap. Ignored where the normaliser is exact (``n - a == 1``).
+            biased, cheap. Ignored where ``n - a == 1`` (the exact normaliser is as cheap); used on one sum row too
+            (whose exact normaliser costs an FFT per coordinate; it stays available in :attr:`log_normaliser`).
         validate_args (bool, optional): as ``torch.distributions``; passed to the plane check of :meth:`log_prob`
             through ``base``.
 
@@ -214,9 +219,11 @@ class TruncatedConstrainedNormal(Distribution):
         if normaliser not in ("auto", "exact", "monte-carlo"):
             raise ValueError(f"normaliser must be 'auto', 'exact' or 'monte-carlo', got {normaliser!r}.")
         free = base.event_shape[0] - base.constraint.num_constraints
-        if normaliser == "exact" and free != 1:
-            raise ValueError(f"normaliser='exact' needs one free dimension (n - a == 1), got n - a = {free}; use "
-                             "'auto' (a Monte Carlo estimate with its standard error).")
+        if normaliser == "exact" and free != 1 and sum_row_layout(base) is None:
+            raise ValueError(f"normaliser='exact' needs one free dimension (n - a == 1) or one sum row (a grouped sum, "
+                             f"or one row) with a diagonal covariance, got n - a = {free}, "
+                             f"{base.constraint.num_constraints} rows; use 'auto' (a Monte Carlo estimate with its "
+                             "standard error).")
         self._normaliser = normaliser
         if isinstance(training, bool):
             self.training: PersistentChains | None = PersistentChains() if training else None
@@ -288,8 +295,41 @@ class TruncatedConstrainedNormal(Distribution):
 
     @property
     def normaliser_exact(self) -> bool:
-        """Whether :attr:`log_normaliser` (and :meth:`log_prob`) is exact: one free dimension (``n - a == 1``)."""
+        """Whether :attr:`log_normaliser` (and :meth:`log_prob`) is exact: one free dimension (``n - a == 1``), or
+        up to its stated grid error one sum row with a diagonal covariance (:mod:`hardeq.bounds.sum_normaliser`)."""
+        return self._normaliser != "monte-carlo" and (self.free_dim == 1 or self._sum_layout() is not None)
+
+    @property
+    def _line_exact(self) -> bool:
+        """The exact normaliser of one free dimension (a CDF difference, as cheap as the density)."""
         return self.free_dim == 1 and self._normaliser != "monte-carlo"
+
+    def _sum_layout(self) -> SumRowLayout | None:
+        """:func:`~hardeq.bounds.sum_normaliser.sum_row_layout` of the base law (computed once)."""
+        if "sum_layout" not in self._cache:
+            self._cache["sum_layout"] = sum_row_layout(self.base) if self.free_dim >= 2 else None
+        layout: SumRowLayout | None = self._cache["sum_layout"]
+        return layout
+
+    def _sum_row(self) -> tuple[Tensor, Tensor]:
+        """``(log Z, error)`` of one sum row (:mod:`hardeq.bounds.sum_normaliser`), compute dtype, differentiable
+        (cached when no gradient is needed); the Monte Carlo normaliser where the grid failed (an extreme tilt)."""
+        needs = self._needs_grad()
+        if not needs and "sum_row" in self._cache:
+            cached: tuple[Tensor, Tensor] = self._cache["sum_row"]
+            return cached
+        layout = self._sum_layout()
+        assert layout is not None
+        self._check_volume()
+        log_z, error = sum_row_log_normaliser(self.base, self._lo, self._hi, layout)
+        bad = ~(torch.isfinite(error) & torch.isfinite(log_z))
+        if bool(bad.any()):
+            mc, stderr, _ = self._mc()
+            log_z, error = torch.where(bad, mc, log_z), torch.where(bad, stderr, error)
+        out = (log_z.to(self._lo.dtype), error.to(self._lo.dtype))
+        if not needs:
+            self._cache["sum_row"] = (out[0].detach(), out[1].detach())
+        return out
 
     @constraints.dependent_property(is_discrete=False, event_dim=1)
     def support(self) -> constraints.Constraint:
@@ -374,24 +414,30 @@ class TruncatedConstrainedNormal(Distribution):
         than :data:`SUBSET_BELOW_IN_BOX` draws fell in the box the value is the subset-simulation estimate
         (:func:`~hardeq.bounds.normaliser.subset_log_normaliser`: ``normaliser_samples // 4`` chains of blocked
         Gibbs or exact HMC through nested boxes), finite however small :math:`Z` is (down to log Z of about -1,386)."""
-        if self.normaliser_exact:
+        if self._line_exact:
             return self.base._out(exact_log_normaliser(self.base, self._lo, self._hi, self._direction()))
+        if self.normaliser_exact:
+            return self.base._out(self._sum_row()[0])
         return self.base._out(self._mc()[0].to(self._lo.dtype))
 
     @property
     def log_normaliser_stderr(self) -> Tensor:
-        r"""Standard error of :attr:`log_normaliser`, ``batch_shape``: 0 when exact, else the delta-method
+        r"""Standard error of :attr:`log_normaliser`, ``batch_shape``: 0 when exact on a line, the grid's error
+        estimate :math:`|\log\hat Z_h - \log\hat Z_{2h}|` (a bound, :mod:`hardeq.bounds.sum_normaliser`) on one
+        sum row, else the delta-method
         :math:`\sqrt{(1 - \hat Z)/(N\hat Z)}` of the plain fraction, or subset simulation's calibrated error where
         that is used (:func:`~hardeq.bounds.normaliser.subset_log_normaliser`)."""
-        if self.normaliser_exact:
+        if self._line_exact:
             return torch.zeros(self.batch_shape, dtype=self.base.result_dtype, device=self._lo.device)
+        if self.normaliser_exact:
+            return self.base._out(self._sum_row()[1].detach())
         return self.base._out(self._mc()[1].to(self._lo.dtype))
 
     @property
     def acceptance(self) -> Tensor:
-        """Acceptance of rejection sampling, ``batch_shape``: :math:`Z` itself when exact, else the pilot's measured
+        """Acceptance of rejection sampling, ``batch_shape``: :math:`Z` itself when exact on a line (``n - a == 1``), else the pilot's measured
         fraction over ``pilot_samples`` draws (what ``method="auto"`` compares with its threshold)."""
-        if self.normaliser_exact:
+        if self._line_exact:
             with torch.no_grad():
                 return self.log_normaliser.detach().to(torch.float64).exp()
         if "pilot" not in self._cache:
@@ -459,8 +505,10 @@ class TruncatedConstrainedNormal(Distribution):
     def _log_z(self) -> Tensor:
         """:math:`\\log Z` for :meth:`log_prob`, compute dtype: exact with autograd, or the MC value plus the
         zero-valued surrogate that carries the gradient estimate."""
-        if self.normaliser_exact:
+        if self._line_exact:
             return exact_log_normaliser(self.base, self._lo, self._hi, self._direction())
+        if self.normaliser_exact:
+            return self._sum_row()[0]
         log_z = self._mc()[0].to(self._lo.dtype)
         if self._needs_grad():
             self._warn_k()
@@ -485,7 +533,7 @@ class TruncatedConstrainedNormal(Distribution):
         v = self.base._as_event("value", value)
         # a NaN value is neither inside nor outside: its NaN log-density is passed on, never -inf
         inside = ((v >= self._lo) & (v <= self._hi)).all(-1) | torch.isnan(v).any(-1)
-        training = self.training is not None and not self.normaliser_exact
+        training = self.training is not None and not self._line_exact
         out = lp - self.base._out(self._training_log_z(value) if training else self._log_z())
         return torch.where(inside, out, torch.full_like(out, -float("inf")))
 
@@ -560,7 +608,7 @@ class TruncatedConstrainedNormal(Distribution):
 
         if method == "auto":
             # with a generator the pilot draws from it too (not cached), so that the method chosen is reproducible
-            acc = self.acceptance if generator is None or self.normaliser_exact else \
+            acc = self.acceptance if generator is None or self._line_exact else \
                 self._count_in_box(self.pilot_samples, generator)[2]
             if float(acc.min()) >= threshold:
                 method = "rejection"

@@ -40,9 +40,10 @@ from .._utils import LOG_2PI, is_tracing
 from ..constraints import SumConstraint
 from ..distributions.normal import HALF_DTYPES, ConstrainedNormal
 from ._device import DeviceCheckedModule
-from .heads import check_bound, check_bounds, truncate
+from .heads import check_bound, check_bounds, training_mode, truncate
 
 if TYPE_CHECKING:
+    from ..bounds.training import PersistentChains
     from ..distributions.truncated import TruncatedConstrainedNormal
 
 __all__ = ["GraphGaussianHead", "GraphNormal", "graph_normal", "per_graph_log_prob", "variance_weighted_correction"]
@@ -293,7 +294,9 @@ class GraphGaussianHead(DeviceCheckedModule):
     :class:`~hardeq.TruncatedConstrainedNormal` over all nodes: exactly feasible samples (every node within its
     bounds, every graph's sum to round-off), the constrained ``mode``, and the joint restricted ``log_prob``
     (one value per sample, not per graph: the truncation couples nothing across graphs, but the normaliser is
-    the sampler's, docs/bounds.md). At construction a bound is a number (the same for every node; the number of
+    the sampler's, docs/bounds.md; in ``train()`` with grad on, ``log_prob`` is the unnormalised density whose
+    gradient comes from the head's persistent chains, :class:`~hardeq.nn.ConstrainedGaussianHead` says more). At
+    construction a bound is a number (the same for every node; the number of
     nodes changes from batch to batch); a call may pass ``(N,)`` tensors, which replace the head's.
 
     Args:
@@ -376,17 +379,21 @@ class GraphGaussianHead(DeviceCheckedModule):
 
     def forward(self, h: Tensor, batch: Tensor, total: Tensor | float | None = None, *,
                 num_graphs: int | None = None, lower: Tensor | float | EllipsisType | None = ...,
-                upper: Tensor | float | EllipsisType | None = ...) -> GraphNormal | TruncatedConstrainedNormal:
+                upper: Tensor | float | EllipsisType | None = ..., training: bool | PersistentChains | None = None
+                ) -> GraphNormal | TruncatedConstrainedNormal:
         """The :class:`GraphNormal` of the nodes ``h`` ``(N, in_features)`` of the graphs ``batch`` ``(N,)`` with
         totals ``total`` (default: the head's, else 0); truncated to ``[lower, upper]`` when a bound is in force
         (``lower`` / ``upper``: a number or ``(N,)``, replacing the head's for this call; ``None``: no such
-        bound; omitted: the head's)."""
+        bound; omitted: the head's). ``training``: the truncated law's training mode, as
+        :class:`~hardeq.nn.ConstrainedGaussianHead` (default: the head's persistent chains in ``train()`` with grad
+        on, the normalised density in ``eval()`` or under ``torch.no_grad()``)."""
         lower = self.lower if lower is ... else check_bound(lower, "lower", h.shape[0], "forward")
         upper = self.upper if upper is ... else check_bound(upper, "upper", h.shape[0], "forward")
         check_bounds(lower, upper, "forward")
         loc, variance = self.moments(h)
         total = self.total if total is None else total
-        return truncate(GraphNormal(loc, variance, batch, total, num_graphs=num_graphs), lower, upper)
+        return truncate(GraphNormal(loc, variance, batch, total, num_graphs=num_graphs), lower, upper,
+                        training_mode(self, training))
 
     def extra_repr(self) -> str:
         fixed = "" if self.total is None else f", total={tuple(self.total.shape)}"

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..bounds.training import PersistentChains
 from ..constraints import EqualityConstraint, LinearConstraint, SumConstraint
 from ..distributions.normal import ConstrainedNormal
 from ._device import DeviceCheckedModule
@@ -64,9 +65,32 @@ def check_bounds(lower: Tensor | None, upper: Tensor | None, owner: str) -> None
                          f"{list(i)}.")
 
 
-def truncate(dist: _N, lower: Tensor | None, upper: Tensor | None) -> _N | TruncatedConstrainedNormal:
-    """``dist`` itself when neither bound is given, else ``dist.truncate(lower, upper)`` with the bounds in the
-    distribution's dtype and device."""
+def training_mode(module: nn.Module, training: object) -> bool | PersistentChains:
+    """The ``training=`` a head passes to :meth:`~hardeq.ConstrainedNormal.truncate`: ``None`` (a head's default)
+    is the module's own :class:`~hardeq.bounds.PersistentChains` while the module is in training mode
+    (``module.train()``, the default of a new module) *and* grad mode is on, else ``False`` (the normalised
+    ``log_prob``: in ``module.eval()`` or under ``torch.no_grad()``); ``True`` is the module's own chains (kept on
+    the module across calls, so they persist from step to step); ``False`` or a :class:`PersistentChains` is passed
+    on as given. ``TypeError`` otherwise."""
+    if training is None:
+        training = module.training and torch.is_grad_enabled()
+        if not training:
+            return False
+    if training is True:
+        chains = module.__dict__.get("_persistent_chains")
+        if chains is None:
+            chains = module.__dict__["_persistent_chains"] = PersistentChains()
+        return cast(PersistentChains, chains)
+    if training is False or isinstance(training, PersistentChains):
+        return training
+    raise TypeError(f"training must be None, a bool or a hardeq.bounds.PersistentChains, got "
+                    f"{type(training).__name__}.")
+
+
+def truncate(dist: _N, lower: Tensor | None, upper: Tensor | None,
+             training: bool | PersistentChains = False) -> _N | TruncatedConstrainedNormal:
+    """``dist`` itself when neither bound is given, else ``dist.truncate(lower, upper, training=training)`` with the
+    bounds in the distribution's dtype and device."""
     if lower is None and upper is None:
         return dist
     loc = dist.loc
@@ -74,7 +98,7 @@ def truncate(dist: _N, lower: Tensor | None, upper: Tensor | None) -> _N | Trunc
     def conv(b: Tensor | None) -> Tensor | None:
         return None if b is None else b.to(dtype=loc.dtype, device=loc.device)
 
-    return dist.truncate(conv(lower), conv(upper))
+    return dist.truncate(conv(lower), conv(upper), training=training)
 
 
 class ConstrainedGaussianHead(DeviceCheckedModule):
@@ -108,8 +132,14 @@ class ConstrainedGaussianHead(DeviceCheckedModule):
     (docs/bounds.md). A long-only portfolio is ``constraint_value=1.0, lower=0.0, upper=1.0``; non-negative flows
     are ``lower=0.0``. A bound is a number (the same for every output; ``-inf`` / ``inf`` for none) or a tensor
     ``(out_features,)`` / ``(*batch, out_features)`` (per output, per sample); a call's ``lower=`` / ``upper=``
-    replace the head's. Training: ``-dist.log_prob(y)`` (its gradient includes the normaliser's, estimated with
-    the sampler's draws); the closed-form ``expected_l2`` / ``expected_l1`` belong to the untruncated law
+    replace the head's. Training: ``-dist.log_prob(y)``. While the head is in training mode (``head.train()``, the
+    default) and grad mode is on, the truncated law is built with ``training=`` the head's own
+    :class:`~hardeq.bounds.PersistentChains` (:mod:`hardeq.bounds.training`): ``log_prob`` is then the
+    *unnormalised* density whose gradient carries the normaliser's from a few sweeps of chains kept across steps
+    (cheap, biased; exact normaliser where ``n - a == 1``); in ``head.eval()`` or under ``torch.no_grad()`` it is the
+    normalised density (report an NLL there). ``head(..., training=False)`` forces the normalised density (its
+    gradient estimated with the sampler's draws, unbiased, slow), ``training=True`` the head's chains, a
+    :class:`~hardeq.bounds.PersistentChains` those chains. The closed-form ``expected_l2`` / ``expected_l1`` belong to the untruncated law
     (``head(features, k, lower=None, upper=None)`` with no bounds at construction, or ``dist.base``, see
     :class:`~hardeq.TruncatedConstrainedNormal`).
 
@@ -230,11 +260,12 @@ class ConstrainedGaussianHead(DeviceCheckedModule):
         return _right_hand_side(constraint_value, self.num_constraints, batch, dtype, device, "")
 
     def forward(self, features: Tensor, constraint_value: Tensor | float | None = None, *,
-                lower: Tensor | float | EllipsisType | None = ..., upper: Tensor | float | EllipsisType | None = ...
-                ) -> ConstrainedNormal | TruncatedConstrainedNormal:
+                lower: Tensor | float | EllipsisType | None = ..., upper: Tensor | float | EllipsisType | None = ...,
+                training: bool | PersistentChains | None = None) -> ConstrainedNormal | TruncatedConstrainedNormal:
         """The distribution of the outputs given ``features`` ``(*batch, in_features)`` and the right-hand side
         (default: the fixed one). ``lower`` / ``upper`` replace the head's bounds for this call (``None``: no such
-        bound; omitted: the head's). Returns a :class:`~hardeq.ConstrainedNormal`, or a
+        bound; omitted: the head's). ``training``: the truncated law's training mode (:func:`training_mode`;
+        default: persistent chains in ``train()`` with grad on, the normalised density otherwise). Returns a :class:`~hardeq.ConstrainedNormal`, or a
         :class:`~hardeq.TruncatedConstrainedNormal` when a bound is in force."""
         lower = self.lower if lower is ... else check_bound(lower, "lower", self.out_features, "forward")
         upper = self.upper if upper is ... else check_bound(upper, "upper", self.out_features, "forward")
@@ -252,7 +283,7 @@ class ConstrainedGaussianHead(DeviceCheckedModule):
             dtype = torch.promote_types(dtype, given.dtype)
         k = self._resolve(constraint_value, features.shape[:-1], dtype, loc.device)
         dist = ConstrainedNormal(loc.to(dtype), scale.to(dtype), constraint=self.constraint(k))
-        return truncate(dist, lower, upper)
+        return truncate(dist, lower, upper, training_mode(self, training))
 
     def extra_repr(self) -> str:
         kind = "dense" if self.constraint_matrix is not None else "sum"

@@ -39,10 +39,17 @@ def make_task(name: str, config: Mapping[str, Any], methods: Sequence[str], num_
     """The data set ``name`` and its :class:`ChemicalTask` as the config describes them."""
     data = load_dataset(name, config)
     ours = config["ours"]
+    spec = config.get("nonnegative_flows") or {}
+    lower = None
+    if "lower" in spec and name in spec["lower"]:
+        from .bounds import lower_bounds
+
+        lower = lower_bounds(spec["lower"][name], len(spec["lower"][name]))
     task = ChemicalTask(data, methods, num_seeds, pinn_weight=config["pinn_weight"],
                         variance_floor=ours["variance_floor"], beta=ours.get("beta_nll", 0.5),
                         same_init=ours.get("same_init", False),
-                        ecnn_dependent=config["datasets"][name]["ecnn_dependent"], dtype=dtype, device=device)
+                        ecnn_dependent=config["datasets"][name]["ecnn_dependent"], dtype=dtype, device=device,
+                        lower=lower, chains=int(ours.get("tnll_chains", 4)), sweeps=int(ours.get("tnll_sweeps", 4)))
     return data, task
 
 
@@ -74,6 +81,8 @@ def run_dataset(name: str, config: Mapping[str, Any], seeds: Sequence[int], *, e
     run_id = {"study": "chemical", "dataset": name, "layout": task.layout, "seeds": seeds, "dtype": str(torch_dtype),
               "model": config["model"], "pinn_weight": config["pinn_weight"], "ours": config["ours"],
               "data": config["datasets"][name]}
+    if task.lower is not None and "ours-tNLL" in methods:  # the truncation it is trained through
+        run_id["tnll_lower"] = [float(v) for v in task.lower]
     result = train(model, task, splits["train"], splits["val"], train_cfg, member_seeds, checkpoint_path=ckpt,
                    resume=resume, progress=progress, desc=label, callback=cb, ctx=ctx, position=position,
                    log_every=int(tc.get("log_every", 0)), run_id=run_id)

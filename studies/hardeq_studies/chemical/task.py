@@ -22,6 +22,11 @@ ours-bNLL     beta-NLL (Seitzer et al., ICLR 2022) on the constraint plane: the 
               (:math:`\det(\Sigma_{\text{plane}})^{1/(n-a)}`), beta from the config (0.5)
 ours-NLL-homvar   ours-NLL with one learned log-variance per output (the last layer's bias; the same for
               every input), so the variance cannot shape the features
+ours-tNLL     trained through the bounds: the negative log-density of the target under the law truncated to
+              the data set's non-negative flows (``truncate(lower, training=chains)``; the gradient of
+              :math:`\log Z` from persistent Gibbs chains, ``tnll_chains`` x ``tnll_sweeps`` per step; the loss
+              value is the *unnormalised* NLL, docs/bounds.md); prediction = conditional mean, and with the
+              bounds the rules of chemical/bounds.py
 ============  ==========================================================================================
 
 ``ours*`` members form one block that shares one :class:`~hardeq.ConstrainedNormal` (one factorisation per
@@ -44,7 +49,8 @@ from .data import ChemicalData
 __all__ = ["BASELINES", "OURS", "METHOD_NAMES", "STOP_GRADIENT", "ChemicalTask", "linear_map"]
 
 BASELINES = ("NN", "PINN", "KKT-hPINN", "ECNN", "CL", "CL-coord")
-OURS = ("ours", "ours-L1", "ours-NLL", "ours-sg", "ours-NLL-sg", "ours-NLL-sepnet", "ours-bNLL", "ours-NLL-homvar")
+OURS = ("ours", "ours-L1", "ours-NLL", "ours-sg", "ours-NLL-sg", "ours-NLL-sepnet", "ours-bNLL", "ours-NLL-homvar",
+        "ours-tNLL")
 #: every method the task knows (the config lists the ones a run trains)
 METHOD_NAMES = BASELINES + OURS
 #: ours variants whose log-variance head sees stop-gradient features
@@ -54,6 +60,8 @@ BIAS_ONLY = ("ours-NLL-homvar",)
 #: ours variants whose log-variance comes from a separate network (extra members "<method>/var")
 SEPARATE = ("ours-NLL-sepnet",)
 _NLL = ("ours-NLL", "ours-NLL-sg", "ours-NLL-sepnet", "ours-NLL-homvar")
+#: the ours variant trained through the truncated likelihood (needs the task's ``lower`` bounds)
+TRUNCATED = "ours-tNLL"
 
 
 class ChemicalTask(Task):
@@ -78,17 +86,26 @@ class ChemicalTask(Task):
             draws, whose mean-head biases differ -- the initialisation before this was fixed).
         fused_baselines: apply the baselines through their exact linear maps ``pred = out P + k Q`` (read once
             off the library layers in float64) as one batched matmul; ``False`` calls the layers.
+        lower: ``(n,)`` lower bounds of :data:`TRUNCATED`'s truncation (``-inf``: a signed output); required when
+            it is among ``methods``.
+        chains, sweeps: its persistent chains per sample and sweeps per step (the
+            :class:`hardeq.bounds.PersistentChains` of its first truncation, kept in :attr:`chains` across steps).
     """
 
     def __init__(self, data: ChemicalData, methods: Sequence[str], num_seeds: int, *, pinn_weight: float,
                  ecnn_dependent: Sequence[int], dtype: torch.dtype, device: torch.device | str = "cpu",
                  variance_floor: float = 0.0, beta: float = 0.5, same_init: bool = True,
-                 fused_baselines: bool = True) -> None:
+                 fused_baselines: bool = True, lower: Tensor | None = None, chains: int = 4, sweeps: int = 4) -> None:
         unknown = [m for m in methods if m not in METHOD_NAMES]
         if unknown or not methods:
             raise ValueError(f"unknown methods {unknown or list(methods)}; available: {list(METHOD_NAMES)}.")
         if len(set(methods)) != len(methods):
             raise ValueError(f"methods must not repeat, got {list(methods)}.")
+        if TRUNCATED in methods and lower is None:
+            raise ValueError(f"method {TRUNCATED!r} needs the lower bounds of its truncation (lower=, one per output).")
+        self.lower = None if lower is None else torch.as_tensor(lower, dtype=dtype, device=device)
+        self.chains: Any = None  # the PersistentChains of the first training-mode truncation, kept across steps
+        self.num_chains, self.sweeps = int(chains), int(sweeps)
         self.S = S = int(num_seeds)
         self.plain = [m for m in methods if m not in OURS]
         self.ours = [m for m in methods if m in OURS]
@@ -251,11 +268,26 @@ class ChemicalTask(Task):
                     losses.append(dist.expected_l1(y_o)[rel].mean(-1))
                 elif m == "ours-bNLL":
                     losses.append(self._beta_weight(dist)[rel] * lp[rel])
+                elif m == TRUNCATED:
+                    losses.append(self._truncated_nll(output, k, y_o[rel], rel))
                 else:  # the NLL variants: per output coordinate, like the MSE
                     losses.append(lp[rel])
         if self.aux:
             losses.append(sq.new_zeros(len(self.aux) * self.S, sq.shape[1]))
         return torch.cat(losses, 0), {"mse": self._with_aux(sq.detach())}
+
+    def _truncated_nll(self, output: Tensor, k: Tensor, y: Tensor, rel: slice) -> Tensor:
+        """``(S, b)``: :data:`TRUNCATED`'s loss, the negative truncated log-density per output coordinate of ``y`` in
+        training mode (the unnormalised value; the gradient of log Z from :attr:`chains`)."""
+        assert self.lower is not None
+        out = self.ours_outputs(output)[rel]
+        k_o = self._rows(k, self.ours_block)
+        dist = self.distribution(out, k_o[rel] if k_o.dim() == 3 else k_o)
+        truncated = dist.truncate(self.lower.to(out.dtype), None, training=True if self.chains is None else self.chains)
+        if self.chains is None:
+            self.chains = truncated.training
+            self.chains.chains, self.chains.sweeps = self.num_chains, self.sweeps
+        return -truncated.log_prob(y) / self.n
 
     def _beta_weight(self, dist) -> Tensor:
         r"""``stopgrad(v)^beta`` per sample, ``v = det(Σ_plane)^{1/(n-a)}`` the geometric mean of the conditional

@@ -132,29 +132,62 @@ def train_unit(s: dict[str, Any], data: PortfolioData, tensors: dict[str, dict[s
 
     Returns a checkpointable dict: ``test`` (per-window metrics, float64 tensors), ``weights`` (test weights
     ``(K, N)``, float32), ``curve`` (per epoch: train loss, train MSE, train Sharpe, val Sharpe), ``best_epoch``
-    (1-based, the selected epoch), ``val_sharpe`` (its smoothed validation Sharpe), ``seconds``."""
+    (1-based, the selected epoch), ``val_sharpe`` (its smoothed validation Sharpe), ``seconds``.
+
+    ``method`` :data:`~.bounds.TRAINED` (the long-only variant's network trained through the truncated likelihood,
+    portfolio/bounds.py) starts from ``ours``'s initialisation, selects on the validation Sharpe of its truncated
+    mode and returns only ``long_only`` (its rules), ``long_only_sampler``, ``curve``, ``best_epoch``,
+    ``val_sharpe`` and ``seconds``."""
+    from .bounds import TRAINED
+
     t0 = time.perf_counter()
     tr = s["train"]
     seed = int(s["seed_base"]) + run
-    model = build_model(s, data, method, seed).to(device)
-    head = WeightHead(method, data.num_assets, variance_floor=tr["variance_floor"], mc_samples=tr["mc_samples"])
+    trained = method == TRAINED
+    base = "ours" if trained else method
+    model = build_model(s, data, base, seed).to(device)
+    head = WeightHead(base, data.num_assets, variance_floor=tr["variance_floor"], mc_samples=tr["mc_samples"])
     rf, days = float(s["rf"]), int(s["days"])
+    if trained:
+        from .bounds import long_only_targets, truncated_mode_weights, truncated_nll
+
+        cfg = s["long_only"]["trained"]
+        chains: dict[str, Any] = {"num_chains": int(cfg["chains"]), "sweeps": int(cfg["sweeps"])}
 
     def objective(model: StemGNN, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         forecast, raw = model(batch["inputs"] - 1)
-        value, info = loss(head, forecast, raw, batch["future"], batch["returns"], w_pred=tr["w_pred"],
-                           w_sharpe=tr["w_sharpe"], rf=rf, days=days)
+        if trained:
+            mse = (forecast - (batch["future"] - 1)).square().mean()
+            nll = truncated_nll(head, raw, batch["target"], chains)
+            value = float(tr["w_pred"]) * mse + nll.to(mse.dtype)
+            with torch.no_grad():
+                sr = portfolio_stats(head.weights(raw.detach().to(torch.float64)),
+                                     batch["returns"].to(torch.float64), rf=rf, days=days)["sharpe"].mean()
+            info = {"mse": float(mse.detach()), "sharpe": float(sr)}
+        else:
+            value, info = loss(head, forecast, raw, batch["future"], batch["returns"], w_pred=tr["w_pred"],
+                               w_sharpe=tr["w_sharpe"], rf=rf, days=days)
         return value, {k: torch.tensor(v, dtype=torch.float64) for k, v in info.items()}
 
     min_epochs, smooth = selection_options(tr, epochs)
     history: list[float] = []
 
     def val_metrics(model: StemGNN, split: dict[str, Tensor], generator: Any) -> dict[str, Tensor]:
-        history.append(float(evaluate(model, head, split, rf=rf, days=days)[1]["sharpe"].mean()))
+        if trained:
+            from .bounds import test_outputs
+
+            w = truncated_mode_weights(head, test_outputs(model, split["inputs"]))
+            history.append(float(portfolio_stats(w, split["returns"].to(torch.float64), rf=rf,
+                                                 days=days)["sharpe"].mean()))
+        else:
+            history.append(float(evaluate(model, head, split, rf=rf, days=days)[1]["sharpe"].mean()))
         return {"neg_sharpe": torch.tensor(-history[-1], dtype=torch.float64),
                 "select": torch.tensor(selection_score(history, min_epochs, smooth), dtype=torch.float64)}
 
     train_split = {k: tensors["train"][k] for k in ("inputs", "future", "returns")}
+    if trained:
+        train_split["target"] = long_only_targets(train_split["returns"], rf=rf, days=days).to(
+            device=train_split["returns"].device, dtype=train_split["returns"].dtype)
     source = ShuffledBatches(train_split, int(tr["batch_size"]), torch.Generator().manual_seed(seed))
     curve = _Curve(source.batches_per_epoch())
     config = TrainConfig(epochs, int(tr["batch_size"]), select_metric="select", patience=int(tr["patience"]),
@@ -163,6 +196,16 @@ def train_unit(s: dict[str, Any], data: PortfolioData, tensors: dict[str, dict[s
                 optimizer=lambda params: torch.optim.Adam(params, lr=tr["lr"], weight_decay=tr["weight_decay"]),
                 hooks=curve, progress=False, desc=f"portfolio {method} run {run}")
     model.load_state_dict(res.best_state)
+    if trained:  # the long-only rules of this network only (portfolio/bounds.py)
+        from .bounds import long_only_stats, long_only_weights, test_outputs
+
+        lo = s["long_only"]
+        rules, sampler = long_only_weights(head, test_outputs(model, tensors["test"]["inputs"]), draws=int(lo["draws"]),
+                                           chains=int(lo["chains"]), burn_in=int(lo["burn_in"]), seed=seed)
+        return {"long_only": long_only_stats(rules, tensors["test"]["returns"], rf=rf, days=days),
+                "long_only_sampler": sampler, "curve": torch.tensor(curve.rows, dtype=torch.float64),
+                "best_epoch": int(res.best_epoch[0]), "val_sharpe": -float(res.best_value[0]),
+                "seconds": time.perf_counter() - t0}
     w, stats = evaluate(model, head, tensors["test"], rf=rf, days=days)
     keep = (*METRICS, *DIAGNOSTICS, "cum_return") if method in OURS else (*METRICS, "cum_return")
     out = {"test": {k: stats[k] for k in keep}, "weights": w.to(torch.float32),
@@ -249,7 +292,7 @@ def run(s: dict[str, Any], runs: Sequence[int], *, epochs: int, methods: Sequenc
         done[0] += 1
         if progress:
             extra = ""
-            if not key.endswith("/classical"):
+            if "test" in res:
                 extra = (f" test Sharpe {float(res['test']['sharpe'].mean()):.3f}, val {res['val_sharpe']:.3f} "
                          f"(epoch {res['best_epoch']}/{len(res['curve'])})")
             log(f"[portfolio] {done[0]}/{len(blocks)} {key}: {res['seconds']:.1f} s{extra}; "
@@ -257,10 +300,15 @@ def run(s: dict[str, Any], runs: Sequence[int], *, epochs: int, methods: Sequenc
 
     run_id = {"settings": s, "runs": list(runs), "epochs": epochs, "methods": methods}
     res = run_blocks(blocks, checkpoint_path=checkpoint_path, resume=resume, run_id=run_id, on_block=on_block)
+    from .bounds import TRAINED
+
     out = {}
     for u, data in datas.items():
         units = {(m, r): res[f"{u}/run{r}/{m}"] for r in runs for m in methods}
         seconds = {m: sum(units[(m, r)]["seconds"] for r in runs) for m in methods}
+        if all(f"{u}/run{r}/{TRAINED}" in res for r in runs):  # the long-only variant's trained network
+            units.update({(TRAINED, r): res[f"{u}/run{r}/{TRAINED}"] for r in runs})
+            seconds[TRAINED] = sum(units[(TRAINED, r)]["seconds"] for r in runs)
         out[u] = {"data": data, "classical": res[f"{u}/classical"], "units": units,
                   "timing": {"train_s_per_method": seconds, "classical_s": res[f"{u}/classical"]["seconds"]}}
     return {"universes": out, "methods": methods, "runs": list(runs)}
@@ -272,8 +320,11 @@ def _universe_blocks(s: dict[str, Any], universe: str, data: PortfolioData, runs
     tensors = {k: {kk: vv.to(device) for kk, vv in w.tensors(torch.float32).items()} for k, w in data.splits.items()}
     cpu_tensors = {k: w.tensors(torch.float32) for k, w in data.splits.items()}
     blocks: dict[str, Callable[[], Any]] = {f"{universe}/classical": lambda: classical_unit(s, cpu_tensors)}
+    from .bounds import TRAINED
+
+    with_trained = "ours" in methods and bool((s.get("long_only") or {}).get("trained"))
     for r in runs:
-        for m in methods:
+        for m in [*methods, *([TRAINED] if with_trained else [])]:
             blocks[f"{universe}/run{r}/{m}"] = (lambda m=m, r=r: _to_cpu(train_unit(s, data, tensors, m, r,
                                                                                    epochs=epochs, device=device)))
     return blocks
