@@ -135,13 +135,10 @@ class ResidualCheck:
             zd = z.detach()
             # the residual in float64 (it cancels); |A||z| (a tolerance) in the working precision, widened
             Az = wide.matvec(zd.to(torch.float64))
-            scale = self.constraint.abs_matvec(zd.abs()).to(torch.float64)
+            scale = self.constraint.abs_matvec(zd.abs())
             rtol = check_rtol(z.dtype, z.shape[-1])
-            k = wide.k.detach()
-            if self._base is None or self._base[0] != rtol:  # rtol |k| + floor, once per check and rtol
-                floor = self.floor()
-                self._base = (rtol, k.abs() * rtol + floor)
-            met = (Az - k).abs_() <= torch.add(self._base[1], scale, alpha=rtol)
+            # (the scale in the working precision added to the float64 base: widened exactly, no float64 copy)
+            met = (Az - wide.k.detach()).abs_() <= torch.add(self.base(rtol), scale, alpha=rtol)
         if torch._C._functorch.maybe_current_level() is not None:  # vmap / grad: NaN marks a failing vector
             return torch.where(met.all(-1, keepdim=True), z, torch.nan)
         ok = met.all()
@@ -154,6 +151,14 @@ class ResidualCheck:
             why = "" if cause is None else f"; {cause(z)}"
             raise NotPSDError(f"{DEFERRED_MESSAGE} {self.describe(z)}{why}") from None
         return z
+
+    def base(self, rtol: float) -> Tensor:
+        r""":math:`\mathrm{rtol}|k| + \varepsilon^2(|A|\sigma)`, float64 (``(*batch, a)``): the part of the tolerance of
+        :meth:`defer` that does not depend on the vector; computed once per check and ``rtol``."""
+        if self._base is None or self._base[0] != rtol:
+            with torch.no_grad():
+                self._base = (rtol, self.wide().k.detach().abs() * rtol + self.floor())
+        return self._base[1]
 
     def wide(self) -> "EqualityConstraint":
         """The constraint in float64 (itself when it is float64), converted once."""
