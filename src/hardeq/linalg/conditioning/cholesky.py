@@ -276,12 +276,12 @@ class CholeskyFactor(Factor):
         if self.precision != z.dtype:
             if self._W is not None or not self._cov.is_diagonal:
                 return self.step(z)
-            x = self.solve(con.k - con.matvec(z))
+            x = self.solve(con._shortfall(z))
             variance = self._cov.variance
             if torch.broadcast_shapes(z.shape, variance.shape, x.shape[:-1] + z.shape[-1:]) != z.shape:
                 return self.step(z)
             return z.addcmul_(variance, self._con.rmatvec(x))
-        x = self.solve(con.k - con.matvec(z))
+        x = self.solve(con._shortfall(z))
         W = self._W
         if W is not None and W.dim() == 2 and z.dim() >= 2 and x.shape[:-1] == z.shape[:-1]:
             n, a = W.shape[-1], W.shape[-2]
