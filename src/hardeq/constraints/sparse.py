@@ -67,8 +67,8 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _prepared(A: Tensor) -> list[Any] | None:
-    prepared: list[Any] | None = _PREPARED.get(A)
+def _prepared(A: Tensor, trust_version: bool = False) -> list[Any] | None:
+    prepared: list[Any] | None = _PREPARED.get(A, trust_version)
     return prepared
 
 
@@ -310,7 +310,7 @@ class SparseConstraint(EqualityConstraint):
                              f"A.shape = {tuple(A.shape)}.")
         validate = validate_default(validate_args)
         with no_host_reads(not lookup_on_host(validate, A.device)):  # (else the cache checks A on the device)
-            prepared = _prepared(A)
+            prepared = _prepared(A, trust_version=not validate)  # (unvalidated: A's version only, _cache)
         if prepared is None:
             A_csr = _quiet(lambda: A.coalesce().to_sparse_csr()) if A.layout == torch.sparse_coo else A
             # caches that depend on A only, shared by with_k / expand and by later constructions on the same A

@@ -227,9 +227,12 @@ class CholeskyFactor(Factor):
     def _row_scaled(self) -> Tensor:
         r""":math:`DL`, the lower Cholesky factor of :math:`S' = DLL^\top D` (:attr:`L` itself without
         equilibration); its rows scaled once, on first use, and kept."""
-        if self._scaled_L is None:
-            self._scaled_L = self.L if self.d is None else self.d.unsqueeze(-1) * self.L
-        return self._scaled_L
+        if self._scaled_L is not None:
+            return self._scaled_L
+        scaled = self.L if self.d is None else self.d.unsqueeze(-1) * self.L
+        if torch.is_grad_enabled() or not (self.L.requires_grad or self.d is not None and self.d.requires_grad):
+            self._scaled_L = scaled  # (not one made without gradient from a factor that has one: a later rsample)
+        return scaled
 
     def solve(self, residual: Tensor) -> Tensor:
         r""":math:`S'^{-1}r`, in the factor's precision: one Cholesky solve with :math:`DL` (both triangular solves in
