@@ -17,11 +17,21 @@ is computed afresh from the current contents, so an edit in between is seen) and
 takes the snapshot. A tensor used once (PyG's ``batch`` vector, a new one every step) then costs no copy; one used
 every step is computed twice, then compared as above.
 
-**Without host reads** (inside :func:`no_host_reads`, which :class:`~hardeq.ConstrainedNormal` with
-``validate_args=False`` enters): the comparison cannot decide on the host whether the entry is stale, so a lookup
+**Without host reads** (inside :func:`no_host_reads`, which :class:`~hardeq.ConstrainedNormal` enters on a device
+where a read-back synchronises): the comparison cannot decide on the host whether the entry is stale, so a lookup
 returns the entry and checks the contents on the device, deferred (``torch._assert_async``: on a CPU it raises at
 once; on a GPU at the next synchronisation). An edit through ``.data`` of a cached tensor then raises instead of
 being recomputed around: build the constraint from a new tensor after editing one in place that way.
+
+**Unvalidated constructors** (``validate_args=False``) of :class:`~hardeq.SparseConstraint` (its converted layouts)
+and :class:`~hardeq.SumConstraint` (its group index's layout) look up with ``trust_version``: the same live tensor at
+the same ``_version`` is a hit, with no comparison at all (no kernel, no host read, on any device). Seen: every
+in-place operation on the tensor or on a view of it through autograd's version counter (``index[4] = 2``,
+``A.values().mul_(2)``, ``index.copy_(...)``), which bumps ``_version``: the entry is recomputed. Not seen: an edit
+through ``.data``, through ``torch.no_grad()`` writes on ``.data``, or by code that writes the storage without
+bumping the counter (another tensor sharing it through ``set_``, DLPack / NumPy views, a custom kernel); the stale
+layout is then used. Build the constraint from a new tensor after such an edit, or construct it with
+``validate_args=True``, whose lookup compares the contents (on the host on a CPU, on the device, deferred, on a GPU).
 """
 
 from __future__ import annotations
@@ -140,7 +150,10 @@ class PerTensorCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, A: Tensor) -> Any | None:
+    def get(self, A: Tensor, trust_version: bool = False) -> Any | None:
+        """The value stored for ``A``, or ``None`` (a miss). ``trust_version`` (an unvalidated constructor's lookup):
+        a hit needs the same tensor and version only, and its contents are not compared with the snapshot (no
+        comparison kernel, no host read; an edit through ``.data`` is then not seen, see the module docstring)."""
         if is_tracing():  # no identity under torch.compile / torch.func: compute afresh
             return None
         key = id(A)
@@ -151,7 +164,7 @@ class PerTensorCache:
             if entry[0]() is A and entry[1] == A._version:
                 if entry[2] is None:  # stored without a snapshot: computed afresh, and the put that follows takes one
                     return None
-                if (_unchanged if not _NO_HOST_READS.get() else _assert_unchanged)(A, entry[2]):
+                if trust_version or (_unchanged if not _NO_HOST_READS.get() else _assert_unchanged)(A, entry[2]):
                     return entry[3]
         except RuntimeError:  # inference tensors have no version counter
             return None

@@ -226,6 +226,11 @@ class EqualityConstraint(ABC):
         self._check_points(z)
         return self.matvec(z) - self.k
 
+    def _shortfall(self, z: Tensor) -> Tensor:
+        """``k - A z`` (``(*sample, *batch, a)``) without checking ``z``: the right-hand side of a Matheron step. A
+        constraint whose product can add ``k`` in the same call (one ``addmm``) overrides it."""
+        return self.k - self.matvec(z)
+
     def check(self, z: Tensor, rtol: float | None = None) -> Tensor:
         r"""Boolean tensor ``(*sample, *batch)``: does ``z`` satisfy every row of ``A z = k`` to round-off?
 

@@ -67,8 +67,8 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _prepared(A: Tensor) -> list[Any] | None:
-    prepared: list[Any] | None = _PREPARED.get(A)
+def _prepared(A: Tensor, trust_version: bool = False) -> list[Any] | None:
+    prepared: list[Any] | None = _PREPARED.get(A, trust_version)
     return prepared
 
 
@@ -310,7 +310,7 @@ class SparseConstraint(EqualityConstraint):
                              f"A.shape = {tuple(A.shape)}.")
         validate = validate_default(validate_args)
         with no_host_reads(not lookup_on_host(validate, A.device)):  # (else the cache checks A on the device)
-            prepared = _prepared(A)
+            prepared = _prepared(A, trust_version=not validate)  # (unvalidated: A's version only, _cache)
         if prepared is None:
             A_csr = _quiet(lambda: A.coalesce().to_sparse_csr()) if A.layout == torch.sparse_coo else A
             # caches that depend on A only, shared by with_k / expand and by later constructions on the same A
@@ -484,6 +484,17 @@ class SparseConstraint(EqualityConstraint):
             if z2.stride(-1) == 1:
                 return self._blocks().matvec(z2)[0].contiguous().reshape(z.shape[:-1] + (self.num_constraints,))
         return _spmm(self._A, z)
+
+    def _shortfall(self, z: Tensor) -> Tensor:
+        """``k - A z``; on a GPU profile (the product of :func:`_spmm` on ``z`` as it is), for one shared ``k`` and
+        without gradient, as one sparse ``addmm`` with ``k`` broadcast over the columns (no separate subtraction)."""
+        k = self.k
+        if (_compiling() or profile(z.device).blocked_drivers or k.dim() != 1 or z.dtype != self._A.dtype
+                or (torch.is_grad_enabled() and (z.requires_grad or k.requires_grad or self._A.requires_grad))):
+            return k - self.matvec(z)
+        lead = z.shape[:-1]
+        out = _quiet(lambda: torch.addmm(k.unsqueeze(-1), self._A, z.reshape(-1, z.shape[-1]).mT, alpha=-1.0))
+        return out.mT.reshape(lead + (self.num_constraints,))
 
     def rmatvec(self, u: Tensor) -> Tensor:
         if _compiling():

@@ -151,7 +151,7 @@ def _layout(index: Tensor, a: int, validate: bool) -> _Layout:
                                 "one coordinate (checked on the device).")
         return _Layout(index, a, counts)
     with no_host_reads(not lookup_on_host(validate, index.device)):  # (else the cache checks it on the device)
-        layouts = _LAYOUTS.get(index)
+        layouts = _LAYOUTS.get(index, trust_version=not validate)  # (unvalidated: the version only, _cache)
     layout = None if layouts is None else layouts.get(a)
     if layout is None:
         layout = _Layout.of_sorted(index, a) or _Layout(index, a, check_group_index(index, a))

@@ -251,10 +251,12 @@ class Conditioner:
         Differentiable."""
         return self._refined(self._pin(self.factor.step(z_hat)))
 
-    def _refined(self, z: Tensor) -> Tensor:
+    def _refined(self, z: Tensor, in_place: bool = False) -> Tensor:
+        """``z`` refined and checked (see :meth:`condition`); ``in_place``: ``z`` is a buffer the caller owns and
+        needs no gradient for, which static mode's refinement steps update in place (:meth:`Factor.refine_`)."""
         if self.static:
             for _ in range(STATIC_REFINEMENT_STEPS.get(z.dtype, 1)):
-                z = self._pin(self.factor.refine(z))
+                z = self._pin(self.factor.refine_(z) if in_place else self.factor.refine(z))
             return self._check.defer(z, lambda z: _cause(self.c, z))
         while True:
             for _ in range(MAX_REFINEMENT_STEPS):
@@ -294,9 +296,9 @@ class Conditioner:
             z = self.cov.reparameterize_(noise, loc)
         else:
             z = loc + self.cov.sqrt_matvec(noise)
-        if self.static or not z.is_contiguous():
+        if (self.static and is_tracing()) or not z.is_contiguous():
             return self.condition(z)
-        return self._refined(self._pin(self.factor.step_(z)))
+        return self._refined(self._pin(self.factor.step_(z)), in_place=self.static)
 
     def deviation(self, value: Tensor, loc: Tensor, loc_residual: Tensor) -> Tensor:
         r""":math:`z - \bar\mu = (z - \mu) - Kr` (``r = k - A\mu``: ``loc_residual``) for ``value`` :math:`= z`

@@ -42,7 +42,7 @@ from ...ops.gram_pairs import gram_from_pairs_flat
 from ..cholesky import gram_cholesky_lower
 from ..covariance import Covariance, DiagonalCovariance
 from ..device import profile
-from ..triangular import tri_solve_vec
+from ..triangular import chol_solve_vec, tri_solve_vec
 from .factor import Factor
 from .fused import _dense_2d, _rows_per_chunk, folded_gain_, sample_fused
 
@@ -148,6 +148,7 @@ class CholeskyFactor(Factor):
                 if bool(torch.isfinite(S).all()) and not bool((info > 0).any()) and bool((d > 0).all()):
                     self.kappa = _pivot_ratio(L.diagonal(dim1=-2, dim2=-1))
         self._W = self._shared_product()
+        self._scaled_L: Tensor | None = None  # D L, made on first solve (_row_scaled)
         self._wide_factor: CholeskyFactor | None = None  # float64 twin for logdet, made on first use
         # float64 copies of Sigma' and A for gain_wide, made on first use
         self._wide_cross: tuple[Covariance, EqualityConstraint] | None = None
@@ -223,10 +224,21 @@ class CholeskyFactor(Factor):
         """``r / d`` (Jacobi scaling of the equilibrated factor), or ``r`` for a factor of :math:`S'` itself."""
         return r if self.d is None else r / self.d
 
+    def _row_scaled(self) -> Tensor:
+        r""":math:`DL`, the lower Cholesky factor of :math:`S' = DLL^\top D` (:attr:`L` itself without
+        equilibration); its rows scaled once, on first use, and kept."""
+        if self._scaled_L is not None:
+            return self._scaled_L
+        scaled = self.L if self.d is None else self.d.unsqueeze(-1) * self.L
+        if torch.is_grad_enabled() or not (self.L.requires_grad or self.d is not None and self.d.requires_grad):
+            self._scaled_L = scaled  # (not one made without gradient from a factor that has one: a later rsample)
+        return scaled
+
     def solve(self, residual: Tensor) -> Tensor:
-        r""":math:`S'^{-1}r`, in the factor's precision (the solves read the lower triangle of :attr:`L` only)."""
-        y = tri_solve_vec(self.L, self._unscale(residual.to(self.precision)), upper=False)
-        return self._unscale(tri_solve_vec(self.L.mT, y, upper=True))
+        r""":math:`S'^{-1}r`, in the factor's precision: one Cholesky solve with :math:`DL` (both triangular solves in
+        one call, no division by ``d`` before or after; row scaling leaves the triangular solves' componentwise
+        backward error as it is). Reads the lower triangle of :attr:`L` only."""
+        return chol_solve_vec(self._row_scaled(), residual.to(self.precision))
 
     def _apply_cross(self, x: Tensor) -> Tensor:
         r""":math:`\Sigma'A^\top x` in the factor's precision."""
@@ -259,10 +271,20 @@ class CholeskyFactor(Factor):
         return cov.matvec(con.rmatvec(self.solve(residual).to(torch.float64)))
 
     def step_(self, z: Tensor) -> Tensor:
-        if self.precision != z.dtype:
-            return self.step(z)
+        r"""The Matheron step on ``z`` in place. A factor wider than ``z`` (``cholesky64`` on float32 vectors) under
+        a diagonal covariance, without :math:`W'`: :math:`x = S'^{-1}(k - Az)` and
+        ``z.addcmul_(v, A^T x)`` with :math:`v` and :math:`A^\top x` in float64, a mixed-precision update that
+        rounds the float64 sum once to ``z``'s dtype (:meth:`step` rounds the gain to it first, then the sum)."""
         con = self.constraint
-        x = self.solve(con.k - con.matvec(z))
+        if self.precision != z.dtype:
+            if self._W is not None or not self._cov.is_diagonal:
+                return self.step(z)
+            x = self.solve(con._shortfall(z))
+            variance = self._cov.variance
+            if torch.broadcast_shapes(z.shape, variance.shape, x.shape[:-1] + z.shape[-1:]) != z.shape:
+                return self.step(z)
+            return z.addcmul_(variance, self._con.rmatvec(x))
+        x = self.solve(con._shortfall(z))
         W = self._W
         if W is not None and W.dim() == 2 and z.dim() >= 2 and x.shape[:-1] == z.shape[:-1]:
             n, a = W.shape[-1], W.shape[-2]

@@ -82,6 +82,11 @@ class Factor(ABC):
         """One refinement step applied to an (almost) exact ``z``; :meth:`step` unless the factor knows better."""
         return self.step(z)
 
+    def refine_(self, z: Tensor) -> Tensor:
+        """:meth:`refine` on a buffer the caller owns and needs no gradient for: :meth:`step_` where :meth:`refine`
+        is :meth:`step`, else :meth:`refine`."""
+        return self.step_(z) if type(self).refine is Factor.refine else self.refine(z)
+
     # ------------------------------------------------------------------ S
     @abstractmethod
     def whiten(self, residual: Tensor) -> Tensor:

@@ -60,9 +60,8 @@ def sample_static_checked(factor: Factor, check: ResidualCheck, cause: Callable[
     own = getattr(factor, "sample_checked", None)
     done: tuple[Tensor, Tensor] | None = own(loc, sample_shape, generator, steps, rtol) if own is not None else None
     if done is None and own is None:
-        floor = check.floor()
-        base = check.wide().k.detach().abs() * rtol + floor
-        done = sample_static_fused(cast(_FusedFactor, factor), loc, sample_shape, generator, steps, rtol, base)
+        done = sample_static_fused(cast(_FusedFactor, factor), loc, sample_shape, generator, steps, rtol,
+                                   lambda: check.base(rtol))
     if done is None:
         return None
     z, ok = done
@@ -78,10 +77,11 @@ def sample_static_checked(factor: Factor, check: ResidualCheck, cause: Callable[
 
 @torch.no_grad()
 def sample_static_fused(factor: _FusedFactor, loc: Tensor, sample_shape: torch.Size, generator: torch.Generator | None,
-                        steps: int, rtol: float, base: Tensor) -> tuple[Tensor, Tensor] | None:
+                        steps: int, rtol: float, base: Tensor | Callable[[], Tensor]) -> tuple[Tensor, Tensor] | None:
     """``(z, ok)``: the samples and a 0-dim bool tensor, true when every row of every vector met the check (see the
     module docstring); ``None`` where the sampler does not apply. ``steps``: refinement steps after the Matheron
-    step; ``base``: :math:`\\mathrm{rtol}|k| + \\varepsilon^2(|A|\\sigma)`, float64, ``(*batch, a)`` or ``(a,)``."""
+    step; ``base``: :math:`\\mathrm{rtol}|k| + \\varepsilon^2(|A|\\sigma)`, float64, ``(*batch, a)`` or ``(a,)``, or a
+    function giving it (called only where the sampler applies: no work for a path that falls back)."""
     con, cov = factor.constraint, factor.cov
     if (factor.precision != torch.float64 or _dense_2d(con) is None or not cov.is_diagonal
             or not hasattr(cov, "scale") or loc.dtype != factor.dtype or not loc.is_contiguous()):
@@ -91,6 +91,7 @@ def sample_static_fused(factor: _FusedFactor, loc: Tensor, sample_shape: torch.S
     if len(batch) > 1 or (len(batch) == 1 and len(sample_shape) > 0):
         return None
     count = batch.numel() if batch else torch.Size(sample_shape).numel()
+    base = base() if callable(base) else base
     dense = cast("LinearConstraint", con)
     A_t, abs_A_t = dense.columns()
     A64 = cast("LinearConstraint", factor._con).A  # (the factor's constraint in its precision, float64)

@@ -81,15 +81,19 @@ class ResidualCheck:
         if self.covariance is None:
             return 0.0
         if self._floor is None:
-            with torch.no_grad():  # (a tolerance: the working precision is plenty, and the (*batch, n) passes
-                # stay in it; only the (*batch, a) result is widened)
-                cov = self.covariance
-                scale = getattr(cov, "scale", None) if type(cov).__name__ == "DiagonalCovariance" else None
-                sigma = scale.detach().abs() if isinstance(scale, Tensor) else \
-                    cov.diagonal().detach().clamp_min(0).sqrt()
-                floor = self.constraint.abs_matvec(sigma.to(self.constraint.dtype)).to(torch.float64)
-                self._floor = floor.mul_(torch.finfo(self.constraint.dtype).eps ** 2)
+            with torch.no_grad():
+                self._floor = self._abs_sigma().to(torch.float64).mul_(torch.finfo(self.constraint.dtype).eps ** 2)
         return self._floor
+
+    def _abs_sigma(self) -> Tensor:
+        r""":math:`|A|\sigma` (``(*batch, a)``) in the working precision (a tolerance: the working precision is plenty,
+        and the ``(*batch, n)`` passes stay in it); needs a covariance."""
+        cov = self.covariance
+        assert cov is not None
+        with torch.no_grad():
+            scale = getattr(cov, "scale", None) if type(cov).__name__ == "DiagonalCovariance" else None
+            sigma = scale.detach().abs() if isinstance(scale, Tensor) else cov.diagonal().detach().clamp_min(0).sqrt()
+            return self.constraint.abs_matvec(sigma.to(self.constraint.dtype))
 
     @torch.no_grad()
     def failing(self, z: Tensor, method: str = "") -> Tensor | None:
@@ -134,14 +138,11 @@ class ResidualCheck:
             wide = self.wide()
             zd = z.detach()
             # the residual in float64 (it cancels); |A||z| (a tolerance) in the working precision, widened
-            Az = wide.matvec(zd.to(torch.float64))
-            scale = self.constraint.abs_matvec(zd.abs()).to(torch.float64)
+            miss = wide._shortfall(zd.to(torch.float64)).abs_()  # |(A z - k)_i|
+            scale = self.constraint.abs_matvec(zd.abs())
             rtol = check_rtol(z.dtype, z.shape[-1])
-            k = wide.k.detach()
-            if self._base is None or self._base[0] != rtol:  # rtol |k| + floor, once per check and rtol
-                floor = self.floor()
-                self._base = (rtol, k.abs() * rtol + floor)
-            met = (Az - k).abs_() <= torch.add(self._base[1], scale, alpha=rtol)
+            # (the scale in the working precision added to the float64 base: widened exactly, no float64 copy)
+            met = miss <= torch.add(self.base(rtol), scale, alpha=rtol)
         if torch._C._functorch.maybe_current_level() is not None:  # vmap / grad: NaN marks a failing vector
             return torch.where(met.all(-1, keepdim=True), z, torch.nan)
         ok = met.all()
@@ -154,6 +155,21 @@ class ResidualCheck:
             why = "" if cause is None else f"; {cause(z)}"
             raise NotPSDError(f"{DEFERRED_MESSAGE} {self.describe(z)}{why}") from None
         return z
+
+    def base(self, rtol: float) -> Tensor:
+        r""":math:`\mathrm{rtol}|k| + \varepsilon^2(|A|\sigma)`, float64 (``(*batch, a)``): the part of the tolerance of
+        :meth:`defer` that does not depend on the vector; computed once per check and ``rtol``."""
+        if self._base is None or self._base[0] != rtol:
+            with torch.no_grad():
+                k_part = self.wide().k.detach().abs() * rtol
+                if self.covariance is None:
+                    base = k_part
+                elif self._floor is not None:
+                    base = k_part + self._floor
+                else:  # (the floor added in float64 from the working precision: widened exactly, as floor() does)
+                    base = torch.add(k_part, self._abs_sigma(), alpha=torch.finfo(self.constraint.dtype).eps ** 2)
+                self._base = (rtol, base)
+        return self._base[1]
 
     def wide(self) -> "EqualityConstraint":
         """The constraint in float64 (itself when it is float64), converted once."""

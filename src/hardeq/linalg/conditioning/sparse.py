@@ -36,7 +36,7 @@ class SparseCholeskyFactor(CholeskyFactor):
         if add is None or self.precision != z.dtype or self._W is not None or not self._cov.is_diagonal \
                 or not z.is_contiguous():
             return super().step_(z)
-        x = self.solve(con.k - con.matvec(z))
+        x = self.solve(con._shortfall(z))
         variance = self._cov.variance
         if x.shape[:-1] != z.shape[:-1] or variance.dim() != 1:  # broadcasting batch shapes: the general update
             return z.addcmul_(variance, con.rmatvec(x))

@@ -132,6 +132,7 @@ class StaticPairsFactor(CholeskyFactor):
         a = con64.num_constraints
         self.L = torch.linalg.cholesky_ex(flat.index_select(-1, constants["index"]).view(-1, a, a))[0]
         self.d = None
+        self._scaled_L = None
         self._W = None
         self._wide_factor = None
         self._wide_cross = None
