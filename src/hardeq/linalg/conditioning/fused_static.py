@@ -161,7 +161,7 @@ def sample_static_fused(factor: _FusedFactor, loc: Tensor, sample_shape: torch.S
 
 
 def _cholesky_solve(L: Tensor, r: Tensor) -> Tensor:
-    """:math:`(LL^\top)^{-1}r` for ``r`` ``(rows, a)`` and a lower ``L``, ``(a, a)`` shared or ``(rows, a, a)``: one
+    r""":math:`(LL^\top)^{-1}r` for ``r`` ``(rows, a)`` and a lower ``L``, ``(a, a)`` shared or ``(rows, a, a)``: one
     ``torch.cholesky_solve`` (it reads the lower triangle only)."""
     if L.dim() == 2:
         return torch.cholesky_solve(r.mT, L).mT
