@@ -78,9 +78,11 @@ from .augment import Augmentation, augmentation, augmentation_unsupported
 from .diagnostics import effective_sample_size, split_rhat
 from .checks import _box, _check_int, _check_start
 from .hmc import MIN_DRAWS_FOR_DIAGNOSTICS
-from .partition import Blocks, Projector
+from .partition import Pool, Projector
+from .sweep import Constants
+from .sweep import sweep as one_sweep
 from .target import PlaneTarget
-from .truncnorm import _draw, truncated_standard_normal
+from .truncnorm import truncated_standard_normal
 
 __all__ = ["GIBBS_MAX_DENSE_ELEMENTS", "GIBBS_MAX_ROWS", "GibbsResult", "blocked_gibbs", "gibbs_unsupported",
            "truncated_standard_normal"]
@@ -91,6 +93,10 @@ GIBBS_MAX_ROWS = 64
 GIBBS_MAX_DENSE_ELEMENTS = 1 << 24
 #: sweeps between two round-off re-projections of the state onto the plane
 REPROJECT_EVERY = 64
+#: sweeps whose partitions and uniforms are drawn (and gathered from the pool) at once ...
+CHUNK_SWEEPS = 16
+#: ... within this many float64 entries
+CHUNK_ELEMENTS = 1 << 22
 _F64 = torch.float64
 
 
@@ -235,65 +241,68 @@ def blocked_gibbs(dist: object, lower: Tensor | float | None, upper: Tensor | fl
     dtype = cond.dtype
     shape = target.shape
     device = target.loc.device
-    lo, hi = _box(lower, upper, shape, dtype, device)
+    lo, hi = _box(lower, upper, shape, dtype, device, read=False)
     constraint = cond.constraint
-    z = _check_start(start, shape, lo, hi, constraint, dtype, device).to(_F64)
+    z0 = _check_start(start, shape, lo, hi, constraint, dtype, device, read=False)
     lo64, hi64 = lo.to(_F64), hi.to(_F64)
     mu = target.loc.detach().to(_F64).expand(shape)
     marginal = cond.cov.variance.detach().to(_F64).expand(shape)
-    aug: Augmentation | None = None if cond.cov.is_diagonal else augmentation(cond.cov, target.batch_shape, shape[-1])
-    var = marginal if aug is None else aug.diag
+    chains, n = z0.shape[0], shape[-1]
+    B = max(1, target.batch_shape.numel())
+    aug = None if cond.cov.is_diagonal else augmentation(cond.cov, target.batch_shape, n)
+    var = marginal if aug is None else aug.diag.view(shape)
     frozen = None
+    A = None
     if constraint.group_index is None:  # coordinates the constraint determines: no motion (d_i = 0)
         eps = torch.finfo(dtype).eps
         frozen = cond.variance().detach().expand(shape) <= 16 * eps * cond.cov.variance.detach().expand(shape)
+        frozen = frozen.reshape(B, n)
+        rows = constraint.dense_rows().detach().to(device=device, dtype=_F64)
+        A = rows.reshape(1, *rows.shape[-2:]) if rows.dim() == 2 else \
+            rows.expand(target.batch_shape + rows.shape[-2:]).reshape(B, *rows.shape[-2:])
     pressure = (torch.maximum(lo64 - mu, mu - hi64).clamp_min(0.0) / marginal.sqrt()).nan_to_num(0.0)
-    blocks_of = Blocks(constraint, frozen, device, pressure)
-    project = Projector(constraint, var, blocks_of)
-    z = project(z, lo64, hi64)
-    if not bool(torch.isfinite(z).all()):
-        raise RuntimeError("blocked_gibbs: the start is not finite after projection onto the plane.")
+    flat = (lambda t: t.reshape(B, n))
+    pool = Pool(constraint, A, frozen, flat(pressure), flat(var), flat(mu), flat(lo64), flat(hi64), aug, generator)
+    project = Projector(constraint, var)
+    z = project(z0.to(_F64), lo64, hi64)
+    # the one host read before the sweeps: the start and the bounds checked, and the projected start finite
+    _raise_if_bad(lower, upper, start, shape, dtype, device, constraint, lo, hi, z)
+    zb = z.reshape(chains, B, n).transpose(0, 1).contiguous()          # (B, C, n)
 
     sweeps = burn_in + num_samples * thin
+    consts = Constants(device)
     finite = torch.ones((), dtype=torch.bool, device=device)
     samples = torch.empty((num_samples,) + z.shape, dtype=dtype, device=device)
-    for sweep in range(sweeps):
-        blocks, d = blocks_of.draw(generator, sweep)                     # ([*batch,] Bk, s); (s,) or (*batch, Bk, s)
-        # the augmented covariance: u | z drawn, then this sweep targets N(mu + V u, D) (module augment)
-        m = mu if aug is None else aug.draw(z, mu, generator)            # (*batch, n) or (C, *batch, n)
-        if blocks.dim() == 2:                                            # one partition for the batch
-            x = z[..., blocks]                                           # (C, *batch, Bk, s)
-            m_b, v_b, lo_b, hi_b = m[..., blocks], var[..., blocks], lo64[..., blocks], hi64[..., blocks]
-        else:                                                            # one per batch element
-            idx = blocks.flatten(-2)
-            wide = idx.expand(z.shape[:-1] + idx.shape[-1:])
-            x = z.gather(-1, wide).view(z.shape[:-1] + blocks.shape[-2:])
-            v_b, lo_b, hi_b = (t.gather(-1, idx).view(blocks.shape) for t in (var, lo64, hi64))
-            m_b = mu.gather(-1, idx).view(blocks.shape) if aug is None else m.gather(-1, wide).view(x.shape)
-        dv = d / v_b                                                     # (*batch, Bk, s)
-        alpha = (d * dv).sum(-1)                                         # (*batch, Bk)
-        beta = ((x - m_b) * dv).sum(-1)                                  # (C, *batch, Bk)
-        up, down = d > 0, d < 0
-        q_lo, q_hi = (lo_b - x) / d, (hi_b - x) / d
-        t_lo = torch.where(up, q_lo, torch.where(down, q_hi, -math.inf)).amax(-1).clamp_max(0.0)
-        t_hi = torch.where(up, q_hi, torch.where(down, q_lo, math.inf)).amin(-1).clamp_min(0.0)
-        moving = alpha > 0
-        root = torch.where(moving, alpha, 1.0).sqrt()
-        centre = torch.where(moving, -beta / root.square(), 0.0)
-        a_std = torch.where(moving, (t_lo - centre) * root, 0.0)
-        b_std = torch.where(moving, (t_hi - centre) * root, 0.0)
-        step = centre + _draw(a_std, b_std, generator) / root
-        step = torch.where(moving, torch.minimum(torch.maximum(step, t_lo), t_hi), 0.0)
-        moved = torch.minimum(torch.maximum(x + step.unsqueeze(-1) * d, lo_b), hi_b)
-        z = z.index_copy(-1, blocks.reshape(-1), moved.flatten(-2)) if blocks.dim() == 2 else z.scatter(
-            -1, wide, moved.flatten(-2))
-        record = sweep >= burn_in and (sweep - burn_in) % thin == thin - 1
-        if sweep % REPROJECT_EVERY == REPROJECT_EVERY - 1 or record:
-            z = project(z, lo64, hi64)
-            finite = finite & torch.isfinite(z).all()              # read once, after the last sweep
-        if record:
-            out = cond.condition(z.to(dtype))
-            samples[(sweep - burn_in) // thin] = torch.maximum(torch.minimum(out, hi), lo)
+    ks = torch.randint(pool.K, (sweeps,), device=device, generator=generator)
+    r = 0 if aug is None else aug.factor.shape[-1]
+    Bk = pool.count
+    per_sweep = B * chains * (3 * Bk + r) + B * Bk * (pool.size * 10 + 2 + r)
+    chunk = max(1, min(CHUNK_SWEEPS, CHUNK_ELEMENTS // max(1, per_sweep)))
+    scale = torch.tensor([1.0, 1.0, math.sqrt(2.0)], dtype=_F64, device=device)
+    for first in range(0, sweeps, chunk):
+        m = min(chunk, sweeps - first)
+        pick = ks[first: first + m]
+        c_index, c_slots, c_roots = (t.index_select(0, pick) for t in (pool.index, pool.slots, pool.roots))
+        c_shares = None if pool.shares is None else pool.shares.index_select(0, pick)
+        c_unif = (torch.rand((m, B, chains, Bk, 3), dtype=_F64, device=device, generator=generator)
+                  + 2.0 ** -54) * scale
+        c_bias = None
+        if aug is not None:
+            eps_u = torch.randn((m, B, chains, r), dtype=_F64, device=device, generator=generator)
+            c_bias = aug.bias(flat(mu), eps_u)
+        for j in range(m):
+            sweep = first + j
+            zb = one_sweep(zb, c_index[j], c_slots[j], c_roots[j], c_unif[j], consts,
+                           None if c_bias is None else c_bias[j], None if aug is None else aug.gain,
+                           None if c_shares is None else c_shares[j])
+            record = sweep >= burn_in and (sweep - burn_in) % thin == thin - 1
+            if sweep % REPROJECT_EVERY == REPROJECT_EVERY - 1 or record:
+                z = project(zb.transpose(0, 1).reshape(z.shape), lo64, hi64)
+                finite = finite & torch.isfinite(z).all()              # read once, after the last sweep
+                zb = z.reshape(chains, B, n).transpose(0, 1).contiguous()
+            if record:
+                out = project(z, lo64, hi64).to(dtype)
+                samples[(sweep - burn_in) // thin] = torch.maximum(torch.minimum(out, hi), lo)
     if not bool(finite):
         raise RuntimeError("blocked_gibbs: the state became non-finite; check that loc, the covariance and the bounds "
                            "are finite where they matter.")
@@ -302,5 +311,19 @@ def blocked_gibbs(dist: object, lower: Tensor | float | None, upper: Tensor | fl
     else:
         ess = torch.full(shape, math.nan, dtype=torch.float64, device=device)
         rhat = ess.clone()
-    return GibbsResult(samples=samples, ess=ess, rhat=rhat, sweeps=sweeps, block_size=blocks_of.size,
-                       blocks=blocks_of.count)
+    return GibbsResult(samples=samples, ess=ess, rhat=rhat, sweeps=sweeps, block_size=pool.size, blocks=pool.count)
+
+
+def _raise_if_bad(lower: object, upper: object, start: Tensor, shape: torch.Size, dtype: torch.dtype,
+                  device: torch.device, constraint: object, lo: Tensor, hi: Tensor, z: Tensor) -> None:
+    """One host read: whether the bounds (no nan, ``lo <= hi``), the start (in the box, on the plane) and the
+    projected start (finite) are all fine; if not, the checks that name the fault are rerun (they read more)."""
+    z0 = start.detach().to(dtype)
+    ok = ((lo <= hi).all() & ((z0 >= lo) & (z0 <= hi)).all()
+          & constraint.check(z0, rtol=math.sqrt(torch.finfo(dtype).eps)).all()  # type: ignore[attr-defined]
+          & torch.isfinite(z).all())
+    if bool(ok):
+        return
+    lo, hi = _box(lower, upper, shape, dtype, device)
+    _check_start(start, shape, lo, hi, constraint, dtype, device)  # type: ignore[arg-type]
+    raise RuntimeError("blocked_gibbs: the start is not finite after projection onto the plane.")
