@@ -22,9 +22,9 @@ __all__ = ["POOL_ELEMENTS", "POOL_MAX", "POOL_MIN", "Pool", "Projector", "STRATA
 #: jitter of the stratified partitions (odd pool entries), as a fraction of the range of the sorted score
 STRATA_JITTER = 0.1
 #: partitions per pool: at most this many ...
-POOL_MAX = 32
+POOL_MAX = 64
 #: ... and at least this many, whatever the memory (the union of their pairings connects each group w.h.p.)
-POOL_MIN = 8
+POOL_MIN = 4
 #: float64 entries the pool may take (64 MiB) before it is cut towards :data:`POOL_MIN` partitions
 POOL_ELEMENTS = 1 << 23
 #: the fields of each coordinate slot of a block (last axis of :attr:`Pool.slots`)
@@ -36,7 +36,7 @@ class Pool:
     r""":math:`K` random partitions of the coordinates into blocks, with each block's direction and constants.
 
     Built once per sampler call (``K`` between :data:`POOL_MIN` and :data:`POOL_MAX`, fewer where the pool would pass
-    :data:`POOL_ELEMENTS` entries) from the generator; a sweep uses entry ``k`` drawn uniformly, independently of the
+    :data:`POOL_ELEMENTS` entries or an eighth of the call's sweeps times chains) from the generator; a sweep uses entry ``k`` drawn uniformly, independently of the
     state, so a sweep is a mixture of fixed-partition Gibbs kernels and leaves the target invariant.
 
     * **Partitions.** Even entries are uniform: the coordinates ordered by ``group + U(0, 1)`` (a uniformly random
@@ -64,10 +64,11 @@ class Pool:
 
     def __init__(self, constraint: EqualityConstraint, A: Tensor | None, frozen: Tensor | None, pressure: Tensor,
                  var: Tensor, mu: Tensor, lo: Tensor, hi: Tensor, aug: Augmentation | None,
-                 generator: torch.Generator | None) -> None:
+                 generator: torch.Generator | None, work: int = 1 << 30) -> None:
         """``A``: the dense rows ``(1 or B, a, n)`` float64 (``None`` for a grouped sum); ``frozen``: ``(B, n)``
         coordinates the constraint determines (or ``None``); ``pressure``, ``var`` (:math:`D`), ``mu``, ``lo``,
-        ``hi``: ``(B, n)`` float64 (``B`` the flattened batch)."""
+        ``hi``: ``(B, n)`` float64 (``B`` the flattened batch); ``work``: the sweeps times the chains of the call
+        (the pool, whose set-up costs about a sweep of one chain per entry, gets at most an eighth of them)."""
         B, n = var.shape
         device = var.device
         index = constraint.group_index
@@ -83,7 +84,7 @@ class Pool:
         s = self.size
         self.count = n // s                                                 # blocks per partition
         per = max(1, B * n * (11 + r // s + 1))
-        K = max(POOL_MIN, min(POOL_MAX, POOL_ELEMENTS // per))
+        K = max(POOL_MIN, min(POOL_MAX, POOL_ELEMENTS // per, work // 8))
         self.K = K + K % 2
         K = self.K
         Bp = score.shape[0]

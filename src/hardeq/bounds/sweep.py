@@ -2,7 +2,7 @@ r"""One blocked Gibbs sweep as a fixed sequence of about 30 whole-batch kernels 
 
 The state is ``z`` ``(B, C, n)`` float64 (flattened batch first, then chains). A sweep takes one partition of the
 :class:`~hardeq.bounds.partition.Pool` (its constants ``slots`` ``(B, Bk, s, 9)``, ``roots`` ``(B, Bk, 2)`` and
-coordinate ``index`` ``(B, Bk * s)``) and three uniforms per block, and moves every block along its direction
+coordinate ``index`` ``(B, Bk * s)``) and two uniforms per block, and moves every block along its direction
 :math:`d_b` by a draw of :math:`t_b` from its exact conditional law: the normal
 :math:`\mathcal N(-\beta_b/\alpha_b, 1/\alpha_b)` truncated to the chord :math:`[t^-_b, t^+_b]` (module
 :mod:`hardeq.bounds.gibbs`). In standard units, :math:`x = (t + \beta/\alpha)\sqrt\alpha` lies in :math:`[a, b]`.
@@ -55,7 +55,8 @@ def sweep(z: Tensor, index: Tensor, slots: Tensor, roots: Tensor, uniforms: Tens
     Args:
         z: the state, float64, contiguous, feasible.
         index, slots, roots: one partition of the pool, ``(B, Bk * s)``, ``(B, Bk, s, 9)``, ``(B, Bk, 2)``.
-        uniforms: ``(B, C, Bk, 3)`` in ``(0, 1)``, the third scaled by :math:`\sqrt 2`.
+        uniforms: ``(B, C, Bk, 2)`` in ``(0, 1)``: the first for the draw (either regime), the second, scaled by
+            :math:`\sqrt 2`, for the Metropolis-Hastings test of the tail regime.
         u_bias, gain, shares: with the augmentation, :math:`\xi - \mu G` ``(B, C, r)``, :math:`G` ``(B, n, r)`` and
             the partition's :math:`W^\top` ``(B, r, Bk)``.
 
@@ -83,9 +84,9 @@ def sweep(z: Tensor, index: Tensor, slots: Tensor, roots: Tensor, uniforms: Tens
     g = torch.addcmul(nbib, mt, x_c, value=_SQRT2)                 # x - x_0 in standard units (central)
     sq = yp * yp                                                    # (reflected ends)^2 / 2
     s_lo, s_hi = torch.aminmax(sq, dim=-1)
-    lg = torch.log1p(uniforms[..., 1] * torch.expm1(s_lo - s_hi))
+    lg = torch.log1p(uniforms[..., 0] * torch.expm1(s_lo - s_hi))
     rad = torch.sqrt(s_lo - lg)                                     # |x'| / sqrt 2, x' the Rayleigh proposal
-    accept = uniforms[..., 2] * rad <= nbib.abs()                   # U sqrt2 |x'| / sqrt2 <= |x_0|
+    accept = uniforms[..., 1] * rad <= nbib.abs()                   # U sqrt2 |x'| / sqrt2 <= |x_0|
     g_t = torch.addcmul(nbib, mt, rad, value=-2.0)
     g = torch.where(e_hi < _TAIL_E, torch.where(accept, g_t, c.zero), g)
     moved = torch.addcmul(x, g.unsqueeze(-1), sl[..., 8])

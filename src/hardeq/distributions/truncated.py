@@ -559,13 +559,15 @@ class TruncatedConstrainedNormal(Distribution):
         from ..bounds.gibbs import blocked_gibbs, gibbs_unsupported
 
         if method == "auto":
-            # with a generator the pilot draws from it too (not cached), so that the method chosen is reproducible
+            # with a generator the pilots draw from it too (not cached), so that the method chosen is reproducible
             acc = self.acceptance if generator is None or self.normaliser_exact else \
                 self._count_in_box(self.pilot_samples, generator)[2]
-            if float(acc.min()) >= threshold:
-                method = "rejection"
-            else:
-                method = "gibbs" if gibbs_unsupported(self.base) is None else "hmc"
+            from ..bounds.choice import choose_method
+
+            method = choose_method(self.base, self._lo, self._hi, self.mode.to(self._lo.dtype), num=max(num, 1),
+                                   chains=chains if chains is not None else max(num, 1),
+                                   acceptance=float(acc.min()), threshold=threshold, generator=generator,
+                                   burn_in=burn_in, thin=thin)[0]
         elif method == "gibbs":
             reason = gibbs_unsupported(self.base)
             if reason is not None:
