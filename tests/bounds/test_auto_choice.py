@@ -1,6 +1,6 @@
 """method="auto" picks the sampler with the most effective samples per modelled second on a short pilot
 (hardeq.bounds.choice): exact HMC on a small problem with a strongly correlated full covariance (measured there:
-HMC 1,100-2,500 ESS/s against augmented Gibbs 110-960), blocked Gibbs on the long-only portfolio (means far below 0
+HMC 1,650-1,930 ESS/s against augmented Gibbs 170-1,160), blocked Gibbs on the long-only portfolio (means far below 0
 in most coordinates, where HMC's trajectories bounce without end), rejection where its acceptance is high; and the
 same generator gives the same choice and the same draws."""
 
