@@ -580,7 +580,8 @@ class TruncatedConstrainedNormal(Distribution):
             z, acc = rejection_sample(self.base, self._lo, self._hi, num, max_draws=max_draws, generator=generator)
             ess = torch.full(batch + (n,), float(num), dtype=torch.float64, device=z.device)
             return TruncatedSamples(z.reshape(sample_shape + batch + (n,)), "rejection", acc, ess, None)
-        from ..bounds.hmc import ChainStuck, exact_hmc
+        from ..bounds import ChainStuck
+        from ..bounds.hmc import exact_hmc
 
         if chains is None:
             chains = max(num, 1)
