@@ -68,3 +68,22 @@ def test_the_same_generator_gives_the_same_choice_and_draws():
         one = t.sample_with_info((6,), burn_in=10, generator=torch.Generator().manual_seed(3))
         two = t.sample_with_info((6,), burn_in=10, generator=torch.Generator().manual_seed(3))
         assert one.method == two.method and torch.equal(one.samples, two.samples)
+
+
+def test_an_hmc_choice_whose_chains_cannot_move_falls_back_to_gibbs(monkeypatch):
+    """Finding A's thin polytope (a box of width 1e-9 in one coordinate against a conditional sd near 0.2): were the
+    pilot to pick HMC, every trajectory would be capped and the chains stuck; auto then samples with Gibbs, whose
+    draws move (the sd of z0 over 24 draws, 3 sweeps from the mode, is far from 0)."""
+    import hardeq.bounds.choice as choice
+
+    monkeypatch.setattr(choice, "choose_method", lambda *args, **kwargs: ("hmc", {}))
+    B = torch.tensor([[.5, .1, 0, .2], [.1, .4, .1, 0], [0, .1, .3, .1], [.2, 0, .1, .5]], dtype=F)
+    d = hardeq.ConstrainedNormal(torch.full((4,), .3, dtype=F), covariance_matrix=B @ B.T + .05 * torch.eye(4, dtype=F),
+                                 constraint=hardeq.SumConstraint(torch.zeros(4, dtype=torch.long),
+                                                                 torch.tensor([1.2], dtype=F)))
+    hi = torch.ones(4, dtype=F)
+    hi[1] = 1e-9
+    info = d.truncate(0.0, hi).sample_with_info((24,), burn_in=2, generator=torch.Generator().manual_seed(0))
+    assert info.method == "gibbs"
+    assert float(info.samples[:, 0].std()) > 0.05
+    assert bool(((info.samples >= 0) & (info.samples <= hi)).all())
