@@ -23,11 +23,17 @@ The splits (:func:`augmentation`):
 
 * :class:`~hardeq.linalg.covariance.LowRankCovariance`: :math:`D` = its diagonal, :math:`V` = its factor (O(n r)
   per sweep and chain, plus an ``r x r`` Cholesky once);
-* :class:`~hardeq.linalg.block_diagonal.BlockDiagonalCovariance`: :math:`D` = its diagonal, and one ``u_g`` of size
-  ``r`` per group (the precision is block diagonal: ``G`` Cholesky factors of ``r x r``; O(n r^2));
+* :class:`~hardeq.linalg.block_diagonal.BlockDiagonalCovariance`: :math:`D` = its diagonal, and :math:`V` its factor
+  spread over ``G r`` columns (row ``i`` in its group's ``r``; formed when ``n G r`` and ``(G r)^2`` per batch element
+  stay within :data:`MAX_FACTOR_ELEMENTS`);
 * :class:`~hardeq.linalg.covariance.FullCovariance` (the user's ``n x n``): :math:`D = \tfrac12\lambda_{\min}(C)\,
   \mathrm{diag}\,\Sigma` with :math:`C` the correlation matrix, and :math:`V` from the eigendecomposition of
   :math:`\Sigma - D` (O(n^3) once, O(n^2) per sweep and chain).
+
+The sweep never forms :math:`Vu`: it needs only each block's share :math:`\sum_{i\in b} d_i V_i u / v_i` (one batched
+product with the pool's :math:`W_b`, :class:`~hardeq.bounds.partition.Pool`), and :math:`u` itself is one batched
+product :math:`u = (z - \mu) G + \xi` with :math:`G = D^{-1} V P^{-1}` and :math:`\xi = \varepsilon L^{-1}` (rows),
+:math:`P = LL^\top`, whose noise is drawn for many sweeps at once.
 """
 
 from __future__ import annotations
@@ -47,16 +53,24 @@ _F64 = torch.float64
 MAX_FACTOR_ELEMENTS = 1 << 24
 
 
+def _width(cov: Covariance) -> int:
+    """Columns of the dense factor ``V`` of the split."""
+    if isinstance(cov, BlockDiagonalCovariance):
+        return cov.num_groups * int(cov.cov_factor.shape[-1])
+    part = cov.factor_part()
+    return cov.event_size if part is None else int(part.shape[-1])
+
+
 def augmentation_unsupported(cov: Covariance) -> str | None:
     """Why :func:`augmentation` cannot split ``cov`` (a sentence), or ``None`` when it can (or when ``cov`` is
     diagonal and needs none). O(1)."""
-    if cov.is_diagonal or isinstance(cov, BlockDiagonalCovariance):
+    if cov.is_diagonal:
         return None
     n = cov.event_size
     batch = max(1, cov.batch_shape.numel())
-    if isinstance(cov, FullCovariance) or cov.diag_part() is not None:
-        width = n if cov.diag_part() is None else int(cov.factor_part().shape[-1])  # type: ignore[union-attr]
-        if n * width * batch <= MAX_FACTOR_ELEMENTS:
+    if isinstance(cov, (FullCovariance, BlockDiagonalCovariance)) or cov.diag_part() is not None:
+        width = _width(cov)
+        if max(n, width) * width * batch <= MAX_FACTOR_ELEMENTS:
             return None
         return (f"the Gibbs sampler's augmentation Sigma = D + V V^T would form a dense factor of {n} x {width} per "
                 f"batch element ({batch}), over its limit of {MAX_FACTOR_ELEMENTS} entries")
@@ -66,59 +80,40 @@ def augmentation_unsupported(cov: Covariance) -> str | None:
 
 @dataclass
 class Augmentation:
-    r""":math:`\Sigma = D + VV^\top` split for the Gibbs sampler, float64, detached.
+    r""":math:`\Sigma = D + VV^\top` split for the Gibbs sampler, float64, detached, over the flattened batch ``B``.
 
     Attributes:
-        diag (Tensor): :math:`D`, ``(*batch, n)``.
-        factor (Tensor): :math:`V`, ``(*batch, n, r)``: the whole factor (``index`` is ``None``) or, per coordinate,
-            the ``r`` entries of its group's block (``index`` given: :math:`V_{i, (g, j)} = W_{ij}[h(i) = g]`).
-        index (Tensor | None): group of each coordinate ``(n,)`` (block-diagonal), else ``None`` (one group).
-        groups (int): number of groups ``G``.
-        chol (Tensor): Cholesky factor of :math:`P = I + V^\top D^{-1} V`, ``(*batch, G, r, r)``.
+        diag (Tensor): :math:`D`, ``(B, n)``.
+        factor (Tensor): :math:`V`, ``(1 or B, n, r)``.
+        gain (Tensor): :math:`G = D^{-1} V P^{-1}`, ``(B, n, r)``: the mean of :math:`u \mid z` is
+            :math:`(z - \mu) G` (rows), with :math:`P = I + V^\top D^{-1} V = LL^\top`.
+        noise (Tensor): :math:`L^{-1}`, ``(B, r, r)``: :math:`\varepsilon L^{-1}` (rows) has covariance :math:`P^{-1}`.
     """
 
     diag: Tensor
     factor: Tensor
-    index: Tensor | None
-    groups: int
-    chol: Tensor
+    gain: Tensor
+    noise: Tensor
 
-    def _group_sum(self, x: Tensor) -> Tensor:
-        """``(..., n, r) -> (..., G, r)``: sums over the coordinates of each group (``index`` given)."""
-        assert self.index is not None
-        shape = x.shape[:-2] + (self.groups,) + x.shape[-1:]
-        return torch.zeros(shape, dtype=x.dtype, device=x.device).index_add_(-2, self.index, x)
-
-    def draw(self, z: Tensor, mu: Tensor, generator: torch.Generator | None) -> Tensor:
-        r"""One draw of :math:`u \mid z` mapped back, :math:`\mu + Vu`: ``z`` ``(C, *batch, n)`` float64 ->
-        ``(C, *batch, n)``. Cost O(n r) (plus O(G r^2)) per chain and batch element."""
-        w = (z - mu) / self.diag                                                  # (C, *batch, n)
-        if self.index is None:
-            rhs = w.unsqueeze(-2) @ self.factor                                   # (C, *batch, 1, r)
-        else:
-            rhs = self._group_sum(w.unsqueeze(-1) * self.factor)                  # (C, *batch, G, r)
-        mean = torch.cholesky_solve(rhs.unsqueeze(-1), self.chol.expand(rhs.shape + self.chol.shape[-1:]))
-        noise = torch.randn(rhs.shape, dtype=_F64, device=z.device, generator=generator).unsqueeze(-1)
-        lt = self.chol.mT.expand(mean.shape[:-1] + self.chol.shape[-1:])
-        u = (mean + torch.linalg.solve_triangular(lt, noise, upper=True)).squeeze(-1)   # (C, *batch, G, r)
-        shift: Tensor = ((self.factor @ u.mT).squeeze(-1) if self.index is None
-                         else (self.factor * u.index_select(-2, self.index)).sum(-1))
-        return mu + shift
+    def bias(self, mu: Tensor, eps: Tensor) -> Tensor:
+        r""":math:`\varepsilon L^{-1} - \mu G` for standard normal ``eps`` ``(S, B, C, r)`` and ``mu`` ``(B, n)``:
+        what :math:`u = zG + \text{bias}` adds for ``S`` sweeps at once."""
+        return eps @ self.noise.unsqueeze(0) - (mu.unsqueeze(-2) @ self.gain).unsqueeze(0)
 
 
 def augmentation(cov: Covariance, batch: torch.Size, n: int) -> Augmentation:
-    """The split of ``cov`` (module docstring), broadcast to ``batch``; ``ValueError`` where
-    :func:`augmentation_unsupported` says why not."""
+    """The split of ``cov`` (module docstring), broadcast to ``batch`` and flattened to ``B = prod(batch)`` (at
+    least 1); ``ValueError`` where :func:`augmentation_unsupported` says why not."""
     reason = augmentation_unsupported(cov)
     if reason is not None:
         raise ValueError(reason)
-    index: Tensor | None = None
-    groups = 1
     with torch.no_grad():
         if isinstance(cov, BlockDiagonalCovariance):
             diag = cov.scale.detach().to(_F64).square()
-            factor = cov.cov_factor.detach().to(_F64)
-            index, groups = cov.index, cov.num_groups
+            W = cov.cov_factor.detach().to(_F64)                                   # (*b, n, r)
+            r, G = W.shape[-1], cov.num_groups
+            cols = (cov.index.unsqueeze(-1) * r + torch.arange(r, device=W.device)).expand(W.shape)
+            factor = torch.zeros(W.shape[:-1] + (G * r,), dtype=_F64, device=W.device).scatter(-1, cols, W)
         elif cov.diag_part() is not None:
             diag = cov.diag_part().detach().to(_F64)  # type: ignore[union-attr]
             factor = cov.factor_part().detach().to(_F64)  # type: ignore[union-attr]
@@ -130,16 +125,13 @@ def augmentation(cov: Covariance, batch: torch.Size, n: int) -> Augmentation:
             diag = 0.5 * lam_min * sd.square()
             evals, evecs = torch.linalg.eigh(sigma - torch.diag_embed(diag))
             factor = evecs * evals.clamp_min(0.0).sqrt().unsqueeze(-2)
-        diag = diag.expand(batch + (n,))
-        factor = factor.expand(batch + factor.shape[-2:])
+        B = max(1, batch.numel())
         r = factor.shape[-1]
+        diag = diag.expand(batch + (n,)).reshape(B, n)
+        factor = factor.expand(batch + factor.shape[-2:]).reshape(B, n, r)
         scaled = factor / diag.unsqueeze(-1)
-        if index is None:
-            prec = factor.mT @ scaled                                              # (*batch, r, r)
-            prec = prec.unsqueeze(-3)                                              # (*batch, 1, r, r)
-        else:
-            outer = scaled.unsqueeze(-1) * factor.unsqueeze(-2)                    # (*batch, n, r, r)
-            prec = torch.zeros(batch + (groups, r, r), dtype=_F64, device=factor.device).index_add_(-3, index, outer)
-        prec = prec + torch.eye(r, dtype=_F64, device=factor.device)
-        chol = torch.linalg.cholesky(prec)
-    return Augmentation(diag=diag, factor=factor, index=index, groups=groups, chol=chol)
+        chol = torch.linalg.cholesky(factor.mT @ scaled + torch.eye(r, dtype=_F64, device=factor.device))
+        eye = torch.eye(r, dtype=_F64, device=factor.device).expand(B, r, r)
+        linv = torch.linalg.solve_triangular(chol, eye, upper=False)                # L^{-1}
+        gain = torch.cholesky_solve(scaled.mT, chol).mT.contiguous()               # D^{-1} V P^{-1}
+    return Augmentation(diag=diag.contiguous(), factor=factor.contiguous(), gain=gain, noise=linv)

@@ -24,7 +24,7 @@ def _check_int(name: str, value: object, minimum: int) -> int:
 
 
 def _bound(name: str, value: object, shape: torch.Size, dtype: torch.dtype, device: torch.device,
-           default: float, inward: float) -> Tensor:
+           default: float, inward: float, read: bool = True) -> Tensor:
     """``value`` (None, a number or a tensor) broadcast to ``shape`` in ``dtype``; a value not representable in
     ``dtype`` is rounded towards the inside of the box (towards ``inward``), so the box never grows."""
     if value is None:
@@ -42,22 +42,23 @@ def _bound(name: str, value: object, shape: torch.Size, dtype: torch.dtype, devi
     except RuntimeError:
         raise ValueError(f"{name} must broadcast to batch_shape + (n,) = {tuple(shape)}, got shape "
                          f"{tuple(value.shape)}.") from None
-    if bool(torch.isnan(wide).any()):
+    if read and bool(torch.isnan(wide).any()):
         raise ValueError(f"{name} contains nan; use -inf / +inf for an unbounded coordinate.")
     out = wide.to(dtype)
     moved = out.to(wide.dtype) != wide if wide.dtype != dtype else torch.zeros((), dtype=torch.bool, device=device)
-    if bool(moved.any()):  # rounded outward? step one ulp inward
+    if not read or bool(moved.any()):  # rounded outward? step one ulp inward
         outward = (out.to(wide.dtype) < wide) if inward > 0 else (out.to(wide.dtype) > wide)
         out = torch.where(outward, torch.nextafter(out, torch.full_like(out, inward)), out)
     return out.contiguous()
 
 
 def _box(lower: object, upper: object, shape: torch.Size, dtype: torch.dtype,
-         device: torch.device) -> tuple[Tensor, Tensor]:
-    """The samplers' ``(lo, hi)``, each ``shape`` in ``dtype`` (:func:`_bound`), checked ``lo <= hi``."""
-    lo = _bound("lower", lower, shape, dtype, device, -math.inf, math.inf)
-    hi = _bound("upper", upper, shape, dtype, device, math.inf, -math.inf)
-    if bool((lo > hi).any()):
+         device: torch.device, read: bool = True) -> tuple[Tensor, Tensor]:
+    """The samplers' ``(lo, hi)``, each ``shape`` in ``dtype`` (:func:`_bound`), checked ``lo <= hi`` (and for nan);
+    ``read=False`` skips the checks that read values back (the caller checks them, batched into one read)."""
+    lo = _bound("lower", lower, shape, dtype, device, -math.inf, math.inf, read)
+    hi = _bound("upper", upper, shape, dtype, device, math.inf, -math.inf, read)
+    if read and bool((lo > hi).any()):
         bad = (lo > hi).nonzero()[0].tolist()
         raise ValueError(f"lower must be <= upper everywhere; at index {tuple(bad)} lower = "
                          f"{lo[tuple(bad)].item():.6g} > upper = {hi[tuple(bad)].item():.6g}.")
@@ -66,7 +67,7 @@ def _box(lower: object, upper: object, shape: torch.Size, dtype: torch.dtype,
 
 @torch.no_grad()
 def _check_start(start: object, shape: torch.Size, lo: Tensor, hi: Tensor, constraint: EqualityConstraint,
-                 dtype: torch.dtype, device: torch.device) -> Tensor:
+                 dtype: torch.dtype, device: torch.device, read: bool = True) -> Tensor:
     r"""``start`` ``(chains, *batch, n)`` checked (a tensor of that shape on ``device``, inside ``[lo, hi]``, on the
     plane to within :math:`\sqrt\varepsilon` per row) and returned detached in ``dtype``; the samplers' start."""
     if not isinstance(start, Tensor):
@@ -77,6 +78,8 @@ def _check_start(start: object, shape: torch.Size, lo: Tensor, hi: Tensor, const
     if not start.is_floating_point() or start.device != device:
         raise TypeError(f"start must be a floating-point tensor on {device}, got {start.dtype} on {start.device}.")
     z0 = start.detach().to(dtype)
+    if not read:
+        return z0
     outside = ~((z0 >= lo) & (z0 <= hi))
     if bool(outside.any()):
         gap = torch.maximum(lo - z0, z0 - hi).masked_fill(~outside, -math.inf).nan_to_num(math.inf)

@@ -12,25 +12,23 @@ evaluates that (:math:`\mu` is the user's ``loc``, in float64: no conditional me
 
 **One sweep.**
 
-1. A random partition of the coordinates into disjoint blocks :math:`S_1, \dots, S_B`, drawn independently of the
-   state (shared by every chain and batch element):
+1. One partition of the coordinates into disjoint blocks :math:`S_1, \dots, S_B`, drawn independently of the state:
+   entry ``k`` (uniform) of a pool of :math:`K` partitions drawn once per call with the generator
+   (:class:`~hardeq.bounds.partition.Pool`: even entries uniformly random, odd entries *stratified*, coordinates
+   alike in a score the parameters fix sharing blocks: pressed coordinates pair with pressed ones, free with free):
 
    * a **grouped sum** constraint (``constraint.group_index`` is not ``None``: every coordinate in one row, with
-     coefficient 1; :class:`~hardeq.SumConstraint`): blocks are random pairs :math:`(i, j)` inside one group (a
-     random permutation of each group, paired in order; the last member of an odd group stays put that sweep),
-     with direction :math:`d = e_i - e_j`. A group of one is never moved: the constraint fixes its value;
+     coefficient 1; :class:`~hardeq.SumConstraint`): pairs :math:`(i, j)` of a random order of each group, direction
+     :math:`d = e_i - e_j`; a pair that straddles two groups stays put (so a group of one never moves: the
+     constraint fixes its value);
    * any other constraint with :math:`a \le` :data:`GIBBS_MAX_ROWS` rows and :math:`a n \le`
      :data:`GIBBS_MAX_DENSE_ELEMENTS` entries per batch element of ``A`` (:class:`~hardeq.LinearConstraint`, a
      :class:`~hardeq.SparseConstraint` with few rows: its ``(a, n)`` dense copy is made once): blocks of
-     :math:`a + 1` coordinates (a random permutation cut in ``n // (a + 1)`` blocks; the ``n mod (a + 1)`` left
-     over stay put that sweep), with :math:`d_b` the unit null vector of :math:`A_{:,S_b}` (``a x (a + 1)``): the
-     last column of the complete float64 QR of :math:`A_{:,S_b}^\top`, which lies in the null space whatever the
+     :math:`a + 1` coordinates (the ``n mod (a + 1)`` left over stay put), with :math:`d_b` the unit null vector of
+     :math:`A_{:,S_b}` (``a x (a + 1)``, from one batched QR at setup), which lies in the null space whatever the
      rank of the block. A coordinate the constraint determines (zero variance on the plane) gets :math:`d_i = 0`.
 
-   :math:`Ad_b = 0`, so every move stays on the plane. Even sweeps draw the partition uniformly; odd sweeps draw a
-   *stratified* one (the coordinates sorted by a score the parameters fix, jittered, then cut in blocks: pressed
-   coordinates pair with pressed ones, free with free; see :class:`~hardeq.bounds.partition.Blocks`). Neither looks
-   at the state.
+   :math:`Ad_b = 0`, so every move stays on the plane. No sort, permutation or QR runs per sweep.
 2. Every block moves along its line, :math:`z \leftarrow z + \sum_b t_b d_b`, with :math:`(t_1, \dots, t_B)` drawn
    from their joint conditional law. Because :math:`\Sigma` is diagonal and the blocks are disjoint, that law
    **factorises**: :math:`t_b \sim \mathcal N(-\beta_b/\alpha_b, 1/\alpha_b)` truncated to the chord
@@ -39,20 +37,22 @@ evaluates that (:math:`\mu` is the user's ``loc``, in float64: no conditional me
    .. math:: \alpha_b = \sum_{i \in S_b} d_i^2 / v_i, \qquad \beta_b = \sum_{i\in S_b} d_i (z_i - \mu_i) / v_i,
              \qquad t^-_b = \max_{i} \tfrac{(l_i \text{ or } u_i) - z_i}{d_i}, \quad t^+_b = \min_i (\dots).
 
-   All blocks, chains and batch elements are drawn at once: a sweep is a handful of vectorised O(n) kernels
-   (gathers, one scatter, one batch of 1-D truncated normal draws) plus, for a dense ``A``, one batched QR of
-   ``n / (a + 1)`` matrices of size ``(a + 1) x a`` (O(n a^2), shared by the chains).
+   All blocks, chains and batch elements are drawn at once by one fixed sequence of about 30 whole-batch kernels
+   (:func:`hardeq.bounds.sweep.sweep`: a gather, the chord and :math:`\beta` in one pass, the exact 1-D draw, one
+   scatter), with no Python per block and no host read; each sweep takes a view of one pool entry, and the uniforms are
+   drawn for :data:`CHUNK_SWEEPS` sweeps at once.
 
 **What is exact.** For a fixed partition the sweep is an exact Gibbs update of :math:`(t_1, \dots, t_B)` (it leaves
 the target invariant); the partition is drawn independently of the state, so a sweep is a mixture of such kernels
 and leaves the target invariant too. The chain's stationary law is therefore exactly the truncated conditional; a
 draw after finitely many sweeps is distributed as the target only when the start is (use ``burn_in``, several
 chains and :attr:`GibbsResult.ess` / :attr:`GibbsResult.rhat`). The 1-D draws are exact in float64
-(:func:`truncated_standard_normal`). Feasibility is exact for every draw: each move is clamped into the box,
+(the inverse CDF; beyond 35 standard deviations a Metropolis-Hastings step with a Rayleigh proposal, exact in
+law: :mod:`hardeq.bounds.sweep`). Feasibility is exact for every draw: each move is clamped into the box,
 the state (float64) is re-projected onto the plane every :data:`REPROJECT_EVERY` sweeps (a round-off move:
-:math:`z \leftarrow z - VA^\top(AVA^\top)^{-1}(Az - k)`, then clamped), and each recorded draw is
-:meth:`~hardeq.linalg.conditioning.Conditioner.condition`-ed in the working dtype and clamped into the box: every
-bound met exactly, every row of :math:`Az = k` within the untruncated distribution's per-row tolerance.
+:math:`z \leftarrow z - VA^\top(AVA^\top)^{-1}(Az - k)`, then clamped), and each recorded draw is projected twice
+more, cast to the working dtype and clamped into the box: every bound met exactly, every row of :math:`Az = k` within
+the untruncated distribution's per-row tolerance.
 
 **Limits.** A covariance must have a diagonal part (:func:`~hardeq.bounds.augment.augmentation_unsupported`);
 through the augmentation the chain mixes more slowly where :math:`D` is small against :math:`VV^\top`. Mixing is
@@ -62,14 +62,19 @@ polytope; or a block whose chord is pinched by one tight coordinate: large dense
 coordinates move mostly when paired with each other. It does *not* slow where coordinates are pressed against a
 wall (a mean many standard deviations outside the box), where exact HMC bounces without end.
 
-**Cost per sweep**, per chain and batch element: O(n) for a grouped sum, O(n a) for a dense ``A`` (plus the shared
-O(n a^2) QR); the re-projection every :data:`REPROJECT_EVERY` sweeps costs the same order.
+**Cost per sweep**, per chain and batch element: O(n) (O(n r) with an augmentation of rank ``r``), in at most 40
+ATen calls (32-35 measured) whatever ``n``; the re-projection every :data:`REPROJECT_EVERY` sweeps costs O(n a).
+**Host reads**: two per call (one batched check of the bounds and the start, one of the final state's finiteness),
+none per sweep. **Setup**: the pool, ``K`` sorts of ``n`` keys and, for a dense ``A``, one batched QR of
+``K n / (a + 1)`` small matrices; about ``K B n (11 + r / (a + 1))`` float64 numbers.
 """
 
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -78,9 +83,14 @@ from .augment import Augmentation, augmentation, augmentation_unsupported
 from .diagnostics import effective_sample_size, split_rhat
 from .checks import _box, _check_int, _check_start
 from .hmc import MIN_DRAWS_FOR_DIAGNOSTICS
-from .partition import Blocks, Projector
+from .partition import Pool, Projector
+from .sweep import Constants
+from .sweep import sweep as one_sweep
 from .target import PlaneTarget
-from .truncnorm import _draw, truncated_standard_normal
+from .truncnorm import truncated_standard_normal
+
+if TYPE_CHECKING:
+    from ..constraints.base import EqualityConstraint
 
 __all__ = ["GIBBS_MAX_DENSE_ELEMENTS", "GIBBS_MAX_ROWS", "GibbsResult", "blocked_gibbs", "gibbs_unsupported",
            "truncated_standard_normal"]
@@ -91,6 +101,10 @@ GIBBS_MAX_ROWS = 64
 GIBBS_MAX_DENSE_ELEMENTS = 1 << 24
 #: sweeps between two round-off re-projections of the state onto the plane
 REPROJECT_EVERY = 64
+#: sweeps whose uniforms are drawn at once ...
+CHUNK_SWEEPS = 16
+#: ... within this many float64 entries
+CHUNK_ELEMENTS = 1 << 22
 _F64 = torch.float64
 
 
@@ -106,7 +120,8 @@ class GibbsResult:
         rhat (Tensor): split :math:`\\hat R` of each coordinate, ``(*batch, n)`` float64; ``nan`` likewise.
         sweeps (int): sweeps run per chain (burn-in included).
         block_size (int): coordinates per block (2 for a grouped sum, ``a + 1`` otherwise).
-        blocks (int): blocks moved per sweep (per chain and batch element).
+        blocks (int): block slots per sweep (per chain and batch element): ``n // block_size`` (for a grouped sum,
+            a pair that straddles two groups stays put).
         method (str): ``"gibbs"``.
 
     Examples:
@@ -235,65 +250,72 @@ def blocked_gibbs(dist: object, lower: Tensor | float | None, upper: Tensor | fl
     dtype = cond.dtype
     shape = target.shape
     device = target.loc.device
-    lo, hi = _box(lower, upper, shape, dtype, device)
+    lo, hi = _box(lower, upper, shape, dtype, device, read=False)
     constraint = cond.constraint
-    z = _check_start(start, shape, lo, hi, constraint, dtype, device).to(_F64)
+    z0 = _check_start(start, shape, lo, hi, constraint, dtype, device, read=False)
     lo64, hi64 = lo.to(_F64), hi.to(_F64)
     mu = target.loc.detach().to(_F64).expand(shape)
     marginal = cond.cov.variance.detach().to(_F64).expand(shape)
-    aug: Augmentation | None = None if cond.cov.is_diagonal else augmentation(cond.cov, target.batch_shape, shape[-1])
-    var = marginal if aug is None else aug.diag
+    chains, n = z0.shape[0], shape[-1]
+    B = max(1, target.batch_shape.numel())
+    aug = None if cond.cov.is_diagonal else augmentation(cond.cov, target.batch_shape, n)
+    var = marginal if aug is None else aug.diag.view(shape)
     frozen = None
+    A = None
     if constraint.group_index is None:  # coordinates the constraint determines: no motion (d_i = 0)
         eps = torch.finfo(dtype).eps
         frozen = cond.variance().detach().expand(shape) <= 16 * eps * cond.cov.variance.detach().expand(shape)
+        frozen = frozen.reshape(B, n)
+        rows = constraint.dense_rows().detach().to(device=device, dtype=_F64)
+        A = rows.reshape(1, *rows.shape[-2:]) if rows.dim() == 2 else \
+            rows.expand(target.batch_shape + rows.shape[-2:]).reshape(B, *rows.shape[-2:])
     pressure = (torch.maximum(lo64 - mu, mu - hi64).clamp_min(0.0) / marginal.sqrt()).nan_to_num(0.0)
-    blocks_of = Blocks(constraint, frozen, device, pressure)
-    project = Projector(constraint, var, blocks_of)
-    z = project(z, lo64, hi64)
-    if not bool(torch.isfinite(z).all()):
-        raise RuntimeError("blocked_gibbs: the start is not finite after projection onto the plane.")
+    def flat(t: Tensor) -> Tensor:
+        return t.reshape(B, n)
 
     sweeps = burn_in + num_samples * thin
+    pool = Pool(constraint, A, frozen, flat(pressure), flat(var), flat(mu), flat(lo64), flat(hi64), aug, generator,
+                work=sweeps * chains)
+    project = Projector(constraint, var)
+    z = project(z0.to(_F64), lo64, hi64)
+    # the one host read before the sweeps: the start and the bounds checked, the projected start finite, and the
+    # seed of the partitions' choices (a Python stream: each sweep takes a view of one pool entry)
+    seed = torch.randint(0, 2 ** 62, (), device=device, generator=generator)
+    ok, seed_value = torch.stack([_all_fine(start, dtype, constraint, lo, hi, z).long(), seed]).tolist()
+    if not ok:
+        _raise_if_bad(lower, upper, start, shape, dtype, device, constraint)
+    choices = random.Random(seed_value)
+    zb = z.reshape(chains, B, n).transpose(0, 1).contiguous()          # (B, C, n)
+
+    consts = Constants(device)
     finite = torch.ones((), dtype=torch.bool, device=device)
     samples = torch.empty((num_samples,) + z.shape, dtype=dtype, device=device)
-    for sweep in range(sweeps):
-        blocks, d = blocks_of.draw(generator, sweep)                     # ([*batch,] Bk, s); (s,) or (*batch, Bk, s)
-        # the augmented covariance: u | z drawn, then this sweep targets N(mu + V u, D) (module augment)
-        m = mu if aug is None else aug.draw(z, mu, generator)            # (*batch, n) or (C, *batch, n)
-        if blocks.dim() == 2:                                            # one partition for the batch
-            x = z[..., blocks]                                           # (C, *batch, Bk, s)
-            m_b, v_b, lo_b, hi_b = m[..., blocks], var[..., blocks], lo64[..., blocks], hi64[..., blocks]
-        else:                                                            # one per batch element
-            idx = blocks.flatten(-2)
-            wide = idx.expand(z.shape[:-1] + idx.shape[-1:])
-            x = z.gather(-1, wide).view(z.shape[:-1] + blocks.shape[-2:])
-            v_b, lo_b, hi_b = (t.gather(-1, idx).view(blocks.shape) for t in (var, lo64, hi64))
-            m_b = mu.gather(-1, idx).view(blocks.shape) if aug is None else m.gather(-1, wide).view(x.shape)
-        dv = d / v_b                                                     # (*batch, Bk, s)
-        alpha = (d * dv).sum(-1)                                         # (*batch, Bk)
-        beta = ((x - m_b) * dv).sum(-1)                                  # (C, *batch, Bk)
-        up, down = d > 0, d < 0
-        q_lo, q_hi = (lo_b - x) / d, (hi_b - x) / d
-        t_lo = torch.where(up, q_lo, torch.where(down, q_hi, -math.inf)).amax(-1).clamp_max(0.0)
-        t_hi = torch.where(up, q_hi, torch.where(down, q_lo, math.inf)).amin(-1).clamp_min(0.0)
-        moving = alpha > 0
-        root = torch.where(moving, alpha, 1.0).sqrt()
-        centre = torch.where(moving, -beta / root.square(), 0.0)
-        a_std = torch.where(moving, (t_lo - centre) * root, 0.0)
-        b_std = torch.where(moving, (t_hi - centre) * root, 0.0)
-        step = centre + _draw(a_std, b_std, generator) / root
-        step = torch.where(moving, torch.minimum(torch.maximum(step, t_lo), t_hi), 0.0)
-        moved = torch.minimum(torch.maximum(x + step.unsqueeze(-1) * d, lo_b), hi_b)
-        z = z.index_copy(-1, blocks.reshape(-1), moved.flatten(-2)) if blocks.dim() == 2 else z.scatter(
-            -1, wide, moved.flatten(-2))
-        record = sweep >= burn_in and (sweep - burn_in) % thin == thin - 1
-        if sweep % REPROJECT_EVERY == REPROJECT_EVERY - 1 or record:
-            z = project(z, lo64, hi64)
-            finite = finite & torch.isfinite(z).all()              # read once, after the last sweep
-        if record:
-            out = cond.condition(z.to(dtype))
-            samples[(sweep - burn_in) // thin] = torch.maximum(torch.minimum(out, hi), lo)
+    r = 0 if aug is None else aug.factor.shape[-1]
+    Bk = pool.count
+    chunk = max(1, min(CHUNK_SWEEPS, CHUNK_ELEMENTS // max(1, B * chains * (2 * Bk + r))))
+    scale = torch.tensor([1.0, math.sqrt(2.0)], dtype=_F64, device=device)
+    for first in range(0, sweeps, chunk):
+        m = min(chunk, sweeps - first)
+        c_unif = (torch.rand((m, B, chains, Bk, 2), dtype=_F64, device=device, generator=generator)
+                  + 2.0 ** -54) * scale
+        c_bias = None
+        if aug is not None:
+            eps_u = torch.randn((m, B, chains, r), dtype=_F64, device=device, generator=generator)
+            c_bias = aug.bias(flat(mu), eps_u)
+        for j in range(m):
+            sweep = first + j
+            k = choices.randrange(pool.K)                              # independent of the state
+            zb = one_sweep(zb, pool.index[k], pool.slots[k], pool.roots[k], c_unif[j], consts,
+                           None if c_bias is None else c_bias[j], None if aug is None else aug.gain,
+                           None if pool.shares is None else pool.shares[k])
+            record = sweep >= burn_in and (sweep - burn_in) % thin == thin - 1
+            if sweep % REPROJECT_EVERY == REPROJECT_EVERY - 1 or record:
+                z = project(zb.transpose(0, 1).reshape(z.shape), lo64, hi64)
+                finite = finite & torch.isfinite(z).all()              # read once, after the last sweep
+                zb = z.reshape(chains, B, n).transpose(0, 1).contiguous()
+            if record:
+                out = project(z, lo64, hi64).to(dtype)
+                samples[(sweep - burn_in) // thin] = torch.maximum(torch.minimum(out, hi), lo)
     if not bool(finite):
         raise RuntimeError("blocked_gibbs: the state became non-finite; check that loc, the covariance and the bounds "
                            "are finite where they matter.")
@@ -302,5 +324,21 @@ def blocked_gibbs(dist: object, lower: Tensor | float | None, upper: Tensor | fl
     else:
         ess = torch.full(shape, math.nan, dtype=torch.float64, device=device)
         rhat = ess.clone()
-    return GibbsResult(samples=samples, ess=ess, rhat=rhat, sweeps=sweeps, block_size=blocks_of.size,
-                       blocks=blocks_of.count)
+    return GibbsResult(samples=samples, ess=ess, rhat=rhat, sweeps=sweeps, block_size=pool.size, blocks=pool.count)
+
+
+def _all_fine(start: Tensor, dtype: torch.dtype, constraint: EqualityConstraint, lo: Tensor, hi: Tensor,
+              z: Tensor) -> Tensor:
+    """Whether the bounds (no nan, ``lo <= hi``), the start (in the box, on the plane) and the projected start
+    (finite) are all fine: one boolean tensor, read with the seed."""
+    z0 = start.detach().to(dtype)
+    return ((lo <= hi).all() & ((z0 >= lo) & (z0 <= hi)).all()
+            & constraint.check(z0, rtol=math.sqrt(torch.finfo(dtype).eps)).all() & torch.isfinite(z).all())
+
+
+def _raise_if_bad(lower: object, upper: object, start: Tensor, shape: torch.Size, dtype: torch.dtype,
+                  device: torch.device, constraint: EqualityConstraint) -> None:
+    """The checks that name the fault :func:`_all_fine` found (they read more)."""
+    lo, hi = _box(lower, upper, shape, dtype, device)
+    _check_start(start, shape, lo, hi, constraint, dtype, device)
+    raise RuntimeError("blocked_gibbs: the start is not finite after projection onto the plane.")

@@ -129,6 +129,8 @@ class HMCResult:
         method (str): ``"hmc"``.
         capped (int): trajectories rejected because they reached ``max_bounces`` (their chains kept their
             position for that iteration; see the module docstring).
+        steps (int): steps of the event loop over all iterations (each advances every chain to its next wall or
+            its end: about the most bounces of a chain per iteration, plus one); what the cost follows.
 
     Examples:
         >>> from hardeq.bounds import exact_hmc
@@ -148,6 +150,7 @@ class HMCResult:
     corner_refreshes: int = 0
     method: str = "hmc"
     capped: int = 0
+    steps: int = 0
 
 
 class _Plane:
@@ -296,7 +299,7 @@ def exact_hmc(dist: object, lower: Tensor, upper: Tensor, start: Tensor, *, num_
     movable_lo, movable_hi = movable & torch.isfinite(lo_x), movable & torch.isfinite(hi_x)
     window = 64 * torch.finfo(dtype).eps
     corner_limit = 2 * n + 8
-    total_bounces, total_refreshes, total_capped, draws = 0, 0, 0, []
+    total_bounces, total_refreshes, total_capped, total_steps, draws = 0, 0, 0, 0, []
     moved = torch.zeros(start.shape[:-1], dtype=torch.bool, device=device)   # a trajectory of the chain was kept
     iterations = burn_in + num_samples * thin
     for iteration in range(iterations):
@@ -309,6 +312,7 @@ def exact_hmc(dist: object, lower: Tensor, upper: Tensor, start: Tensor, *, num_
         x_start = x
         capped = torch.zeros(S, dtype=torch.bool, device=device)  # reached max_bounces: rejected, back to x_start
         while True:
+            total_steps += 1
             t_lo, t_hi = _hit_times(x, v, lo_x, hi_x, movable_lo, movable_hi)
             times = torch.cat([t_lo, t_hi], dim=-1)                    # (*S, 2n)
             recent = last.clamp_min(0).unsqueeze(-1)
@@ -376,7 +380,7 @@ def exact_hmc(dist: object, lower: Tensor, upper: Tensor, start: Tensor, *, num_
                       "rhat), e.g. where the mean lies far outside the box in many coordinates.", RuntimeWarning,
                       stacklevel=2)
     return HMCResult(samples=samples, bounces=total_bounces, ess=ess, rhat=rhat, trajectories=trajectories,
-                     corner_refreshes=total_refreshes, method="hmc", capped=total_capped)
+                     corner_refreshes=total_refreshes, method="hmc", capped=total_capped, steps=total_steps)
 
 
 def _raise_stuck(moved: Tensor, plane: _Plane, lo: Tensor, hi: Tensor, iterations: int, max_bounces: int) -> None:

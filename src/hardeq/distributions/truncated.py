@@ -147,11 +147,11 @@ class TruncatedConstrainedNormal(Distribution):
       ``method="hmc"`` is exact Hamiltonian Monte Carlo on the plane (Pakman & Paninski 2014), for every
       covariance, exact in its stationary law. For both Markov chains the law is reached asymptotically in the
       number of steps and draws of one chain are correlated: see ``ess`` and ``rhat`` of :meth:`sample_with_info`.
-      ``method="auto"`` (default) measures the acceptance on a pilot of ``pilot_samples`` draws and uses rejection
-      when it is at least ``threshold`` (0.1: at most ten untruncated draws per kept one); otherwise Gibbs when it
-      applies (a covariance with a diagonal part; a grouped sum, or at most 64 rows of ``A``:
-      :func:`hardeq.bounds.gibbs_unsupported`), else HMC, both from :attr:`mode`. The method used is named in the
-      result.
+      ``method="auto"`` (default) picks the sampler with the most effective samples per (modelled) second on a short
+      pilot (:func:`hardeq.bounds.choice.choose_method`): rejection where the acceptance, measured on
+      ``pilot_samples`` draws, is at least ``threshold`` (0.1: at most ten untruncated draws per kept one), Gibbs
+      where it applies (:func:`hardeq.bounds.gibbs_unsupported`), HMC where it could win; the chains start from
+      :attr:`mode`. The method used is named in the result.
     * :attr:`mode`: the maximiser of the density on the polytope, exact up to round-off
       (:mod:`hardeq.bounds.mode`).
     * :meth:`log_prob`: ``log p(z | Az = k) - log Z`` in the box, ``-inf`` outside it. :attr:`normaliser_exact`
@@ -556,9 +556,10 @@ class TruncatedConstrainedNormal(Distribution):
             method: ``"rejection"`` (exact iid), ``"gibbs"`` (blocked Gibbs on the plane, any covariance with a
                 diagonal part; ``ValueError`` naming ``"hmc"`` otherwise), ``"hmc"`` (exact HMC on the plane; both
                 exact in their stationary law; :class:`~hardeq.bounds.ChainStuck` where an HMC chain cannot move)
-                or ``"auto"``: rejection when the pilot acceptance (:attr:`acceptance`, the smallest over the batch)
-                is at least ``threshold``, else Gibbs when it applies
-                (:func:`hardeq.bounds.gibbs_unsupported` is ``None``), else HMC.
+                or ``"auto"``: the most effective samples per modelled second on a short pilot of each sampler that
+                applies (rejection where the pilot acceptance, the smallest over the batch, is at least
+                ``threshold``; :func:`hardeq.bounds.choice.choose_method`); an HMC choice whose chain cannot move
+                falls back to Gibbs where it applies.
             chains: Markov chains per batch element (Gibbs or HMC; default ``prod(sample_shape)``: one draw per chain
                 after ``burn_in``, so draws are as independent as the burn-in makes them); each chain then gives
                 ``ceil(prod(sample_shape) / chains)`` draws ``thin`` steps apart. Chains start at :attr:`mode`.
@@ -585,7 +586,7 @@ class TruncatedConstrainedNormal(Distribution):
         sampler at n = 16 on a loaded CPU; fewer chains with ``thin`` trade independence for time); Gibbs,
         ``burn_in + ceil(num / chains) * thin`` sweeps of ``chains`` chains, each O(n) for a grouped sum and O(n a)
         for a dense ``A`` (no bounces: its cost does not grow where coordinates press against a wall, where HMC's
-        does). ``"auto"`` therefore prefers rejection whenever its acceptance allows, then Gibbs.
+        does). ``"auto"`` weighs these costs against each sampler's mixing on its pilot.
         """
         out = self._sample_compute(sample_shape, method, chains=chains, burn_in=burn_in, thin=thin,
                                    travel_time=travel_time, threshold=threshold, max_draws=max_draws,
@@ -606,14 +607,17 @@ class TruncatedConstrainedNormal(Distribution):
         batch, n = self.batch_shape, self.event_shape[0]
         from ..bounds.gibbs import blocked_gibbs, gibbs_unsupported
 
-        if method == "auto":
-            # with a generator the pilot draws from it too (not cached), so that the method chosen is reproducible
+        auto = method == "auto"
+        if auto:
+            # with a generator the pilots draw from it too (not cached), so that the method chosen is reproducible
             acc = self.acceptance if generator is None or self._line_exact else \
                 self._count_in_box(self.pilot_samples, generator)[2]
-            if float(acc.min()) >= threshold:
-                method = "rejection"
-            else:
-                method = "gibbs" if gibbs_unsupported(self.base) is None else "hmc"
+            from ..bounds.choice import choose_method
+
+            method = choose_method(self.base, self._lo, self._hi, self.mode.to(self._lo.dtype), num=max(num, 1),
+                                   chains=chains if chains is not None else max(num, 1),
+                                   acceptance=float(acc.min()), threshold=threshold, generator=generator,
+                                   burn_in=burn_in, thin=thin)[0]
         elif method == "gibbs":
             reason = gibbs_unsupported(self.base)
             if reason is not None:
@@ -624,6 +628,7 @@ class TruncatedConstrainedNormal(Distribution):
             z, acc = rejection_sample(self.base, self._lo, self._hi, num, max_draws=max_draws, generator=generator)
             ess = torch.full(batch + (n,), float(num), dtype=torch.float64, device=z.device)
             return TruncatedSamples(z.reshape(sample_shape + batch + (n,)), "rejection", acc, ess, None)
+        from ..bounds import ChainStuck
         from ..bounds.hmc import exact_hmc
 
         if chains is None:
@@ -638,9 +643,18 @@ class TruncatedConstrainedNormal(Distribution):
             samples, ess, rhat = res_g.samples, res_g.ess, res_g.rhat
         else:
             kwargs: dict[str, Any] = {} if travel_time is None else {"travel_time": travel_time}
-            res = exact_hmc(self.base, self._lo, self._hi, start, num_samples=per_chain, burn_in=burn_in, thin=thin,
-                            generator=generator, **kwargs)
-            samples, ess, rhat = res.samples, res.ess, res.rhat
+            try:
+                res = exact_hmc(self.base, self._lo, self._hi, start, num_samples=per_chain, burn_in=burn_in,
+                                thin=thin, generator=generator, **kwargs)
+            except ChainStuck:
+                if not auto or gibbs_unsupported(self.base) is not None:
+                    raise
+                method = "gibbs"                               # auto's HMC could not move: Gibbs (no bounces) can
+                res_g = blocked_gibbs(self.base, self._lo, self._hi, start, num_samples=per_chain, burn_in=burn_in,
+                                      thin=thin, generator=generator)
+                samples, ess, rhat = res_g.samples, res_g.ess, res_g.rhat
+            else:
+                samples, ess, rhat = res.samples, res.ess, res.rhat
         z = samples.reshape((per_chain * chains,) + batch + (n,))[:num]
         z = torch.minimum(torch.maximum(z.to(self._lo.dtype), self._lo), self._hi)
         return TruncatedSamples(z.reshape(sample_shape + batch + (n,)), method, None, ess, rhat)
