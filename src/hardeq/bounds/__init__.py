@@ -12,7 +12,8 @@ The user-facing object is :class:`hardeq.TruncatedConstrainedNormal`, made by
   covariance: the density of a sum of independent truncated normals, a tilted 1-D FFT convolution with a stated
   grid error;
 * :mod:`~hardeq.bounds.hmc` and :mod:`~hardeq.bounds.diagnostics` -- exact Hamiltonian Monte Carlo on the plane and
-  its effective sample size and split R-hat (``exact_hmc``, ``HMCResult``);
+  its effective sample size and split R-hat (``exact_hmc``, ``HMCResult``; a trajectory's operators and wall times
+  in :mod:`~hardeq.bounds.hmc_plane`);
 * :mod:`~hardeq.bounds.gibbs` -- random-partition blocked Gibbs (``blocked_gibbs``, ``GibbsResult``), for any
   covariance with a diagonal part through :mod:`~hardeq.bounds.augment` (:math:`\Sigma = D + VV^\top`), its
   partitions (:mod:`~hardeq.bounds.partition`) and exact 1-D truncated normal draws

@@ -40,7 +40,7 @@ from torch.distributions.transforms import Transform
 
 from ..constraints import EqualityConstraint
 from .normal import _AffineSubspace
-from .truncated import _BoxOnPlane
+from .truncated_support import _BoxOnPlane
 
 __all__ = ["PlaneTransform"]
 

@@ -1,127 +1,43 @@
-r"""The Gaussian conditioned on :math:`Az = k` and truncated to a box: :class:`TruncatedConstrainedNormal`."""
+r"""The Gaussian conditioned on :math:`Az = k` and truncated to a box: :class:`TruncatedConstrainedNormal`.
+
+The class holds the public surface (construction and its checks, the bounds, the support, the mode, the normaliser's
+properties, :meth:`~TruncatedConstrainedNormal.log_prob`, sampling, ``expand``); the machinery behind it is in mixins
+of one job each: :mod:`.truncated_normaliser` (the normaliser), :mod:`.truncated_log_z` (``log_prob``'s
+:math:`\log Z`, its gradient and training mode), :mod:`.truncated_sampling` (the method choice and the samplers),
+and :mod:`.truncated_support` (what they read, the support, the small helpers).
+"""
 
 from __future__ import annotations
 
-import functools
 import math
-import warnings
-from collections.abc import Callable, Iterable
-from typing import Any, Protocol, Self, TypeVar, cast
+from typing import Any, Self
 
 import torch
 from torch import Tensor
 from torch.distributions import Distribution, constraints
 
-from ..bounds.mode import ModeNotFound, truncated_mode
-from ..bounds.target import PlaneTarget
-from ..bounds.normaliser import exact_log_normaliser, line_bounds, null_direction, subset_log_normaliser, surrogate
+from ..bounds.mode import truncated_mode
+from ..bounds.normaliser import exact_log_normaliser, line_bounds
 from ..bounds.polytope import as_bound, check_bounds, check_polytope
-from ..bounds.rejection import AUTO_THRESHOLD, ROUND_ELEMENTS, rejection_sample
-from ..bounds.sum_normaliser import SumRowLayout, sum_row_layout, sum_row_log_normaliser
+from ..bounds.rejection import AUTO_THRESHOLD
 from ..bounds.result import TruncatedSamples
+from ..bounds.sum_normaliser import sum_row_layout
+from ..bounds.target import PlaneTarget
 from ..bounds.training import PersistentChains
-from ..bounds.volume import check_line_section, check_volume
-from ..constraints.base import EqualityConstraint
-from ..linalg.conditioning import Conditioner
-from ..linalg.covariance import Covariance
+from ..bounds.volume import check_line_section
+from .truncated_log_z import _LogZParts
+from .truncated_normaliser import SUBSET_BELOW_IN_BOX as SUBSET_BELOW_IN_BOX
+from .truncated_normaliser import SUBSET_ITERATIONS as SUBSET_ITERATIONS
+from .truncated_normaliser import _NormaliserParts
+from .truncated_sampling import METHODS as METHODS
+from .truncated_sampling import _SamplingParts
+from .truncated_support import ROW_RTOL as ROW_RTOL
+from .truncated_support import _Base, _BoxOnPlane, _full_precision, _sample_shape
 
 __all__ = ["TruncatedConstrainedNormal"]
 
-# This module does not import hardeq.distributions.normal (which imports it in ConstrainedNormal.truncate): the
-# base distribution is read through the structural type _Base, and the two small helpers below are this module's own.
-_F = TypeVar("_F", bound=Callable[..., Any])
 
-
-class _Base(Protocol):
-    """What :class:`TruncatedConstrainedNormal` uses of its base :class:`~hardeq.ConstrainedNormal`."""
-
-    _unbroadcasted_loc: Tensor
-    _validate_args: bool
-    covariance: Covariance
-    constraint: EqualityConstraint
-
-    @property
-    def conditioner(self) -> Conditioner: ...
-
-    @property
-    def batch_shape(self) -> torch.Size: ...
-
-    @property
-    def event_shape(self) -> torch.Size: ...
-
-    @property
-    def result_dtype(self) -> torch.dtype: ...
-
-    @property
-    def support(self) -> constraints.Constraint: ...
-
-    def log_prob(self, value: Tensor) -> Tensor: ...
-
-    def expand(self, batch_shape: torch.Size, _instance: Any = None) -> Any: ...
-
-    def _out(self, t: Tensor) -> Tensor: ...
-
-    def _as_event(self, name: str, value: Tensor) -> Tensor: ...
-
-
-def _full_precision(method: _F) -> _F:
-    """Run ``method`` with autocast disabled on the parameters' device (as the base distribution's methods do): under
-    ``torch.autocast`` a float32 matmul would otherwise run in a half dtype and lose the per-row accuracy."""
-
-    @functools.wraps(method)
-    def wrapper(self: TruncatedConstrainedNormal, *args: Any, **kwargs: Any) -> Any:
-        device_type = self._unbroadcasted_loc.device.type
-        if not torch.is_autocast_enabled(device_type):
-            return method(self, *args, **kwargs)
-        with torch.autocast(device_type, enabled=False):
-            return method(self, *args, **kwargs)
-
-    return cast(_F, wrapper)
-
-
-def _sample_shape(sample_shape: object, name: str = "sample_shape") -> torch.Size:
-    """``sample_shape`` as a ``torch.Size`` of non-negative ints, or ``TypeError`` / ``ValueError`` naming it."""
-    try:
-        shape = torch.Size(cast("Iterable[int]", sample_shape))
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a tuple (or torch.Size) of ints, got {sample_shape!r}.") from None
-    if any(s < 0 for s in shape):
-        raise ValueError(f"{name} must have non-negative sizes, got {tuple(shape)}.")
-    return shape
-
-#: methods of :meth:`TruncatedConstrainedNormal.sample_with_info`
-METHODS = ("auto", "rejection", "gibbs", "hmc")
-#: per-row tolerance of the untruncated law, by compute dtype (the library's exactness promise)
-ROW_RTOL = {torch.float32: 1e-5, torch.float64: 1e-12}
-#: a batch element whose untruncated draws put fewer than this many in the box gets the subset-simulation
-#: normaliser (:func:`~hardeq.bounds.normaliser.subset_log_normaliser`): the plain fraction's relative error would
-#: exceed 1/8 (and with none inside it has no value at all)
-SUBSET_BELOW_IN_BOX = 64
-#: kernel moves per level of the subset-simulation normaliser
-SUBSET_ITERATIONS = 4
-
-
-class _BoxOnPlane(constraints.Constraint):
-    """The support :math:`\\{z : Az = k,\\ l \\le z \\le u\\}`: the box exactly, the plane as
-    :class:`~hardeq.ConstrainedNormal`'s support checks it (per row, to round-off)."""
-
-    is_discrete = False
-    event_dim = 1
-
-    def __init__(self, plane: constraints.Constraint, lower: Tensor, upper: Tensor) -> None:
-        self.plane, self.lower, self.upper = plane, lower, upper
-        super().__init__()
-
-    def check(self, value: Tensor) -> Tensor:
-        v = value.to(self.lower.dtype)
-        on_plane: Tensor = self.plane.check(value)
-        return ((v >= self.lower) & (v <= self.upper)).all(-1) & on_plane
-
-    def __repr__(self) -> str:
-        return f"BoxOnPlane({self.plane!r})"
-
-
-class TruncatedConstrainedNormal(Distribution):
+class TruncatedConstrainedNormal(_SamplingParts, _LogZParts, _NormaliserParts, Distribution):
     r""":math:`z \sim \mathcal N(\mu, \Sigma)` given :math:`Az = k` and :math:`l \le z \le u`: a
     :class:`~hardeq.ConstrainedNormal` restricted to a box. Made by :meth:`ConstrainedNormal.truncate`.
 
@@ -178,7 +94,8 @@ class TruncatedConstrainedNormal(Distribution):
         grad_samples (int): truncated draws of the normaliser's gradient estimate.
         pilot_samples (int): untruncated draws of ``method="auto"``'s acceptance pilot.
         normaliser (str): ``"auto"`` (exact for ``n - a == 1`` or one sum row with a diagonal covariance, else Monte
-            Carlo), ``"exact"`` (``ValueError`` unless one of those) or ``"monte-carlo"`` (forced, e.g. to check the estimator against the exact one).
+            Carlo), ``"exact"`` (``ValueError`` unless one of those) or ``"monte-carlo"`` (forced, e.g. to check the
+            estimator against the exact one).
         training (bool | PersistentChains): training mode (:mod:`hardeq.bounds.training`): :meth:`log_prob` returns
             the *unnormalised* :math:`\log p(z \mid Az = k)` in the box, and its gradient carries the estimate of
             :math:`-\nabla\log Z` from a few sweeps of persistent chains (``hardeq.bounds.PersistentChains``, kept
@@ -251,28 +168,6 @@ class TruncatedConstrainedNormal(Distribution):
                 lows, highs, moves, pinned_out, _, _ = line_bounds(base, self._lo, self._hi, self._direction())
                 check_line_section(lows, highs, moves, pinned_out, loc.dtype)
 
-    def _check_volume(self) -> None:
-        """With two or more rows (not a grouped sum) and ``n - a >= 2``, whether a combination of rows and bounds
-        leaves the polytope without volume or empty (:func:`~hardeq.bounds.volume.check_volume`): once, before
-        anything that needs the density (the normaliser, :meth:`log_prob`, the samplers); :attr:`mode` does not
-        need it and works on a face too."""
-        if "volume" in self._cache:
-            return
-        base = self.base
-        con = base.constraint
-        if self.free_dim >= 2 and con.group_index is None and con.num_constraints >= 2:
-            def second_opinion(lo: Tensor, hi: Tensor) -> bool:
-                try:
-                    truncated_mode(base, lo.to(self._lo.dtype), hi.to(self._lo.dtype))
-                except ModeNotFound:
-                    return False
-                return True
-
-            with torch.no_grad():
-                check_volume(con, base._unbroadcasted_loc, base.covariance.variance, self._lo, self._hi,
-                             base.conditioner.variance(), self._lo.dtype, second_opinion)
-        self._cache["volume"] = True
-
     # ------------------------------------------------------------------ shape and support
     @property
     def _unbroadcasted_loc(self) -> Tensor:  # read by the full-precision guard of the methods
@@ -304,33 +199,6 @@ class TruncatedConstrainedNormal(Distribution):
         """The exact normaliser of one free dimension (a CDF difference, as cheap as the density)."""
         return self.free_dim == 1 and self._normaliser != "monte-carlo"
 
-    def _sum_layout(self) -> SumRowLayout | None:
-        """:func:`~hardeq.bounds.sum_normaliser.sum_row_layout` of the base law (computed once)."""
-        if "sum_layout" not in self._cache:
-            self._cache["sum_layout"] = sum_row_layout(self.base) if self.free_dim >= 2 else None
-        layout: SumRowLayout | None = self._cache["sum_layout"]
-        return layout
-
-    def _sum_row(self) -> tuple[Tensor, Tensor]:
-        """``(log Z, error)`` of one sum row (:mod:`hardeq.bounds.sum_normaliser`), compute dtype, differentiable
-        (cached when no gradient is needed); the Monte Carlo normaliser where the grid failed (an extreme tilt)."""
-        needs = self._needs_grad()
-        if not needs and "sum_row" in self._cache:
-            cached: tuple[Tensor, Tensor] = self._cache["sum_row"]
-            return cached
-        layout = self._sum_layout()
-        assert layout is not None
-        self._check_volume()
-        log_z, error = sum_row_log_normaliser(self.base, self._lo, self._hi, layout)
-        bad = ~(torch.isfinite(error) & torch.isfinite(log_z))
-        if bool(bad.any()):
-            mc, stderr, _ = self._mc()
-            log_z, error = torch.where(bad, mc, log_z), torch.where(bad, stderr, error)
-        out = (log_z.to(self._lo.dtype), error.to(self._lo.dtype))
-        if not needs:
-            self._cache["sum_row"] = (out[0].detach(), out[1].detach())
-        return out
-
     @constraints.dependent_property(is_discrete=False, event_dim=1)
     def support(self) -> constraints.Constraint:
         return _BoxOnPlane(self.base.support, self._lo, self._hi)
@@ -352,59 +220,6 @@ class TruncatedConstrainedNormal(Distribution):
         return mode
 
     # ------------------------------------------------------------------ normaliser
-    def _direction(self) -> Tensor:
-        """The unit null vector of ``A`` (``n - a == 1``), computed once."""
-        if "direction" not in self._cache:
-            self._cache["direction"] = null_direction(self.base.constraint).detach()
-        direction: Tensor = self._cache["direction"]
-        return direction
-
-    @torch.no_grad()
-    def _count_in_box(self, num: int, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """MC normaliser from ``num`` untruncated draws, in chunks that bound memory."""
-        B, n = self.batch_shape.numel(), self.event_shape[0]
-        chunk = max(1, ROUND_ELEMENTS // max(1, B * n))
-        inside = torch.zeros(self.batch_shape, dtype=torch.float64, device=self._lo.device)
-        cond, loc = self.base.conditioner, self.base._unbroadcasted_loc
-        done = 0
-        while done < num:
-            m = min(chunk, num - done)
-            z = cond.sample(loc, (m,), generator=generator)
-            inside += ((z >= self._lo) & (z <= self._hi)).all(-1).to(torch.float64).sum(0)
-            done += m
-        acc = inside / num
-        stderr = torch.where(acc > 0, ((1 - acc) / (num * acc.clamp_min(1e-300))).sqrt(),
-                             torch.full_like(acc, float("inf")))
-        return acc.log(), stderr, acc
-
-    def _mc(self) -> tuple[Tensor, Tensor, Tensor]:
-        """``(log Z, stderr, acceptance)``: the untruncated draws' fraction in the box, replaced by subset
-        simulation in the batch elements where fewer than :data:`SUBSET_BELOW_IN_BOX` of them fell inside."""
-        if "mc" not in self._cache:
-            self._check_volume()
-            log_z, stderr, acc = self._count_in_box(self.normaliser_samples)
-            rare = acc * self.normaliser_samples < SUBSET_BELOW_IN_BOX
-            if bool(rare.any()):
-                with torch.no_grad():
-                    log_s, se_s, _ = subset_log_normaliser(self.base, self._lo, self._hi, self._kernel,
-                                                           num=max(64, self.normaliser_samples // 4),
-                                                           iterations=SUBSET_ITERATIONS)
-                log_z, stderr = torch.where(rare, log_s, log_z), torch.where(rare, se_s, stderr)
-            self._cache["mc"] = (log_z, stderr, acc)
-        mc: tuple[Tensor, Tensor, Tensor] = self._cache["mc"]
-        return mc
-
-    def _kernel(self, lower: Tensor, upper: Tensor, start: Tensor, steps: int) -> Tensor:
-        """``steps`` moves of blocked Gibbs (where it applies) or exact HMC for the law truncated to
-        ``[lower, upper]``, from ``start`` ``(chains, *batch, n)``; the states after them (subset simulation's
-        kernel)."""
-        from ..bounds.gibbs import blocked_gibbs, gibbs_unsupported
-        from ..bounds.hmc import exact_hmc
-
-        if gibbs_unsupported(self.base) is None:
-            return blocked_gibbs(self.base, lower, upper, start, num_samples=1, burn_in=steps - 1).samples[0]
-        return exact_hmc(self.base, lower, upper, start, num_samples=1, burn_in=steps - 1, allow_stuck=True).samples[0]
-
     @property
     @_full_precision
     def log_normaliser(self) -> Tensor:
@@ -435,8 +250,9 @@ class TruncatedConstrainedNormal(Distribution):
 
     @property
     def acceptance(self) -> Tensor:
-        """Acceptance of rejection sampling, ``batch_shape``: :math:`Z` itself when exact on a line (``n - a == 1``), else the pilot's measured
-        fraction over ``pilot_samples`` draws (what ``method="auto"`` compares with its threshold)."""
+        """Acceptance of rejection sampling, ``batch_shape``: :math:`Z` itself when exact on a line (``n - a == 1``),
+        else the pilot's measured fraction over ``pilot_samples`` draws (what ``method="auto"`` compares with its
+        threshold)."""
         if self._line_exact:
             with torch.no_grad():
                 return self.log_normaliser.detach().to(torch.float64).exp()
@@ -445,77 +261,6 @@ class TruncatedConstrainedNormal(Distribution):
             self._cache["pilot"] = self._count_in_box(self.pilot_samples)[2]
         pilot: Tensor = self._cache["pilot"]
         return pilot
-
-    def _needs_grad(self) -> bool:
-        base = self.base
-        return torch.is_grad_enabled() and (base._unbroadcasted_loc.requires_grad
-                                            or any(t.requires_grad for t in base.covariance.tensors())
-                                            or base.constraint.k.requires_grad)
-
-    def _training_log_z(self, value: Tensor) -> Tensor:
-        """Training mode: no :math:`\\log Z`, only the zero-valued surrogate whose gradient is the persistent chains'
-        estimate of :math:`\\nabla\\log Z` (:mod:`hardeq.bounds.training`); ``batch_shape``, compute dtype."""
-        chains = self.training
-        assert chains is not None
-        if not self._needs_grad():
-            return torch.zeros(self.batch_shape, dtype=self._lo.dtype, device=self._lo.device)
-        self._warn_k()
-        base, lo, hi = self.base, self._lo, self._hi
-        shape = self.batch_shape + self.event_shape
-        rtol = math.sqrt(torch.finfo(lo.dtype).eps)
-        with torch.no_grad():
-            start = chains.start(shape, lo, hi, lambda z: base.constraint.check(z, rtol=rtol),
-                                 base._as_event("value", value), self._compute_mode)
-            draws = self._chain(start, chains.sweeps)
-        chains.state = draws[-1].detach()
-        chains.steps += 1
-        return surrogate(self._plane_log_prob(), draws.flatten(0, 1))
-
-    @torch.no_grad()
-    def _chain(self, start: Tensor, sweeps: int) -> Tensor:
-        """``sweeps`` states ``(sweeps, chains, *batch, n)`` of blocked Gibbs (exact HMC where Gibbs does not
-        apply, stuck chains allowed) from ``start``, in the compute dtype."""
-        from ..bounds.gibbs import blocked_gibbs, gibbs_unsupported
-        from ..bounds.hmc import exact_hmc
-
-        if gibbs_unsupported(self.base) is None:
-            return blocked_gibbs(self.base, self._lo, self._hi, start, num_samples=sweeps, burn_in=0).samples
-        return exact_hmc(self.base, self._lo, self._hi, start, num_samples=sweeps, burn_in=0,
-                         allow_stuck=True).samples
-
-    def _plane_log_prob(self) -> Callable[[Tensor], Tensor]:
-        """The untruncated conditional log-density on the plane with ``k`` detached (the normaliser's surrogate
-        carries no gradient to ``k``; :mod:`hardeq.bounds.normaliser`)."""
-        base = self.base
-        if base.constraint.k.requires_grad:
-            con = base.constraint.with_k(base.constraint.k.detach())
-            make: Any = type(base)
-            base = make(base._unbroadcasted_loc, covariance=base.covariance, constraint=con, validate_args=False)
-        return base.log_prob
-
-    def _warn_k(self) -> None:
-        if self.base.constraint.k.requires_grad and not self._cache.get("warned_k"):
-                self._cache["warned_k"] = True
-                warnings.warn("k requires grad, but with n - a > 1 the Monte Carlo normaliser of "
-                              "TruncatedConstrainedNormal.log_prob carries no gradient to k (k moves the box's section "
-                              "of the plane; the identity grad log Z = E[grad log p] covers loc and the scales only). "
-                              "Treat k as data here, or use one free dimension (exact normaliser).", UserWarning,
-                              stacklevel=4)
-
-    def _log_z(self) -> Tensor:
-        """:math:`\\log Z` for :meth:`log_prob`, compute dtype: exact with autograd, or the MC value plus the
-        zero-valued surrogate that carries the gradient estimate."""
-        if self._line_exact:
-            return exact_log_normaliser(self.base, self._lo, self._hi, self._direction())
-        if self.normaliser_exact:
-            return self._sum_row()[0]
-        log_z = self._mc()[0].to(self._lo.dtype)
-        if self._needs_grad():
-            self._warn_k()
-            if "grad_draws" not in self._cache:
-                self._cache["grad_draws"] = self._sample_compute((self.grad_samples,), "auto").samples.detach()
-            log_z = log_z + surrogate(self._plane_log_prob(), self._cache["grad_draws"])
-        return log_z
 
     @_full_precision
     def log_prob(self, value: Tensor) -> Tensor:
@@ -593,71 +338,6 @@ class TruncatedConstrainedNormal(Distribution):
                                    generator=generator)
         out.samples = self.base._out(out.samples)
         return out
-
-    @torch.no_grad()
-    def _sample_compute(self, sample_shape: object, method: str, *, chains: int | None = None, burn_in: int = 100,
-                        thin: int = 1, travel_time: tuple[float, float] | None = None,
-                        threshold: float = AUTO_THRESHOLD,
-                        max_draws: int | None = None, generator: torch.Generator | None = None) -> TruncatedSamples:
-        sample_shape = _sample_shape(sample_shape)
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
-        self._check_volume()
-        num = sample_shape.numel()
-        batch, n = self.batch_shape, self.event_shape[0]
-        from ..bounds.gibbs import blocked_gibbs, gibbs_unsupported
-
-        auto = method == "auto"
-        if auto:
-            # with a generator the pilots draw from it too (not cached), so that the method chosen is reproducible
-            acc = self.acceptance if generator is None or self._line_exact else \
-                self._count_in_box(self.pilot_samples, generator)[2]
-            from ..bounds.choice import choose_method
-
-            method = choose_method(self.base, self._lo, self._hi, self.mode.to(self._lo.dtype), num=max(num, 1),
-                                   chains=chains if chains is not None else max(num, 1),
-                                   acceptance=float(acc.min()), threshold=threshold, generator=generator,
-                                   burn_in=burn_in, thin=thin)[0]
-        elif method == "gibbs":
-            reason = gibbs_unsupported(self.base)
-            if reason is not None:
-                raise ValueError(reason)
-            if travel_time is not None:
-                raise ValueError(f"travel_time is an HMC control; method='gibbs' takes none, got {travel_time!r}.")
-        if method == "rejection":
-            z, acc = rejection_sample(self.base, self._lo, self._hi, num, max_draws=max_draws, generator=generator)
-            ess = torch.full(batch + (n,), float(num), dtype=torch.float64, device=z.device)
-            return TruncatedSamples(z.reshape(sample_shape + batch + (n,)), "rejection", acc, ess, None)
-        from ..bounds import ChainStuck
-        from ..bounds.hmc import exact_hmc
-
-        if chains is None:
-            chains = max(num, 1)
-        if isinstance(chains, bool) or not isinstance(chains, int) or chains < 1:
-            raise ValueError(f"chains must be a positive int, got {chains!r}.")
-        per_chain = max(1, math.ceil(num / chains))
-        start = self.mode.to(self._lo.dtype).expand((chains,) + batch + (n,))
-        if method == "gibbs":
-            res_g = blocked_gibbs(self.base, self._lo, self._hi, start, num_samples=per_chain, burn_in=burn_in,
-                                  thin=thin, generator=generator)
-            samples, ess, rhat = res_g.samples, res_g.ess, res_g.rhat
-        else:
-            kwargs: dict[str, Any] = {} if travel_time is None else {"travel_time": travel_time}
-            try:
-                res = exact_hmc(self.base, self._lo, self._hi, start, num_samples=per_chain, burn_in=burn_in,
-                                thin=thin, generator=generator, **kwargs)
-            except ChainStuck:
-                if not auto or gibbs_unsupported(self.base) is not None:
-                    raise
-                method = "gibbs"                               # auto's HMC could not move: Gibbs (no bounces) can
-                res_g = blocked_gibbs(self.base, self._lo, self._hi, start, num_samples=per_chain, burn_in=burn_in,
-                                      thin=thin, generator=generator)
-                samples, ess, rhat = res_g.samples, res_g.ess, res_g.rhat
-            else:
-                samples, ess, rhat = res.samples, res.ess, res.rhat
-        z = samples.reshape((per_chain * chains,) + batch + (n,))[:num]
-        z = torch.minimum(torch.maximum(z.to(self._lo.dtype), self._lo), self._hi)
-        return TruncatedSamples(z.reshape(sample_shape + batch + (n,)), method, None, ess, rhat)
 
     # ------------------------------------------------------------------ plumbing
     def expand(self, batch_shape: torch.Size | list[int] | tuple[int, ...], _instance: Self | None = None) -> Self:

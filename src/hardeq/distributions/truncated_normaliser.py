@@ -1,0 +1,132 @@
+r"""The normaliser :math:`Z = P(l \le z \le u \mid Az = k)` of :class:`~hardeq.TruncatedConstrainedNormal`: the
+volume check that comes first, the exact line normaliser's direction, the sum-row normaliser, and the Monte Carlo
+fraction of untruncated draws in the box with its subset-simulation fallback. A mixin of the distribution
+(:class:`_NormaliserParts`); the public :attr:`~hardeq.TruncatedConstrainedNormal.log_normaliser`,
+:attr:`~hardeq.TruncatedConstrainedNormal.log_normaliser_stderr` and
+:attr:`~hardeq.TruncatedConstrainedNormal.acceptance` read it."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..bounds.mode import ModeNotFound, truncated_mode
+from ..bounds.normaliser import null_direction, subset_log_normaliser
+from ..bounds.rejection import ROUND_ELEMENTS
+from ..bounds.sum_normaliser import SumRowLayout, sum_row_layout, sum_row_log_normaliser
+from ..bounds.volume import check_volume
+from .truncated_support import _Truncated
+
+#: a batch element whose untruncated draws put fewer than this many in the box gets the subset-simulation
+#: normaliser (:func:`~hardeq.bounds.normaliser.subset_log_normaliser`): the plain fraction's relative error would
+#: exceed 1/8 (and with none inside it has no value at all)
+SUBSET_BELOW_IN_BOX = 64
+#: kernel moves per level of the subset-simulation normaliser
+SUBSET_ITERATIONS = 4
+
+
+class _NormaliserParts:
+    """The normaliser's machinery of :class:`~hardeq.TruncatedConstrainedNormal` (cached in its ``_cache``)."""
+
+    def _check_volume(self: _Truncated) -> None:
+        """With two or more rows (not a grouped sum) and ``n - a >= 2``, whether a combination of rows and bounds
+        leaves the polytope without volume or empty (:func:`~hardeq.bounds.volume.check_volume`): once, before
+        anything that needs the density (the normaliser, :meth:`log_prob`, the samplers); :attr:`mode` does not
+        need it and works on a face too."""
+        if "volume" in self._cache:
+            return
+        base = self.base
+        con = base.constraint
+        if self.free_dim >= 2 and con.group_index is None and con.num_constraints >= 2:
+            def second_opinion(lo: Tensor, hi: Tensor) -> bool:
+                try:
+                    truncated_mode(base, lo.to(self._lo.dtype), hi.to(self._lo.dtype))
+                except ModeNotFound:
+                    return False
+                return True
+
+            with torch.no_grad():
+                check_volume(con, base._unbroadcasted_loc, base.covariance.variance, self._lo, self._hi,
+                             base.conditioner.variance(), self._lo.dtype, second_opinion)
+        self._cache["volume"] = True
+
+    def _sum_layout(self: _Truncated) -> SumRowLayout | None:
+        """:func:`~hardeq.bounds.sum_normaliser.sum_row_layout` of the base law (computed once)."""
+        if "sum_layout" not in self._cache:
+            self._cache["sum_layout"] = sum_row_layout(self.base) if self.free_dim >= 2 else None
+        layout: SumRowLayout | None = self._cache["sum_layout"]
+        return layout
+
+    def _sum_row(self: _Truncated) -> tuple[Tensor, Tensor]:
+        """``(log Z, error)`` of one sum row (:mod:`hardeq.bounds.sum_normaliser`), compute dtype, differentiable
+        (cached when no gradient is needed); the Monte Carlo normaliser where the grid failed (an extreme tilt)."""
+        needs = self._needs_grad()
+        if not needs and "sum_row" in self._cache:
+            cached: tuple[Tensor, Tensor] = self._cache["sum_row"]
+            return cached
+        layout = self._sum_layout()
+        assert layout is not None
+        self._check_volume()
+        log_z, error = sum_row_log_normaliser(self.base, self._lo, self._hi, layout)
+        bad = ~(torch.isfinite(error) & torch.isfinite(log_z))
+        if bool(bad.any()):
+            mc, stderr, _ = self._mc()
+            log_z, error = torch.where(bad, mc, log_z), torch.where(bad, stderr, error)
+        out = (log_z.to(self._lo.dtype), error.to(self._lo.dtype))
+        if not needs:
+            self._cache["sum_row"] = (out[0].detach(), out[1].detach())
+        return out
+
+    def _direction(self: _Truncated) -> Tensor:
+        """The unit null vector of ``A`` (``n - a == 1``), computed once."""
+        if "direction" not in self._cache:
+            self._cache["direction"] = null_direction(self.base.constraint).detach()
+        direction: Tensor = self._cache["direction"]
+        return direction
+
+    @torch.no_grad()
+    def _count_in_box(self: _Truncated, num: int,
+                      generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """MC normaliser from ``num`` untruncated draws, in chunks that bound memory."""
+        B, n = self.batch_shape.numel(), self.event_shape[0]
+        chunk = max(1, ROUND_ELEMENTS // max(1, B * n))
+        inside = torch.zeros(self.batch_shape, dtype=torch.float64, device=self._lo.device)
+        cond, loc = self.base.conditioner, self.base._unbroadcasted_loc
+        done = 0
+        while done < num:
+            m = min(chunk, num - done)
+            z = cond.sample(loc, (m,), generator=generator)
+            inside += ((z >= self._lo) & (z <= self._hi)).all(-1).to(torch.float64).sum(0)
+            done += m
+        acc = inside / num
+        stderr = torch.where(acc > 0, ((1 - acc) / (num * acc.clamp_min(1e-300))).sqrt(),
+                             torch.full_like(acc, float("inf")))
+        return acc.log(), stderr, acc
+
+    def _mc(self: _Truncated) -> tuple[Tensor, Tensor, Tensor]:
+        """``(log Z, stderr, acceptance)``: the untruncated draws' fraction in the box, replaced by subset
+        simulation in the batch elements where fewer than :data:`SUBSET_BELOW_IN_BOX` of them fell inside."""
+        if "mc" not in self._cache:
+            self._check_volume()
+            log_z, stderr, acc = self._count_in_box(self.normaliser_samples)
+            rare = acc * self.normaliser_samples < SUBSET_BELOW_IN_BOX
+            if bool(rare.any()):
+                with torch.no_grad():
+                    log_s, se_s, _ = subset_log_normaliser(self.base, self._lo, self._hi, self._kernel,
+                                                           num=max(64, self.normaliser_samples // 4),
+                                                           iterations=SUBSET_ITERATIONS)
+                log_z, stderr = torch.where(rare, log_s, log_z), torch.where(rare, se_s, stderr)
+            self._cache["mc"] = (log_z, stderr, acc)
+        mc: tuple[Tensor, Tensor, Tensor] = self._cache["mc"]
+        return mc
+
+    def _kernel(self: _Truncated, lower: Tensor, upper: Tensor, start: Tensor, steps: int) -> Tensor:
+        """``steps`` moves of blocked Gibbs (where it applies) or exact HMC for the law truncated to
+        ``[lower, upper]``, from ``start`` ``(chains, *batch, n)``; the states after them (subset simulation's
+        kernel)."""
+        from ..bounds.gibbs import blocked_gibbs, gibbs_unsupported
+        from ..bounds.hmc import exact_hmc
+
+        if gibbs_unsupported(self.base) is None:
+            return blocked_gibbs(self.base, lower, upper, start, num_samples=1, burn_in=steps - 1).samples[0]
+        return exact_hmc(self.base, lower, upper, start, num_samples=1, burn_in=steps - 1, allow_stuck=True).samples[0]
