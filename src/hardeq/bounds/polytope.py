@@ -74,13 +74,17 @@ def check_bounds(lower: Tensor, upper: Tensor) -> None:
             ...
         ValueError: the box must have lower < upper in every coordinate; at index (1,) ... lower > upper.
     """
+    bad = lower >= upper
+    flags = torch.stack([torch.isnan(lower).any(), torch.isnan(upper).any(),
+                         (lower == float("inf")).any() | (upper == -float("inf")).any(), bad.any()])
+    if not any(flags.tolist()):                                  # one host read for a valid box
+        return
     for name, t in (("lower", lower), ("upper", upper)):
         if bool(torch.isnan(t).any()):
             idx = tuple(int(i) for i in torch.isnan(t).nonzero()[0])
             raise ValueError(f"{name} must not hold NaN, got NaN at index {idx}.")
     if bool((lower == float("inf")).any()) or bool((upper == -float("inf")).any()):
         raise ValueError("lower must be < +inf and upper > -inf (use -inf / +inf, or None, for an unbounded side).")
-    bad = lower >= upper
     if bool(bad.any()):
         idx = tuple(int(i) for i in bad.nonzero()[0])
         lo, hi = float(lower[idx]), float(upper[idx])
@@ -146,6 +150,9 @@ def check_polytope(constraint: EqualityConstraint, lower: Tensor, upper: Tensor,
     grouped = constraint.group_index is not None
     kind = "group" if grouped else "row"
     out = (k < low - slack) | (k > high + slack)
+    face = ((k - low).abs() <= slack) | ((high - k).abs() <= slack)
+    if not any(torch.stack([out.any(), face.any()]).tolist()):  # one host read for a polytope with volume
+        return
     if bool(out.any()):
         idx = tuple(int(i) for i in out.nonzero()[0])
         b, i = idx[:-1], idx[-1]
@@ -154,7 +161,6 @@ def check_polytope(constraint: EqualityConstraint, lower: Tensor, upper: Tensor,
         raise ValueError(f"the polytope {{A z = k}} ∩ [lower, upper] is empty: {kind} {i} of batch element {b} cannot "
                          f"be met; {what} [{float(low[idx]):.6g}, {float(high[idx]):.6g}], but k = "
                          f"{float(k[idx]):.6g}. Widen the bounds or change k.")
-    face = ((k - low).abs() <= slack) | ((high - k).abs() <= slack)
     if bool(face.any()):
         idx = tuple(int(i) for i in face.nonzero()[0])
         b, i = idx[:-1], idx[-1]

@@ -88,7 +88,8 @@ class PersistentChains:
               data: Tensor | None, mode: Callable[[], Tensor]) -> Tensor:
         """The chains' start ``(chains, *shape)`` in ``lower.dtype``: the kept state where it is feasible for the
         current polytope, else the data point of the batch element where given and feasible, else the mode (module
-        docstring). ``on_plane(z) -> (*z.shape[:-1])`` bool, ``mode() -> shape``."""
+        docstring). ``on_plane(z) -> (*z.shape[:-1])`` bool, ``mode() -> shape``. One host read (whether every chain
+        has a start without the mode); ``mode`` is called only where one has none."""
         full = (self.chains,) + tuple(shape)
         start = torch.empty(full, dtype=lower.dtype, device=lower.device)
         have = torch.zeros(full[:-1], dtype=torch.bool, device=lower.device)
@@ -97,15 +98,13 @@ class PersistentChains:
             s = self.state
             have = ((s >= lower) & (s <= upper)).all(-1) & on_plane(s)
             start = torch.where(have.unsqueeze(-1), s, start)
-        if bool(have.all()):
-            return start
         if data is not None and tuple(data.shape) == tuple(shape):
             y = data.detach().to(lower.dtype)
             ok = ((y >= lower) & (y <= upper)).all(-1) & on_plane(y)
             use = ~have & ok
             start = torch.where(use.unsqueeze(-1), y.expand(full), start)
             have = have | use
-        if not bool(have.all()):
+        if not bool(have.all()):                             # the one host read of a step (the mode only if needed)
             start = torch.where(have.unsqueeze(-1), start, mode().to(lower.dtype).expand(full))
         return start
 
