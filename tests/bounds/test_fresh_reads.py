@@ -1,9 +1,10 @@
 """Host reads of a fresh truncated law, counted with hardeq.testing.count_calls: what a training loop pays per step,
 where every step builds a new distribution. A fresh ``sample(method="gibbs")`` pays the mode (the chains' start, a
-QP solved once per distribution) plus the sampler's 2 reads, whatever the number of sweeps; making the law
-(``truncate``) costs one read for the box and one for the polytope; a training step (persistent chains) adds at most
-4 reads to those of the untruncated ``log_prob`` step (the box, the polytope, the chains' start, the chains'
-finiteness), none per sweep."""
+QP solved once per distribution) plus the sampler's 2 reads, whatever the number of sweeps, and none where the chains
+start at hardeq.bounds.start.feasible_start; making the law (``truncate``) costs at most one read for the box and one
+for the polytope (one in all with check_box_and_polytope, which refuses what check_bounds and check_polytope refuse,
+with their messages); a training step (persistent chains) adds at most 4 reads to those of the untruncated
+``log_prob`` step (the law's checks, the chains' start, the Gibbs run), none per sweep."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 import hardeq
-from hardeq.bounds import PersistentChains
+from hardeq.bounds import PersistentChains, check_bounds, check_polytope
+from hardeq.bounds.polytope import check_box_and_polytope
 from hardeq.testing import count_calls
 
 F = torch.float64
@@ -71,3 +73,26 @@ def test_training_step_reads(dtype):
         reads = [step(chains) for _ in range(3)]
         assert chains.steps == 3
         assert max(reads) <= plain + 4, (reads, plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_box_and_polytope_one_read_same_errors(dtype):
+    n = 6
+    total = hardeq.SumConstraint(torch.tensor([0, 0, 0, 1, 1, 1]), torch.tensor([[1.0, 2.0]], dtype=dtype))
+    lo, hi = torch.zeros(1, n, dtype=dtype), torch.ones(1, n, dtype=dtype)
+    rtol = 1e-5 if dtype == torch.float32 else 1e-12
+    with count_calls() as count:
+        check_box_and_polytope(total, lo, hi, rtol)
+    assert count.host_reads == 1, count.host_read_names
+    nan_lo = lo.clone()
+    nan_lo[0, 2] = float("nan")
+    bad = [(nan_lo, hi, total), (lo, torch.full_like(hi, -float("inf")), total), (hi, hi, total),
+           (lo, hi, total.with_k(torch.tensor([[4.0, 2.0]], dtype=dtype))),     # group 0 cannot reach 4: empty
+           (lo, hi, total.with_k(torch.tensor([[1.0, 3.0]], dtype=dtype)))]     # group 1 at its top: a face
+    for lower, upper, con in bad:
+        with pytest.raises(ValueError) as separate:
+            check_bounds(lower, upper)
+            check_polytope(con, lower, upper, rtol)
+        with pytest.raises(ValueError) as together:
+            check_box_and_polytope(con, lower, upper, rtol)
+        assert str(together.value) == str(separate.value)
