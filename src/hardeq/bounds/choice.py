@@ -129,6 +129,10 @@ def choose_method(dist: object, lower: Tensor, upper: Tensor, mode: Tensor, *, n
                           generator=generator, max_bounces=int(min(cap, 20 * n + 200)), allow_stuck=True)
         draws["hmc"] = h.samples
         steps = h.steps / (HMC_BURN + HMC_KEPT) + kept
+    if "hmc" not in draws:                                     # the pooled variance is Gibbs's own: no new read
+        for m in own:
+            scores[m] = own[m] * chains / sweep
+        return max(scores, key=lambda m: scores[m]), scores
     variance = torch.cat([z.double().flatten(0, 1) for z in draws.values()]).var(0)
     for m, z in draws.items():
         per = _per_step(_jumps(z), variance)

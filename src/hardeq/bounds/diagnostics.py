@@ -81,7 +81,12 @@ def effective_sample_size(samples: Tensor) -> Tensor:
         >>> effective_sample_size(torch.ones(10, 2, 1))  # a constant coordinate: draws x chains
         tensor([20.], dtype=torch.float64)
     """
-    x = _check(samples, "samples", 4)
+    return ess_unchecked(_check(samples, "samples", 4))
+
+
+def ess_unchecked(x: Tensor) -> Tensor:
+    """:func:`effective_sample_size` of ``x`` ``(draws >= 4, chains, *event)`` float64, known finite (a sampler's own
+    draws): no argument check, so no host read."""
     N, M = x.shape[0], x.shape[1]
     acov = _autocovariance(x)                                  # (N, M, ...)
     chain_mean = x.mean(0)                                     # (M, ...)
@@ -132,7 +137,12 @@ def split_rhat(samples: Tensor) -> Tensor:
         >>> bool(split_rhat(draws) > 1.5)
         True
     """
-    x = _check(samples, "samples", 4)
+    return rhat_unchecked(_check(samples, "samples", 4))
+
+
+def rhat_unchecked(x: Tensor) -> Tensor:
+    """:func:`split_rhat` of ``x`` ``(draws >= 4, chains, *event)`` float64, known finite (a sampler's own draws): no
+    argument check, so no host read."""
     half = x.shape[0] // 2
     split = torch.cat([x[:half], x[x.shape[0] - half:]], dim=1)   # (N', 2M, ...)
     W = split.var(0, unbiased=True).mean(0)

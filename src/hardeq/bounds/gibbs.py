@@ -80,7 +80,7 @@ import torch
 from torch import Tensor
 
 from .augment import Augmentation, augmentation, augmentation_unsupported
-from .diagnostics import effective_sample_size, split_rhat
+from .diagnostics import ess_unchecked, rhat_unchecked
 from .checks import _box, _check_int, _check_start
 from .hmc import MIN_DRAWS_FOR_DIAGNOSTICS
 from .partition import Pool, Projector
@@ -179,9 +179,9 @@ def gibbs_unsupported(dist: object) -> str | None:
 def _diagnostics(samples: Tensor) -> tuple[Tensor, Tensor]:
     """ESS and split R-hat of ``samples`` ``(draws, chains, *event)``, ``(*event)`` each, computed over chunks of the
     flattened event so that the FFTs of the autocovariances stay near 2^23 numbers (64 MiB) at a time."""
-    flat = samples.flatten(2)
+    flat = samples.detach().to(_F64).flatten(2)               # finite: blocked_gibbs checked its state
     step = max(1, (1 << 23) // (samples.shape[0] * samples.shape[1]))
-    parts = [(effective_sample_size(flat[..., i: i + step]), split_rhat(flat[..., i: i + step]))
+    parts = [(ess_unchecked(flat[..., i: i + step]), rhat_unchecked(flat[..., i: i + step]))
              for i in range(0, flat.shape[-1], step)]
     ess = torch.cat([p[0] for p in parts]).reshape(samples.shape[2:])
     rhat = torch.cat([p[1] for p in parts]).reshape(samples.shape[2:])

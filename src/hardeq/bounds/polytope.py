@@ -30,7 +30,7 @@ from torch import Tensor
 if TYPE_CHECKING:
     from ..constraints import EqualityConstraint
 
-__all__ = ["as_bound", "check_bounds", "row_ranges", "check_polytope"]
+__all__ = ["as_bound", "check_box_and_polytope", "check_bounds", "check_polytope", "row_ranges"]
 
 
 def as_bound(name: str, value: object, shape: torch.Size, dtype: torch.dtype, device: torch.device,
@@ -62,6 +62,13 @@ def as_bound(name: str, value: object, shape: torch.Size, dtype: torch.dtype, de
     return out
 
 
+def _box_faults(lower: Tensor, upper: Tensor) -> Tensor:
+    """``(4,)`` bool, no host read: NaN in ``lower``, NaN in ``upper``, a bound at the wrong infinity, ``lower >=
+    upper`` somewhere (what :func:`check_bounds` refuses)."""
+    return torch.stack([torch.isnan(lower).any(), torch.isnan(upper).any(),
+                        (lower == float("inf")).any() | (upper == -float("inf")).any(), (lower >= upper).any()])
+
+
 def check_bounds(lower: Tensor, upper: Tensor) -> None:
     """``ValueError`` for ``NaN`` bounds, ``lower > upper``, ``lower == upper`` (a box of no volume), or a bound at
     the wrong infinity (``lower = +inf`` / ``upper = -inf``); names the first offending index.
@@ -74,13 +81,15 @@ def check_bounds(lower: Tensor, upper: Tensor) -> None:
             ...
         ValueError: the box must have lower < upper in every coordinate; at index (1,) ... lower > upper.
     """
+    bad = lower >= upper
+    if not any(_box_faults(lower, upper).tolist()):               # one host read for a valid box
+        return
     for name, t in (("lower", lower), ("upper", upper)):
         if bool(torch.isnan(t).any()):
             idx = tuple(int(i) for i in torch.isnan(t).nonzero()[0])
             raise ValueError(f"{name} must not hold NaN, got NaN at index {idx}.")
     if bool((lower == float("inf")).any()) or bool((upper == -float("inf")).any()):
         raise ValueError("lower must be < +inf and upper > -inf (use -inf / +inf, or None, for an unbounded side).")
-    bad = lower >= upper
     if bool(bad.any()):
         idx = tuple(int(i) for i in bad.nonzero()[0])
         lo, hi = float(lower[idx]), float(upper[idx])
@@ -122,6 +131,31 @@ def row_ranges(constraint: EqualityConstraint, lower: Tensor, upper: Tensor) -> 
     return low, high, size
 
 
+def _row_faults(constraint: EqualityConstraint, lower: Tensor, upper: Tensor,
+                rtol: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(low, high, size, k, slack, out, face)``, ``(*batch, a)`` each, no host read: each row's range over the box,
+    its scale, ``k``, the tolerance, and where ``k`` lies outside the range (empty) or at an end of it (a face)."""
+    low, high, size = row_ranges(constraint, lower, upper)
+    k = constraint.k.detach().to(torch.float64)
+    shape = torch.broadcast_shapes(low.shape, k.shape)
+    low, high, size, k = (t.expand(shape) for t in (low, high, size, k))
+    slack = rtol * (size + k.abs())
+    out = (k < low - slack) | (k > high + slack)
+    face = ((k - low).abs() <= slack) | ((high - k).abs() <= slack)
+    return low, high, size, k, slack, out, face
+
+
+def check_box_and_polytope(constraint: EqualityConstraint, lower: Tensor, upper: Tensor, rtol: float) -> None:
+    """:func:`check_bounds` then :func:`check_polytope` (the same errors, in that order) in one host read where
+    both pass: what making a truncated law checks, once per law (a training step makes one per step)."""
+    faults = torch.cat([_box_faults(lower, upper), torch.stack([t.any() for t in
+                                                                _row_faults(constraint, lower, upper, rtol)[5:]])])
+    if not any(faults.tolist()):
+        return
+    check_bounds(lower, upper)
+    check_polytope(constraint, lower, upper, rtol)
+
+
 def check_polytope(constraint: EqualityConstraint, lower: Tensor, upper: Tensor, rtol: float) -> None:
     r"""``ValueError`` unless every row of :math:`Az = k` can be met strictly inside the box (module docstring):
     names the batch element and the row (the group, for a grouped sum), the interval it must lie in, and ``k``.
@@ -138,14 +172,11 @@ def check_polytope(constraint: EqualityConstraint, lower: Tensor, upper: Tensor,
             ...
         ValueError: the polytope {A z = k} ∩ [lower, upper] is empty: group 0 ... sum to [0, 1.5], but k = 3. ...
     """
-    low, high, size = row_ranges(constraint, lower, upper)
-    k = constraint.k.detach().to(torch.float64)
-    shape = torch.broadcast_shapes(low.shape, k.shape)
-    low, high, size, k = (t.expand(shape) for t in (low, high, size, k))
-    slack = rtol * (size + k.abs())
+    low, high, size, k, slack, out, face = _row_faults(constraint, lower, upper, rtol)
+    if not any(torch.stack([out.any(), face.any()]).tolist()):  # one host read for a polytope with volume
+        return
     grouped = constraint.group_index is not None
     kind = "group" if grouped else "row"
-    out = (k < low - slack) | (k > high + slack)
     if bool(out.any()):
         idx = tuple(int(i) for i in out.nonzero()[0])
         b, i = idx[:-1], idx[-1]
@@ -154,7 +185,6 @@ def check_polytope(constraint: EqualityConstraint, lower: Tensor, upper: Tensor,
         raise ValueError(f"the polytope {{A z = k}} ∩ [lower, upper] is empty: {kind} {i} of batch element {b} cannot "
                          f"be met; {what} [{float(low[idx]):.6g}, {float(high[idx]):.6g}], but k = "
                          f"{float(k[idx]):.6g}. Widen the bounds or change k.")
-    face = ((k - low).abs() <= slack) | ((high - k).abs() <= slack)
     if bool(face.any()):
         idx = tuple(int(i) for i in face.nonzero()[0])
         b, i = idx[:-1], idx[-1]

@@ -15,7 +15,8 @@ blocked Gibbs (exact HMC where Gibbs does not apply) started from where the chai
 **Where the chains start.** At the first step, or where a kept state no longer lies in the current polytope (``k``
 or the box changed, or the batch shape), each chain starts at the observed value ``y`` of its batch element when
 ``log_prob`` is given one value per batch element that is feasible (contrastive divergence: the data are draws of
-the target once the model fits), else at the mode.
+the target once the model fits), else at a point of the polytope built without a host read where every coordinate
+lies in at most one row (:func:`~hardeq.bounds.start.feasible_start`), else at the mode.
 
 **What is biased.** A draw after finitely many sweeps from a start not drawn from the current law is not distributed
 as that law, so the gradient estimate is biased, by an amount that shrinks with ``sweeps`` and, because the chains
@@ -85,10 +86,12 @@ class PersistentChains:
 
     @torch.no_grad()
     def start(self, shape: torch.Size, lower: Tensor, upper: Tensor, on_plane: Callable[[Tensor], Tensor],
-              data: Tensor | None, mode: Callable[[], Tensor]) -> Tensor:
+              data: Tensor | None, mode: Callable[[], Tensor], point: Tensor | None = None) -> Tensor:
         """The chains' start ``(chains, *shape)`` in ``lower.dtype``: the kept state where it is feasible for the
-        current polytope, else the data point of the batch element where given and feasible, else the mode (module
-        docstring). ``on_plane(z) -> (*z.shape[:-1])`` bool, ``mode() -> shape``."""
+        current polytope, else the data point of the batch element where given and feasible, else ``point`` (a
+        point of the polytope, ``shape``: :func:`~hardeq.bounds.start.feasible_start`) where given, else the mode
+        (module docstring). ``on_plane(z) -> (*z.shape[:-1])`` bool, ``mode() -> shape``. With ``point`` no host
+        read; without it one (whether every chain has a start), and ``mode`` is called only where one has none."""
         full = (self.chains,) + tuple(shape)
         start = torch.empty(full, dtype=lower.dtype, device=lower.device)
         have = torch.zeros(full[:-1], dtype=torch.bool, device=lower.device)
@@ -97,15 +100,15 @@ class PersistentChains:
             s = self.state
             have = ((s >= lower) & (s <= upper)).all(-1) & on_plane(s)
             start = torch.where(have.unsqueeze(-1), s, start)
-        if bool(have.all()):
-            return start
         if data is not None and tuple(data.shape) == tuple(shape):
             y = data.detach().to(lower.dtype)
             ok = ((y >= lower) & (y <= upper)).all(-1) & on_plane(y)
             use = ~have & ok
             start = torch.where(use.unsqueeze(-1), y.expand(full), start)
             have = have | use
-        if not bool(have.all()):
+        if point is not None:                                # a point of the polytope: no read, no mode
+            return torch.where(have.unsqueeze(-1), start, point.to(lower.dtype).expand(full))
+        if not bool(have.all()):                             # the one host read of a step (the mode only if needed)
             start = torch.where(have.unsqueeze(-1), start, mode().to(lower.dtype).expand(full))
         return start
 
