@@ -18,7 +18,8 @@ from torch.distributions import Distribution, constraints
 
 from ..bounds.mode import truncated_mode
 from ..bounds.normaliser import exact_log_normaliser, line_bounds
-from ..bounds.polytope import as_bound, check_bounds, check_polytope
+from ..bounds.polytope import as_bound, check_box_and_polytope
+from ..bounds.start import feasible_start
 from ..bounds.rejection import AUTO_THRESHOLD
 from ..bounds.result import TruncatedSamples
 from ..bounds.sum_normaliser import sum_row_layout
@@ -67,7 +68,8 @@ class TruncatedConstrainedNormal(_SamplingParts, _LogZParts, _NormaliserParts, D
       pilot (:func:`hardeq.bounds.choice.choose_method`): rejection where the acceptance, measured on
       ``pilot_samples`` draws, is at least ``threshold`` (0.1: at most ten untruncated draws per kept one), Gibbs
       where it applies (:func:`hardeq.bounds.gibbs_unsupported`), HMC where it could win; the chains start from
-      :attr:`mode`. The method used is named in the result.
+      a point of the polytope built without a host read where every coordinate lies in at most one row
+      (:func:`hardeq.bounds.start.feasible_start`), else from :attr:`mode`. The method used is named in the result.
     * :attr:`mode`: the maximiser of the density on the polytope, exact up to round-off
       (:mod:`hardeq.bounds.mode`).
     * :meth:`log_prob`: ``log p(z | Az = k) - log Z`` in the box, ``-inf`` outside it. :attr:`normaliser_exact`
@@ -154,9 +156,8 @@ class TruncatedConstrainedNormal(_SamplingParts, _LogZParts, _NormaliserParts, D
         shape = base.batch_shape + base.event_shape
         self._lo = as_bound("lower", lower, shape, loc.dtype, loc.device, -math.inf)
         self._hi = as_bound("upper", upper, shape, loc.dtype, loc.device, math.inf)
-        check_bounds(self._lo, self._hi)
         self.row_rtol = ROW_RTOL[loc.dtype]
-        check_polytope(base.constraint, self._lo, self._hi, self.row_rtol)
+        check_box_and_polytope(base.constraint, self._lo, self._hi, self.row_rtol)  # one host read
         self.normaliser_samples = normaliser_samples
         self.grad_samples = grad_samples
         self.pilot_samples = pilot_samples
@@ -218,6 +219,13 @@ class TruncatedConstrainedNormal(_SamplingParts, _LogZParts, _NormaliserParts, D
             self._cache["mode"] = truncated_mode(self.base, self._lo, self._hi)
         mode: Tensor = self._cache["mode"]
         return mode
+
+    def _chain_start(self) -> Tensor:
+        """The chains' start ``(*batch, n)`` in the compute dtype: a point of the polytope built without a host read
+        where every coordinate lies in at most one row (:func:`hardeq.bounds.start.feasible_start`), else the
+        :attr:`mode`."""
+        point = feasible_start(self.base, self._lo, self._hi)
+        return self._compute_mode() if point is None else point
 
     # ------------------------------------------------------------------ normaliser
     @property
@@ -307,7 +315,9 @@ class TruncatedConstrainedNormal(_SamplingParts, _LogZParts, _NormaliserParts, D
                 falls back to Gibbs where it applies.
             chains: Markov chains per batch element (Gibbs or HMC; default ``prod(sample_shape)``: one draw per chain
                 after ``burn_in``, so draws are as independent as the burn-in makes them); each chain then gives
-                ``ceil(prod(sample_shape) / chains)`` draws ``thin`` steps apart. Chains start at :attr:`mode`.
+                ``ceil(prod(sample_shape) / chains)`` draws ``thin`` steps apart. Chains start at a point of the
+                polytope (:func:`hardeq.bounds.start.feasible_start`: no host read, no QP; a grouped sum or one
+                row), else at :attr:`mode`.
             burn_in, thin: sweeps (Gibbs) or trajectories (HMC) discarded first, and kept every ``thin``-th.
             travel_time: HMC only (``ValueError`` with ``method="gibbs"``): the interval of the uniform random
                 travel time, default that of :func:`hardeq.bounds.exact_hmc`.

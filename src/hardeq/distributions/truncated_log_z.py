@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from ..bounds.normaliser import exact_log_normaliser, surrogate
+from ..bounds.start import feasible_start
 from .truncated_support import _Truncated
 
 
@@ -40,7 +41,8 @@ class _LogZParts:
         rtol = math.sqrt(torch.finfo(lo.dtype).eps)
         with torch.no_grad():
             start = chains.start(shape, lo, hi, lambda z: base.constraint.check(z, rtol=rtol),
-                                 base._as_event("value", value), self._compute_mode)
+                                 base._as_event("value", value), self._compute_mode,
+                                 feasible_start(base, lo, hi))
             draws = self._chain(start, chains.sweeps)
         chains.state = draws[-1].detach()
         chains.steps += 1

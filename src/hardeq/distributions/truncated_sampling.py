@@ -1,6 +1,6 @@
 r"""Sampling of :class:`~hardeq.TruncatedConstrainedNormal`: the method choice (``"auto"``: the pilots of
 :func:`hardeq.bounds.choice.choose_method`) and the dispatch to rejection, blocked Gibbs or exact HMC, started at
-the mode, with auto's fallback from a stuck HMC chain to Gibbs. A mixin of the distribution
+a feasible point built without a host read (a grouped sum or one row) or else the mode, with auto's fallback from a stuck HMC chain to Gibbs. A mixin of the distribution
 (:class:`_SamplingParts`); :meth:`~hardeq.TruncatedConstrainedNormal.sample_with_info` documents the arguments and
 costs."""
 
@@ -42,7 +42,7 @@ class _SamplingParts:
                 self._count_in_box(self.pilot_samples, generator)[2]
             from ..bounds.choice import choose_method
 
-            method = choose_method(self.base, self._lo, self._hi, self.mode.to(self._lo.dtype), num=max(num, 1),
+            method = choose_method(self.base, self._lo, self._hi, self._chain_start(), num=max(num, 1),
                                    chains=chains if chains is not None else max(num, 1),
                                    acceptance=float(acc.min()), threshold=threshold, generator=generator,
                                    burn_in=burn_in, thin=thin)[0]
@@ -64,7 +64,7 @@ class _SamplingParts:
         if isinstance(chains, bool) or not isinstance(chains, int) or chains < 1:
             raise ValueError(f"chains must be a positive int, got {chains!r}.")
         per_chain = max(1, math.ceil(num / chains))
-        start = self.mode.to(self._lo.dtype).expand((chains,) + batch + (n,))
+        start = self._chain_start().expand((chains,) + batch + (n,))
         if method == "gibbs":
             res_g = blocked_gibbs(self.base, self._lo, self._hi, start, num_samples=per_chain, burn_in=burn_in,
                                   thin=thin, generator=generator)
