@@ -13,6 +13,7 @@ import torch
 
 import hardeq
 from hardeq.constraints import sparse as sparse_module
+from hardeq.constraints import sparse_blocks
 from hardeq.linalg.conditioning import Conditioner
 from hardeq.linalg.conditioning.sparse import SparseCholeskyFactor
 
@@ -22,8 +23,8 @@ DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["
 @pytest.fixture(autouse=True)
 def _small_blocks(monkeypatch):
     """Blocks of 64 columns, tiles of 3 vectors, blocked from 256 elements on."""
-    monkeypatch.setattr(sparse_module, "BLOCK_COLUMNS", 64)
-    monkeypatch.setattr(sparse_module, "BLOCK_VECTORS", 3)
+    monkeypatch.setattr(sparse_blocks, "BLOCK_COLUMNS", 64)
+    monkeypatch.setattr(sparse_blocks, "BLOCK_VECTORS", 3)
     monkeypatch.setattr(sparse_module, "BLOCKED_MIN_ELEMENTS", 256)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*[Ss]parse.*")

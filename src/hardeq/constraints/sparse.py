@@ -6,24 +6,35 @@ nonzeros over a large ``n``. Products with :math:`A`, :math:`A^\top` and :math:`
 diagonal covariance, :math:`A\,\mathrm{diag}(v)A^\top`, is one sparse-sparse product (O(sum over columns of
 the squared column counts)), returned dense ``(a, a)``. Nothing ``n x n`` or dense ``a x n`` is formed on
 those paths.
+
+The class is split by job: :mod:`.sparse_csr` (the CSR parts, the per-``A`` cache, the sparse-dense product),
+:mod:`.sparse_blocks` (blocked products of many vectors), :mod:`.sparse_operator` (the caches per ``A`` and the
+products, the class's base), :mod:`.sparse_gram` (the Gram factors and the pair matrix), :mod:`.sparse_checks`
+(argument and rank checks) and :mod:`.sparse_traced` (the COO form under ``torch.compile``).
 """
 
 from __future__ import annotations
 
-import math
-import warnings
-from typing import TYPE_CHECKING, Any, Callable, TypeVar, TypeVarTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from .._utils import check_finite, check_same_dtype_device, check_tensor, is_tracing, validate_default
-from .._validation import check_device, check_not_transposed
+from .._validation import check_device
 from ..linalg.device import profile
 from . import pairs
-from ._cache import PerTensorCache, host_reads_allowed, lookup_on_host, no_host_reads
-from .sparse_traced import TracedSparse
+from ._cache import host_reads_allowed, lookup_on_host, no_host_reads
 from .base import EqualityConstraint, config_dtype, dtype_name, register_constraint_kind, require_keys
+from .sparse_blocks import BLOCK_COLUMNS as BLOCK_COLUMNS
+from .sparse_blocks import BLOCK_VECTORS as BLOCK_VECTORS
+from .sparse_blocks import _Blocks as _Blocks
+from .sparse_checks import check_arguments, check_rank
+from .sparse_csr import _PREPARED as _PREPARED
+from .sparse_csr import _components, _compiling, _csr, _Parts, _prepared, _quiet, _remember, _spmm, _transpose_csr
+from .sparse_gram import _GramFactors, pair_matrix
+from .sparse_operator import _SparseOperator
+from .sparse_traced import TracedSparse
 
 if TYPE_CHECKING:
     from ..linalg.covariance import Covariance
@@ -36,223 +47,12 @@ MAX_GRAM_PAIRS = 64_000_000
 #: most column pairs sum_j c_j^2 whose pair matrix (and its traced COO form, 20 bytes a pair more) a construction
 #: builds at once, for ``torch.compile``; above, a traced Gram matrix under a diagonal covariance is refused
 TRACED_MAX_PAIRS = 4_000_000
-
-#: columns of ``A`` per block of the blocked products of many vectors (:class:`_Blocks`)
-BLOCK_COLUMNS = 16384
-#: vectors per tile of the blocked products: a tile of 16 x 16384 float32 values is 1 MB (it stays in cache)
-BLOCK_VECTORS = 16
 #: fewest elements (vectors x n) for which products on the CPU go by blocks; below, the whole product at once
 BLOCKED_MIN_ELEMENTS = 1 << 20
 
-#: per A given by the user: [A_csr, At_csr, shared caches, validated], so the per-step pattern
-#: SparseConstraint(A, k_step) converts and validates A once
-_PREPARED = PerTensorCache()
-
-_T = TypeVar("_T")
-_Ts = TypeVarTuple("_Ts")
-
-
-class _Parts:
-    """The CSR tensors of one constraint (``A``, ``A^T``) and the caches shared per ``A``, in an object that traced
-    code only passes along: ``torch.compile`` refuses to wrap a sparse tensor, so none may be read while tracing
-    (the traced paths use :class:`~hardeq.constraints.sparse_traced.TracedSparse`)."""
-
-    __slots__ = ("A", "At", "shared")
-
-    def __init__(self, A: Tensor, At: Tensor, shared: dict[str, Any]) -> None:
-        self.A, self.At, self.shared = A, At, shared
-
-
-def _compiling() -> bool:
-    return torch.compiler.is_compiling()
-
-
-def _prepared(A: Tensor, trust_version: bool = False) -> list[Any] | None:
-    prepared: list[Any] | None = _PREPARED.get(A, trust_version)
-    return prepared
-
-
-def _remember(A: Tensor, value: list[Any]) -> None:
-    _PREPARED.put(A, value)
-
-
-def _quiet(fn: Callable[[*_Ts], _T], *args: *_Ts) -> _T:
-    """Call ``fn`` without torch's one-time "sparse CSR support is in beta" notice."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
-        return fn(*args)
-
-
-def _csr(crow: Tensor, col: Tensor, values: Tensor, shape: tuple[int, ...]) -> Tensor:
-    return _quiet(lambda: torch.sparse_csr_tensor(crow, col, values, shape, check_invariants=False))
-
-
-def _transpose_csr(A: Tensor) -> Tensor:
-    """``A^T`` as CSR (via a coalesced COO transpose), O(nnz log nnz) once."""
-    At: Tensor = _quiet(lambda: A.to_sparse_coo().t().coalesce().to_sparse_csr())
-    return At
-
-
-def _spmm(A: Tensor, z: Tensor) -> Tensor:
-    r"""``A z`` for a CSR ``A`` ``(p, q)`` and ``z`` ``(*lead, q)``: the leading dims become the columns of one
-    sparse-dense product; returns ``(*lead, p)``. On a GPU profile (:mod:`hardeq.linalg.device`) the product reads
-    ``z`` column-major as it is and its result is returned transposed, without a copy either way.
-
-    The product runs row-parallel over ``A`` with the columns of the dense operand contiguous (each stored entry
-    reads ``N`` consecutive values). A wide result (``p > q``: :math:`A^\top u`) is written without gradient by
-    that product directly in the layout of ``(*lead, p)`` (its transpose is column-major: one buffer and no
-    transposing copy, which costs about as much as the product; for a narrow result the column-major product is
-    2x slower than the copy); with gradient, through the copy (``out=`` is not differentiable)."""
-    lead = z.shape[:-1]
-    if not profile(z.device).blocked_drivers:  # a GPU's: its vendor's product reads either layout, no copies
-        return _quiet(torch.mm, A, z.reshape(-1, z.shape[-1]).mT).mT.reshape(lead + (A.shape[0],))
-    cols = z.reshape(-1, z.shape[-1]).mT.contiguous()  # shape: (q, N), rows of N contiguous values
-    if A.shape[0] > A.shape[1] and cols.shape[1] > 1 and not (
-            torch.is_grad_enabled() and (cols.requires_grad or A.requires_grad)):
-        out = torch.empty(lead + (A.shape[0],), dtype=cols.dtype, device=cols.device)
-        _quiet(lambda: torch.mm(A, cols, out=out.view(-1, A.shape[0]).mT))
-        return out
-    out = _quiet(torch.matmul, A, cols)  # shape: (p, N)
-    # one transposing copy here rather than strided access in every consumer of the result
-    return out.mT.contiguous().reshape(lead + (A.shape[0],))
-
-
-class _Blocks:
-    r"""``A`` cut into blocks of :data:`BLOCK_COLUMNS` columns (CSR each, int32 indices, with ``|A|``), and
-    :math:`A^\top` into the matching blocks of rows, for products with many vectors stored sample-major.
-
-    For ``Z`` ``(N, n)`` (each vector contiguous), :math:`AZ^\top` is the sum over column blocks ``q`` of
-    :math:`A_q Z_{:,q}^\top`, taken tile by tile: :data:`BLOCK_VECTORS` vectors x :data:`BLOCK_COLUMNS` columns
-    (1 MB in float32) are copied transposed into one reused buffer that stays in cache, and the block's product
-    reads ``s`` contiguous values per stored entry. ``Z`` is read once and no ``(n, N)`` copy is made (the
-    transposing copy of all of ``Z`` took as long as the product; a product on column-major views of ``Z``
-    instead, one sparse matrix-vector product per vector, was 1.6x slower than the tiles, and 2.4x for
-    :math:`Az` and :math:`|A||z|` together, which share one tile). :math:`A^\top u` is computed tile by tile
-    into the buffer and written (or added) transposed. Built once per ``A`` in O(nnz log nnz); memory about
-    ``nnz`` indices and two ``nnz`` value arrays more.
-    """
-
-    def __init__(self, A: Tensor, At: Tensor) -> None:
-        a, n = A.shape
-        crow, col, values = A.crow_indices().long(), A.col_indices().long(), A.values().detach()
-        index = torch.int32 if A._nnz() < 2**31 and max(a, n) < 2**31 else torch.int64
-        row = torch.repeat_interleave(torch.arange(a, device=col.device), crow[1:] - crow[:-1])
-        block = torch.div(col, BLOCK_COLUMNS, rounding_mode="floor")
-        count = -(-n // BLOCK_COLUMNS)
-        key = block * a + row
-        # stable: within a (block, row) pair the entries keep the column order of the CSR rows
-        order = torch.sort(key, stable=True).indices
-        local = (col - block * BLOCK_COLUMNS)[order].to(index)
-        vals = values[order]
-        starts = torch.zeros(count * a + 1, dtype=torch.long, device=col.device)
-        starts[1:] = torch.bincount(key, minlength=count * a).cumsum(0)
-        self.columns: list[tuple[int, int, Tensor, Tensor]] = []  # (j0, j1, A_q, |A_q|)
-        bounds = starts[::a].tolist()
-        for q in range(count):
-            j0, j1 = q * BLOCK_COLUMNS, min(n, (q + 1) * BLOCK_COLUMNS)
-            s0, s1 = bounds[q], bounds[q + 1]
-            if s1 == s0:  # no entries: the block adds nothing to A z, and A^T u is 0 there
-                continue
-            crow_q = (starts[q * a:(q + 1) * a + 1] - s0).to(index)
-            v = vals[s0:s1]
-            self.columns.append((j0, j1, _csr(crow_q, local[s0:s1], v, (a, j1 - j0)),
-                                 _csr(crow_q, local[s0:s1], v.abs(), (a, j1 - j0))))
-        tcrow, tcol, tvals = At.crow_indices().long(), At.col_indices().to(index), At.values().detach()
-        self.rows: list[tuple[int, int, Tensor]] = []  # (j0, j1, rows j0:j1 of A^T)
-        self.empty_rows: list[tuple[int, int]] = []  # blocks of columns of A without entries: A^T u is 0 there
-        tbounds = tcrow[::BLOCK_COLUMNS].tolist() + [int(tcrow[-1])]
-        for q in range(count):
-            j0, j1 = q * BLOCK_COLUMNS, min(n, (q + 1) * BLOCK_COLUMNS)
-            s0, s1 = tbounds[q], tbounds[q + 1]
-            if s1 == s0:
-                self.empty_rows.append((j0, j1))
-                continue
-            self.rows.append((j0, j1, _csr((tcrow[j0:j1 + 1] - s0).to(index), tcol[s0:s1], tvals[s0:s1],
-                                           (j1 - j0, a))))
-        self.shape, self.width = (a, n), BLOCK_COLUMNS
-
-    def matvec(self, z: Tensor, absolute: bool = False) -> tuple[Tensor, Tensor | None]:
-        r""":math:`AZ^\top` as ``(N, a)`` for ``z`` ``(N, n)``, and with ``absolute``, :math:`|A||Z|^\top` too
-        (the transposed tile made absolute in place between the two products)."""
-        N, a = z.shape[0], self.shape[0]
-        out = torch.zeros((a, N), dtype=z.dtype, device=z.device)  # (a, N): row-major rows of the products
-        scale = torch.zeros((a, N), dtype=z.dtype, device=z.device) if absolute else None
-        tile = self._tile(N, z)
-        for j0, j1, A_q, abs_q in self.columns:
-            for s0 in range(0, N, BLOCK_VECTORS):
-                s1 = min(N, s0 + BLOCK_VECTORS)
-                t = tile[:j1 - j0, :s1 - s0]
-                t.copy_(z[s0:s1, j0:j1].mT)  # the tile transposed, in cache: each stored entry reads s values
-                out[:, s0:s1].addmm_(A_q, t)
-                if scale is not None:
-                    scale[:, s0:s1].addmm_(abs_q, t.abs_())
-        return out.mT, None if scale is None else scale.mT
-
-    def rmatvec(self, u: Tensor, z: Tensor | None = None, weight: Tensor | None = None) -> Tensor:
-        r""":math:`UA` as ``(N, n)`` for ``u`` ``(N, a)``, tile by tile (each tile of :math:`A^\top U^\top`
-        computed row-major into one reused buffer and written transposed); with ``z`` ``(N, n)`` (contiguous
-        rows), :math:`z \mathrel{+}= w \circ (UA)` in place (``weight`` ``w``: ``(n,)``, or ``None`` for ones)
-        and ``z`` returned."""
-        N, n = u.shape[0], self.shape[1]
-        out = torch.empty((N, n), dtype=u.dtype, device=u.device) if z is None else z
-        if z is None:
-            for j0, j1 in self.empty_rows:
-                out[:, j0:j1] = 0
-        tile = self._tile(N, u)
-        ut = u.mT.contiguous()  # (a, N), row-major
-        for j0, j1, At_q in self.rows:
-            for s0 in range(0, N, BLOCK_VECTORS):
-                s1 = min(N, s0 + BLOCK_VECTORS)
-                t = tile[:j1 - j0, :s1 - s0]
-                torch.mm(At_q, ut[:, s0:s1], out=t)
-                view = out[s0:s1, j0:j1]
-                if z is None:
-                    view.copy_(t.mT)
-                elif weight is None:
-                    view.add_(t.mT)
-                else:
-                    view.addcmul_(t.mT, weight[j0:j1])
-        return out
-
-    def _tile(self, N: int, like: Tensor) -> Tensor:
-        """The reused ``(columns, vectors)`` buffer of one tile, row-major."""
-        return torch.empty((self.width, min(N, BLOCK_VECTORS)), dtype=like.dtype, device=like.device)
-
-
-class _GramFactors:
-    r"""Float64 Cholesky of the row-equilibrated Gram matrix :math:`\hat G = D^{-1}AA^\top D^{-1} = LL^\top`
-    (``D``: row norms), for :math:`\log\det(AA^\top) = 2\sum\log d_i + 2\sum\log L_{jj}`, the rank verdict and
-    :math:`(AA^\top)^{-1} = D^{-1}\hat G^{-1}D^{-1}`.
-
-    :math:`L_{jj}` is the distance of normalised row ``j`` from the span of the rows before it (as the
-    :math:`R_{jj}` of a QR), but forming :math:`\hat G` squares :math:`\mathrm{cond}` of the *equilibrated*
-    matrix, so pivots below about :math:`\sqrt{a\,\varepsilon_{64}}` are not resolved; the rank tolerance is
-    therefore :math:`\max(\max(a, r)\,\varepsilon, 10\sqrt{a\,\varepsilon_{64}})` with ``r`` the longest row.
-    """
-
-    def __init__(self, A64: Tensor, At64: Tensor, dtype: torch.dtype) -> None:
-        a = A64.shape[0]
-        G = _quiet(torch.matmul, A64, At64).to_dense()  # shape: (a, a), float64
-        d = G.diagonal().clamp_min(0).sqrt()
-        safe = torch.where(d > 0, d, 1.0)
-        L, info = torch.linalg.cholesky_ex(G / safe.unsqueeze(-1) / safe.unsqueeze(-2))
-        pivots = L.diagonal()
-        ok = int(info) == 0 and bool((d > 0).all())
-        self.row_norms, self.L = safe, L
-        # no rows: an empty Cholesky, det 1 and no pivot to fail (the conditioner refuses a = 0 with its own error)
-        self.min_pivot = (float(pivots.min()) if a else math.inf) if ok else 0.0
-        self.logdet = 2 * (d.log().sum() + pivots.log().sum()) if ok else torch.tensor(-math.inf, dtype=torch.float64)
-        row_nnz = int((A64.crow_indices()[1:] - A64.crow_indices()[:-1]).max()) if A64._nnz() else 0
-        self.tol = max(max(a, row_nnz) * torch.finfo(dtype).eps, 10 * math.sqrt(a * torch.finfo(torch.float64).eps))
-
-    def solve(self, r: Tensor) -> Tensor:
-        r""":math:`(AA^\top)^{-1} r` for ``r`` ``(*, a)`` in float64."""
-        y = torch.cholesky_solve((r / self.row_norms).unsqueeze(-1), self.L).squeeze(-1)
-        return y / self.row_norms
-
 
 @register_constraint_kind("sparse")
-class SparseConstraint(EqualityConstraint):
+class SparseConstraint(_SparseOperator, EqualityConstraint):
     r"""Sparse linear equality constraint :math:`A z = k` with one ``A`` shared by every batch element.
 
     Args:
@@ -289,25 +89,8 @@ class SparseConstraint(EqualityConstraint):
     """
 
     def __init__(self, A: Tensor, k: Tensor, *, validate_args: bool | None = None) -> None:
-        if not isinstance(A, Tensor):
-            raise TypeError(f"A must be a sparse torch.Tensor (CSR or COO), got {type(A).__name__}.")
-        if A.layout not in (torch.sparse_csr, torch.sparse_coo):
-            raise TypeError(f"A must be a torch.sparse_csr or sparse COO tensor, got layout {A.layout}; "
-                            "use hardeq.LinearConstraint for a dense A.")
-        if not A.is_floating_point():
-            raise TypeError(f"A must be a floating-point tensor (float32 or float64), got dtype {A.dtype}.")
-        if A.dim() != 2:
-            raise ValueError(f"A must have shape (a, n) (one A shared by the batch), got A.shape = {tuple(A.shape)}.")
-        check_tensor("k", k, min_dim=1)
-        check_same_dtype_device(A=A, k=k)
+        check_arguments(A, k)
         a, n = A.shape
-        check_not_transposed(A.shape, k.shape)
-        if k.shape[-1] != a:
-            raise ValueError(f"k must have shape (*batch, a) with a = A.shape[0] = {a}, "
-                             f"got k.shape = {tuple(k.shape)}.")
-        if a >= n:
-            raise ValueError(f"A must have fewer rows than columns (a < n) so that A z = k leaves freedom, got "
-                             f"A.shape = {tuple(A.shape)}.")
         validate = validate_default(validate_args)
         with no_host_reads(not lookup_on_host(validate, A.device)):  # (else the cache checks A on the device)
             prepared = _prepared(A, trust_version=not validate)  # (unvalidated: A's version only, _cache)
@@ -329,24 +112,6 @@ class SparseConstraint(EqualityConstraint):
                 self._validate_A()
                 prepared[3] = True
 
-    @property
-    def _A(self) -> Tensor:
-        return self._parts.A
-
-    @property
-    def _At(self) -> Tensor:
-        return self._parts.At
-
-    @property
-    def _shared(self) -> dict[str, Any]:
-        return self._parts.shared
-
-    def _traced_form(self) -> TracedSparse:
-        """The COO form for a traced product; refused for an ``A`` that requires grad (its values are copied)."""
-        if self._grad_A:
-            raise NotImplementedError("a SparseConstraint whose A requires grad is not traced by torch.compile (the "
-                                      "traced products use a copy of A's values); run this step eagerly.")
-        return self._traced
 
     def _make_traced(self) -> TracedSparse:
         """The COO form of ``A`` (:mod:`.sparse_traced`), with the Gram's pairs when the Gram matrix is not diagonal
@@ -354,18 +119,10 @@ class SparseConstraint(EqualityConstraint):
         diagonal = self.has_diagonal_gram
         small = not diagonal and int(self._column_counts().square().sum()) <= TRACED_MAX_PAIRS
         return TracedSparse(self._A, self._pair_matrix() if small else None, diagonal)
-
     def _validate_A(self) -> None:
         A = self._A
         check_finite("A", A.values())
-        factors = self._gram_factors()
-        if factors.min_pivot <= factors.tol:
-            raise ValueError(
-                f"A must have full row rank {A.shape[0]} (a = A.shape[0]), but after normalising each row of A "
-                f"(shape {tuple(A.shape)}, nnz {A._nnz()}) to unit length some row lies within "
-                f"{factors.min_pivot:.2e} of the span of the rows before it (expected more than {factors.tol:.2e}); "
-                "remove linearly dependent rows (e.g. one node balance of a closed flow network)."
-            )
+        check_rank(A, self._gram_factors())
 
     # ------------------------------------------------------------------ shape
     @property
@@ -438,30 +195,8 @@ class SparseConstraint(EqualityConstraint):
         single = (crow[1:] - crow[:-1] == 1) & (A.values()[first] != 0)
         return pinned_from_rows(single, A.col_indices()[first], A.values()[first], self.k, self.event_size)
 
-    # ------------------------------------------------------------------ caches on A
-    def _cached(self, name: str, make: Callable[[], _T]) -> _T:
-        if name not in self._shared:
-            self._shared[name] = make()
-        value: _T = self._shared[name]
-        return value
-
-    def _abs(self) -> Tensor:
-        A = self._A
-        return self._cached("abs", lambda: _csr(A.crow_indices(), A.col_indices(), A.values().abs(), A.shape))
-
-    def _float64(self) -> tuple[Tensor, Tensor]:
-        def make() -> tuple[Tensor, Tensor]:
-            if self._A.dtype == torch.float64:
-                return self._A.detach(), self._At.detach()
-            return _quiet(lambda: (self._A.detach().to(torch.float64), self._At.detach().to(torch.float64)))
-        return self._cached("float64", make)
-
     def _gram_factors(self) -> _GramFactors:
         return self._cached("gram", lambda: _GramFactors(*self._float64(), self._A.dtype))
-
-    def _blocks(self) -> _Blocks:
-        return self._cached("blocks", lambda: _Blocks(self._A, self._At))
-
     def _blocked(self, x: Tensor, size: int) -> bool:
         """Does a product with the vectors of ``x`` (``(*lead, m)``, each stored contiguously) go by blocks
         (:class:`_Blocks`)? On the CPU, without gradient, when the vectors times ``size`` (the longer side, ``n``)
@@ -471,120 +206,17 @@ class SparseConstraint(EqualityConstraint):
         if torch.is_grad_enabled() and (x.requires_grad or self._A.requires_grad):
             return False
         return x.numel() // max(1, x.shape[-1]) * size >= BLOCKED_MIN_ELEMENTS
-
-    def _column_counts(self) -> Tensor:
-        return self._cached("column_counts", lambda: torch.bincount(self._A.col_indices(), minlength=self.event_size))
-
-    # ------------------------------------------------------------------ products
-    def matvec(self, z: Tensor) -> Tensor:
-        if _compiling():
-            return self._traced_form().matvec(z)
-        if self._blocked(z, self.event_size):
-            z2 = z.reshape(-1, z.shape[-1])
-            if z2.stride(-1) == 1:
-                return self._blocks().matvec(z2)[0].contiguous().reshape(z.shape[:-1] + (self.num_constraints,))
-        return _spmm(self._A, z)
-
-    def _shortfall(self, z: Tensor) -> Tensor:
-        """``k - A z``; on a GPU profile (the product of :func:`_spmm` on ``z`` as it is), for one shared ``k`` and
-        without gradient, as one sparse ``addmm`` with ``k`` broadcast over the columns (no separate subtraction)."""
-        k = self.k
-        if (_compiling() or profile(z.device).blocked_drivers or k.dim() != 1 or z.dtype != self._A.dtype
-                or (torch.is_grad_enabled() and (z.requires_grad or k.requires_grad or self._A.requires_grad))):
-            return k - self.matvec(z)
-        lead = z.shape[:-1]
-        out = _quiet(lambda: torch.addmm(k.unsqueeze(-1), self._A, z.reshape(-1, z.shape[-1]).mT, alpha=-1.0))
-        return out.mT.reshape(lead + (self.num_constraints,))
-
-    def rmatvec(self, u: Tensor) -> Tensor:
-        if _compiling():
-            return self._traced_form().rmatvec(u)
-        if self._blocked(u, self.event_size):
-            return self._blocks().rmatvec(u.reshape(-1, u.shape[-1])).reshape(u.shape[:-1] + (self.event_size,))
-        return _spmm(self._At, u)
-
-    def rmatvec_add_(self, z: Tensor, u: Tensor, weight: Tensor | None = None) -> Tensor:
-        r""":math:`z \mathrel{+}= w \circ A^\top u` in place (``weight`` ``w``: ``(n,)``, or ``None`` for ones),
-        for ``z`` ``(*lead, n)`` and ``u`` ``(*lead, a)`` of the same leading shape, without gradient; returns
-        ``z``. On the CPU for many vectors, block by block onto column-major views of ``z`` (:class:`_Blocks`: no
-        ``(*lead, n)`` temporary, one pass over ``z``); otherwise ``z.add_(A^T u)`` (or ``addcmul_``)."""
-        n = self.event_size
-        if z.shape[:-1] != u.shape[:-1] or z.shape[-1] != n or u.shape[-1] != self.num_constraints:
-            raise ValueError(f"z must have shape (*lead, n) and u (*lead, a) with the same leading shape (n = {n}, "
-                             f"a = {self.num_constraints}), got z.shape = {tuple(z.shape)}, u.shape = "
-                             f"{tuple(u.shape)}.")
-        if weight is not None and weight.shape[-1] != n:
-            raise ValueError(f"weight must have shape (n,) with n = {n}, got weight.shape = {tuple(weight.shape)}.")
-        blocked = not _compiling() and z.is_contiguous() and self._blocked(z, n) and u.dtype == z.dtype and (
-            weight is None or (weight.dim() == 1 and weight.dtype == z.dtype and weight.device == z.device))
-        if blocked and not (torch.is_grad_enabled() and (u.requires_grad or (weight is not None
-                                                                             and weight.requires_grad))):
-            self._blocks().rmatvec(u.reshape(-1, u.shape[-1]), z.view(-1, n), weight)
-            return z
-        return z.add_(self.rmatvec(u)) if weight is None else z.addcmul_(weight, self.rmatvec(u))
-
-    def matmul(self, X: Tensor) -> Tensor:
-        # (*batch, n, m) -> (n, *batch, m) -> one product -> (*batch, a, m)
-        Xt = X.movedim(-2, 0)
-        out = _quiet(torch.matmul, self._A, Xt.reshape(Xt.shape[0], -1))
-        return out.reshape((self.num_constraints,) + Xt.shape[1:]).movedim(0, -2)
-
-    def abs_matvec(self, z_abs: Tensor) -> Tensor:
-        if _compiling():
-            return self._traced_form().matvec(z_abs, absolute=True)
-        return _spmm(self._abs(), z_abs)
-
-    def matvec_and_scale(self, z: Tensor) -> tuple[Tensor, Tensor]:
-        r""":math:`Az` and :math:`|A||z|` from one transposed copy of ``z`` (the columns of both products), made
-        absolute in place between them: without gradient, one ``(n, N)`` buffer instead of three (``|z|``, and a
-        transposed copy of each); for many vectors on the CPU, tile by tile (:class:`_Blocks`: one cache-sized
-        transposed tile, no ``(n, N)`` buffer). Results ``(*lead, a)`` (transposed views of the ``(a, N)``
-        products)."""
-        if _compiling() or torch.is_grad_enabled() and (z.requires_grad or self._A.requires_grad) or z.dim() < 2:
-            return super().matvec_and_scale(z)
-        lead, a = z.shape[:-1], self.num_constraints
-        if self._blocked(z, self.event_size):
-            z2 = z.reshape(-1, z.shape[-1])
-            if z2.stride(-1) == 1:  # blocked: A z and |A||z| tile by tile (|z| of each tile into one buffer)
-                Az, scale = self._blocks().matvec(z2, absolute=True)
-                assert scale is not None  # (asked for)
-                return Az.reshape(lead + (a,)), scale.reshape(lead + (a,))
-        cols = z.reshape(-1, z.shape[-1]).mT.contiguous()  # shape: (n, N)
-        Az = _quiet(torch.matmul, self._A, cols)  # shape: (a, N)
-        # |z| in place on the copy; not when the transpose was z's own storage (one vector, or transposed samples)
-        shared = cols.untyped_storage().data_ptr() == z.untyped_storage().data_ptr()
-        scale = _quiet(torch.matmul, self._abs(), cols.abs() if shared else cols.abs_())
-        return Az.mT.reshape(lead + (a,)), scale.mT.reshape(lead + (a,))
-
-    def dense_matrix(self) -> Tensor:
-        if _compiling():
-            return self._traced_form().dense()
-        return self._A.to_dense()
-
     # ------------------------------------------------------------------ what the conditioner asks for
     def _pair_matrix(self) -> Tensor | None:
-        r"""The ``(a^2, n)`` CSR matrix :math:`M` with :math:`M_{(i,j),c} = A_{ic}A_{jc}`, so that
-        :math:`\mathrm{vec}(A\,\mathrm{diag}(v)A^\top) = Mv`. Built once, in O(P log P) for the
-        ``P = sum_c c_c^2`` pairs of nonzeros sharing a column (memory about 16 P bytes); ``None`` when ``P``
-        exceeds :data:`MAX_GRAM_PAIRS` (then :meth:`gram` runs a sparse-sparse product per batch element)."""
+        r"""The ``(a^2, n)`` CSR pair matrix of :math:`\mathrm{vec}(A\,\mathrm{diag}(v)A^\top) = Mv`
+        (:func:`~.sparse_gram.pair_matrix`), built once; ``None`` when its ``P = sum_c c_c^2`` pairs exceed
+        :data:`MAX_GRAM_PAIRS` (then :meth:`gram` runs a sparse-sparse product per batch element)."""
         def make() -> Tensor | None:
             m = self._column_counts()
             P = int(m.square().sum())
             if P > MAX_GRAM_PAIRS:
                 return None
-            At = self._At  # (n, a) CSR: row c of A^T lists the rows of A that column c touches
-            crow, rows, vals = At.crow_indices(), At.col_indices(), At.values()
-            device = rows.device
-            column = torch.repeat_interleave(torch.arange(self.event_size, device=device), m)  # shape: (nnz,)
-            m_e = m[column]  # the count of the column each stored entry lies in
-            first = torch.repeat_interleave(torch.arange(rows.shape[0], device=device), m_e)  # shape: (P,)
-            start = torch.repeat_interleave(torch.cumsum(m_e, 0) - m_e, m_e)
-            second = crow[column[first]] + (torch.arange(P, device=device) - start)
-            a = self.num_constraints
-            index = torch.stack([rows[first] * a + rows[second], column[first]])
-            shape = (a * a, self.event_size)
-            return _quiet(lambda: torch.sparse_coo_tensor(index, vals[first] * vals[second], shape,
-                                                          check_invariants=False).coalesce().to_sparse_csr())
+            return pair_matrix(self._At, m, P, self.num_constraints, self.event_size)
         return self._cached("pairs", make)
 
     @property
@@ -742,9 +374,6 @@ class SparseConstraint(EqualityConstraint):
         return (f"SparseConstraint(a={self.num_constraints}, n={self.event_size}, nnz={self.storage_numel}, "
                 f"batch_shape={tuple(self.batch_shape)})")
 
-
-def _components(A: Tensor) -> tuple[Tensor, Tensor, Tensor, tuple[int, ...]]:
-    return (A.crow_indices(), A.col_indices(), A.values(), tuple(A.shape))
 
 
 @pairs.register_pair("gram", SparseConstraint, pairs.ANY_COVARIANCE)

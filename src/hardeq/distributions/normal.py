@@ -2,104 +2,40 @@ r"""The Gaussian conditioned on a hard linear equality constraint."""
 
 from __future__ import annotations
 
-import functools
-import math
-import numbers
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Self, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Callable, Self
 
 import torch
 from torch import Tensor
 from torch.distributions import Distribution, constraints
 from torch.distributions.utils import lazy_property
 
-from .._utils import LOG_2PI, check_finite, check_same_dtype_device, check_tensor
-from .._validation import image_flatten_hint, not_a_tensor
+from .._utils import check_tensor
+from .._validation import image_flatten_hint
 from ..constraints import EqualityConstraint
-from ..constraints._cache import _NO_HOST_READS
 from ..estimators import normal as _normal_estimators  # noqa: F401  (registers the estimators)
 from ..estimators.registry import get_estimator
 from ..linalg.conditioning import Conditioner, is_tracing
 from ..linalg.conditioning.grouped_sample import grouped_rsample
-from ..linalg.conditioning.static_dense import SINGULAR_SCALE_MESSAGE
 from ..linalg.device import profile as device_profile
-from ..linalg.covariance import Covariance, DiagonalCovariance, FullCovariance, LowRankCovariance
+from ..linalg.covariance import Covariance
 from .losses import gaussian_expected_abs, gaussian_expected_square
+from .normal_checks import _assert_values, _broadcast_shapes, _check_values, _sample_shape
+from .normal_covariance import _covariance_from_arguments
+from .normal_parts import _NormalParts
+from .normal_precision import HALF_DTYPES as HALF_DTYPES
+from .normal_precision import HALF_SUPPORT_RTOL_EPS as HALF_SUPPORT_RTOL_EPS
+from .normal_precision import _AffineSubspace as _AffineSubspace
+from .normal_precision import _full_precision
 
 if TYPE_CHECKING:
     from .truncated import TruncatedConstrainedNormal
 
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-class _OnDevice(Protocol):
-    """A distribution whose methods run under :func:`_full_precision` (its parameters' device)."""
-
-    @property
-    def _unbroadcasted_loc(self) -> Tensor: ...
-
-    _validate_args: bool
-
 __all__ = ["ConstrainedNormal", "affine_subspace"]
-
-#: dtypes accepted and computed in float32 (results are returned in the input dtype)
-HALF_DTYPES = (torch.float16, torch.bfloat16)
-#: per-row tolerance of the support check for a half-precision value, in units of its eps (a point of the plane
-#: rounded to half precision misses a row by at most eps / 2 times (|A||z|)_i)
-HALF_SUPPORT_RTOL_EPS = 8.0
-
-
-def _full_precision(method: _F) -> _F:
-    """Run ``method`` with autocast disabled on the parameters' device: under ``torch.autocast`` a float32
-    matmul would otherwise run in bfloat16 / float16 and lose the per-row accuracy of the conditioner; and, with
-    on a device where a read-back synchronises (:func:`hardeq.linalg.device.profile`), inside
-    :func:`hardeq.constraints._cache.no_host_reads` (the constraints' caches check their tensors on the device), with
-    ``validate_args`` on or off."""
-
-    @functools.wraps(method)
-    def wrapper(self: _OnDevice, *args: Any, **kwargs: Any) -> Any:
-        device_type = self._unbroadcasted_loc.device.type
-        # (no_host_reads, without its generator; not under torch.compile, which cannot trace it and skips the caches)
-        # (on a CPU, where a read-back synchronises nothing, only when the device profile is forced: linalg.device)
-        # (validated or not: with validate_args=True the inputs were checked at construction, with one host read)
-        sync_free = not device_profile(self._unbroadcasted_loc.device).host_guards
-        token = _NO_HOST_READS.set(True) if sync_free and not torch.compiler.is_compiling() else None
-        try:
-            if not torch.is_autocast_enabled(device_type):
-                return method(self, *args, **kwargs)
-            with torch.autocast(device_type, enabled=False):
-                return method(self, *args, **kwargs)
-        finally:
-            if token is not None:
-                _NO_HOST_READS.reset(token)
-
-    return cast(_F, wrapper)  # (functools.wraps keeps the signature)
-
-
-class _AffineSubspace(constraints.Constraint):
-    """The support ``{z : A z = k}``, checked to a dtype-aware round-off tolerance."""
-
-    is_discrete = False
-    event_dim = 1
-
-    def __init__(self, constraint: EqualityConstraint) -> None:
-        self.constraint = constraint
-        super().__init__()
-
-    def check(self, value: Tensor) -> Tensor:
-        if value.dtype in HALF_DTYPES:  # checked in the constraint's precision, to the half-precision rounding
-            rtol = HALF_SUPPORT_RTOL_EPS * torch.finfo(value.dtype).eps
-            return self.constraint.check(value.to(self.constraint.dtype), rtol=rtol)
-        return self.constraint.check(value.to(self.constraint.dtype))
-
-    def __repr__(self) -> str:
-        return f"AffineSubspace({self.constraint!r})"
-
 
 affine_subspace = _AffineSubspace
 
 
-class ConstrainedNormal(Distribution):
+class ConstrainedNormal(_NormalParts, Distribution):
     r"""Normal :math:`\mathcal N(\mu, \Sigma)` conditioned on :math:`A z = k`:
 
     .. math::
@@ -196,25 +132,10 @@ class ConstrainedNormal(Distribution):
                 f"{type(constraint).__name__}."
             )
         n = loc.shape[-1]
-        if isinstance(scale, Tensor):
-            pass
-        elif isinstance(scale, numbers.Real) and not isinstance(scale, bool):  # as torch.distributions.Normal
-            scale = torch.tensor(float(scale), dtype=loc.dtype, device=loc.device)
-        elif scale is not None and not isinstance(scale, torch.Tensor):
-            raise not_a_tensor("scale", scale, note=" (a real Python number is also accepted, as in "
-                               "torch.distributions.Normal)")
         validate = Distribution._validate_args if validate_args is None else validate_args
         pending: list[tuple[Tensor, Callable[[], None]]] = []  # (value checks read with _check_values)
-        covariance = _build_covariance(n, scale, covariance, scale_tril, cov_factor, covariance_matrix,
-                                       precision_matrix, validate, pending)
-        if scale is not None and cov_factor is None and scale_tril is None and covariance_matrix is None \
-                and precision_matrix is None:  # (the common form)
-            check_same_dtype_device(loc=loc, scale=scale, constraint=constraint.k)
-        else:
-            given = {"scale": scale, "scale_tril": scale_tril, "cov_factor": cov_factor,
-                     "covariance_matrix": covariance_matrix, "precision_matrix": precision_matrix}
-            given = {name: t for name, t in given.items() if t is not None} or {"covariance": covariance.tensors()[0]}
-            check_same_dtype_device(loc=loc, **given, constraint=constraint.k)
+        covariance = _covariance_from_arguments(loc, scale, covariance, scale_tril, cov_factor, covariance_matrix,
+                                                precision_matrix, constraint, validate, pending)
         if constraint.event_size != n:
             raise ValueError(
                 f"constraint acts on vectors of size {constraint.event_size}, but loc has size n = {n} "
@@ -350,22 +271,6 @@ class ConstrainedNormal(Distribution):
         return self._out(self.conditioner.covariance_matrix()).expand(self.batch_shape + self.event_shape * 2)
 
     # ------------------------------------------------------------------ sampling
-    def _noise(self, sample_shape: torch.Size | list[int] | tuple[int, ...], noise: Tensor | None) -> Tensor:
-        loc = self._unbroadcasted_loc
-        if noise is None and sample_shape == ():  # (one draw, the training-loop call: no shape to check)
-            return torch.randn(self._batch_shape + (self.noise_size,), dtype=loc.dtype, device=loc.device)
-        shape = _sample_shape(sample_shape) + self.batch_shape + (self.noise_size,)
-        if noise is None:
-            return torch.randn(shape, dtype=loc.dtype, device=loc.device)
-        check_tensor("noise", noise)
-        if noise.shape != shape:
-            raise ValueError(f"noise must have shape sample_shape + batch_shape + (noise_size,) = {tuple(shape)}, "
-                             f"got {tuple(noise.shape)}.")
-        if noise.device != loc.device:
-            raise ValueError(f"noise is on device {noise.device} but loc is on {loc.device}; pass noise on "
-                             f"{loc.device}.")
-        return noise.to(loc.dtype)
-
     @_full_precision
     def rsample(
         self, sample_shape: torch.Size | list[int] | tuple[int, ...] = (), estimator: str = "pathwise", *,
@@ -403,52 +308,6 @@ class ConstrainedNormal(Distribution):
             return self._out(cond.sample(self._unbroadcasted_loc, sample_shape)).expand(shape)
 
     # ------------------------------------------------------------------ densities
-    def _log_normaliser(self) -> Tensor:
-        r""":math:`-\tfrac12[(n - a)\log 2\pi + \log\det\Sigma - \log\det S + \log\det AA^\top]`, ``batch_shape``."""
-        n, a = self.event_shape[0], self.constraint.num_constraints
-        plane_logdet = self.conditioner.plane_logdet()
-        if not self._logdet_checked:  # once per distribution: a host read, or (static) a deferred device check
-            message = SINGULAR_SCALE_MESSAGE
-            finite = torch.isfinite(plane_logdet.detach()).all()
-            if not self.conditioner.static:
-                if not bool(finite):
-                    raise ValueError(message)
-            elif torch._C._functorch.maybe_current_level() is None:  # (no batching rule for a device assertion)
-                try:
-                    torch._assert_async(finite, message)
-                except RuntimeError:  # raised at once on a CPU, eagerly
-                    raise ValueError(message) from None
-            self._logdet_checked = True
-        out: Tensor = -0.5 * ((n - a) * LOG_2PI + plane_logdet)
-        return out
-
-    def _as_event(self, name: str, value: object) -> Tensor:
-        """``value`` checked as a floating tensor ``(..., n)`` that broadcasts with ``batch_shape + (n,)``, on the
-        parameters' device, in the compute dtype; raises ``TypeError``/``ValueError`` naming ``name``."""
-        value = check_tensor(name, value, min_dim=1)
-        if not value.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got dtype {value.dtype}; cast it first "
-                            f"(e.g. {name}.to({self.result_dtype})).")
-        expected = self.batch_shape + self.event_shape
-        try:
-            torch.broadcast_shapes(value.shape, expected)
-            ok = value.shape[-1] == self.event_shape[0]
-        except RuntimeError:
-            ok = False
-        if not ok:
-            shape, n = tuple(value.shape), self.event_shape[0]
-            start = next((s for s in range(len(shape) - 1) if math.prod(shape[s:]) == n), None)
-            hint = "" if start is None else (
-                f"; its trailing dimensions {' x '.join(map(str, shape[start:]))} hold n = {n} values (an image?): "
-                f"flatten them, {name}.flatten({start - len(shape)})")
-            raise ValueError(f"{name} must have shape (..., n) broadcastable with batch_shape + (n,) = "
-                             f"{tuple(expected)}, got {shape}{hint}.")
-        loc = self._unbroadcasted_loc
-        if value.device != loc.device:
-            raise ValueError(f"{name} is on device {value.device} but loc is on {loc.device}; pass {name} on "
-                             f"{loc.device}.")
-        return value.to(loc.dtype)
-
     @_full_precision
     def log_prob(self, value: Tensor) -> Tensor:
         r"""Log-density on the subspace :math:`\{Az = k\}` (w.r.t. its ``(n - a)``-dimensional Lebesgue
@@ -499,13 +358,6 @@ class ConstrainedNormal(Distribution):
         return self._out(0.5 * (n - a) - self._log_normaliser()).expand(self.batch_shape)
 
     # ------------------------------------------------------------------ expected losses
-    def _as_target(self, target: object) -> Tensor:
-        """``target`` checked as in :meth:`_as_event` and, with ``validate_args``, finite (a NaN target would
-        give a NaN loss silently)."""
-        target = self._as_event("target", target)
-        if self._validate_args:
-            check_finite("target", target)
-        return target
 
     @_full_precision
     def expected_l2(self, target: Tensor) -> Tensor:
@@ -573,192 +425,3 @@ class ConstrainedNormal(Distribution):
     def __repr__(self) -> str:
         return (f"ConstrainedNormal(n={self.event_shape[0]}, batch_shape={tuple(self.batch_shape)}, "
                 f"covariance={self.covariance!r}, constraint={self.constraint!r})")
-
-
-def _check_values(loc: Tensor, covariance: Covariance, k: Tensor | None = None,
-                  pending: list[tuple[Tensor, Callable[[], None]]] | None = None) -> None:
-    r"""``check_finite("loc", loc)``, ``covariance.check_values()`` and (when given) the finiteness of ``k``, with
-    **one host read**: the verdicts of every check are one device boolean, read once: :math:`\sum\mu + \sum k`
-    finite (a NaN or an infinity anywhere propagates to it) and the covariance's own verdict
-    (``Covariance._value_verdict``; for a diagonal one :math:`\min\sigma + 0\cdot\sum\sigma \ge` ``tiny``: every
-    scale finite and a positive normal number), from reductions without autograd nodes. Only when it is false (or
-    when a sum overflows) do the precise checks run, each naming its argument, the first bad element and its value
-    (more reads, on the way to the error). A covariance without a verdict (a structure of one's own) runs its
-    ``check_values`` after the read. ``pending``: more ``(verdict, explain)`` pairs for that read (the checks of a
-    ``covariance_matrix`` / ``precision_matrix``); on failure their ``explain()`` runs first."""
-    parts = [t.detach() if t.requires_grad else t for t in (loc, k) if t is not None and t.numel()]
-    verdict: Tensor | None = None
-    if parts:
-        total = parts[0].sum()
-        for t in parts[1:]:
-            total = total + t.sum()
-        verdict = total * 0 == 0  # (finite: x * 0 is 0; NaN for NaN and inf)
-    cls = type(covariance)
-    owner = next(c for c in cls.__mro__ if "check_values" in c.__dict__)
-    own = covariance._value_verdict() if "_value_verdict" in owner.__dict__ else None
-    for part in [own] + [ok for ok, _ in pending or ()]:
-        if part is not None:
-            verdict = part if verdict is None else verdict & part
-    if verdict is None or bool(verdict):  # the one host read
-        if own is None:
-            covariance.check_values()
-        return
-    for _, explain in pending or ():
-        explain()
-    check_finite("loc", loc)
-    covariance.check_values()
-    if k is not None:
-        check_finite("constraint right-hand side k", k)
-
-
-def _assert_values(loc: Tensor, covariance: Covariance, k: Tensor) -> None:
-    """The value checks of validation without a host read (under ``torch.compile``, ``torch.func`` or CUDA-graph
-    capture): ``loc`` and ``k`` finite, the covariance's tensors finite and, for a diagonal one, every scale a
-    positive normal number; one ``torch._assert_async`` (a GPU raises at its next synchronisation). Skipped inside
-    a ``torch.func`` transform (no batching rule for a device assertion)."""
-    if torch._C._functorch.maybe_current_level() is not None:
-        return
-    ok = torch.isfinite(loc.detach()).all() & torch.isfinite(k.detach()).all()
-    for t in covariance.tensors():
-        ok = ok & torch.isfinite(t.detach()).all()
-    scale = covariance.scale if type(covariance) is DiagonalCovariance else None
-    if scale is not None:
-        ok = ok & (scale.detach() >= torch.finfo(scale.dtype).tiny).all()
-    torch._assert_async(ok, "ConstrainedNormal (validate_args=True, checked on the device): loc, the constraint's "
-                            "k and the covariance must be finite, and scale positive (a normal number).")
-
-
-def _broadcast_shapes(*shapes: torch.Size) -> torch.Size:
-    """``torch.broadcast_shapes``, without its cost (tens of microseconds of Python) when the shapes are equal or
-    empty, the common case."""
-    first = shapes[0]
-    if all(s == first or not s for s in shapes[1:]):
-        return torch.Size(first)
-    shape: torch.Size = torch.broadcast_shapes(*shapes)
-    return shape
-
-
-def _sample_shape(sample_shape: object, name: str = "sample_shape") -> torch.Size:
-    """``sample_shape`` as a ``torch.Size`` of non-negative ints, or ``TypeError`` / ``ValueError`` naming it."""
-    try:
-        shape = torch.Size(cast("Iterable[int]", sample_shape))  # (anything else: TypeError, reported below)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a tuple (or torch.Size) of ints, got {sample_shape!r}.") from None
-    if any(s < 0 for s in shape):
-        raise ValueError(f"{name} must have non-negative sizes, got {tuple(shape)}.")
-    return shape
-
-
-def _build_covariance(n: int, scale: Tensor | None, covariance: Covariance | None, scale_tril: Tensor | None,
-                      cov_factor: Tensor | None, covariance_matrix: Tensor | None = None,
-                      precision_matrix: Tensor | None = None, validate: bool = False,
-                      pending: list[tuple[Tensor, Callable[[], None]]] | None = None) -> Covariance:
-    """The covariance object from ``covariance=`` or the keyword shortcuts (exactly one form), shape-checked."""
-    if scale is not None and covariance is None and scale_tril is None and covariance_matrix is None \
-            and precision_matrix is None:
-        return _scale_covariance(n, scale, cov_factor)  # (the common form, with nothing to reject)
-    forms = {"scale": scale, "scale_tril": scale_tril, "covariance_matrix": covariance_matrix,
-             "precision_matrix": precision_matrix}
-    given = [name for name, t in forms.items() if t is not None]
-    if covariance is None and len(given) > 1:
-        raise ValueError(f"pass exactly one of scale (alone or with cov_factor), scale_tril, covariance_matrix, "
-                         f"precision_matrix and covariance, got {' and '.join(given)}.")
-    if covariance is not None and (covariance_matrix is not None or precision_matrix is not None):
-        raise ValueError("pass covariance= alone, or one of the shortcuts, not both; got covariance and "
-                         f"{'covariance_matrix' if covariance_matrix is not None else 'precision_matrix'}.")
-    if covariance is None and cov_factor is not None and scale is None:
-        raise ValueError("cov_factor needs scale too (Sigma = W W^T + diag(scale^2)); got cov_factor without scale"
-                         + (f" (with {given[0]})." if given else "."))
-    if covariance is not None:
-        if scale is not None or scale_tril is not None or cov_factor is not None:
-            raise ValueError("pass covariance= alone, or one of the shortcuts (scale, scale_tril, cov_factor with "
-                             "scale), not both.")
-        if not isinstance(covariance, Covariance):
-            raise TypeError("covariance must be a hardeq.Covariance (e.g. hardeq.DiagonalCovariance, "
-                            "hardeq.BlockDiagonalCovariance or a subclass of your own), got "
-                            f"{type(covariance).__name__}.")
-    elif scale_tril is not None:
-        if scale is not None or cov_factor is not None:
-            raise ValueError("pass either scale_tril alone, scale alone, or cov_factor with scale.")
-        check_tensor("scale_tril", scale_tril, min_dim=2)
-        if scale_tril.shape[-2:] != (n, n):
-            raise ValueError(f"scale_tril must have shape (..., n, n) with n = loc.shape[-1] = {n}, got "
-                             f"{tuple(scale_tril.shape)}.")
-        covariance = FullCovariance(scale_tril)
-    elif covariance_matrix is not None or precision_matrix is not None:
-        covariance = FullCovariance(_scale_tril_from(n, covariance_matrix, precision_matrix, validate, pending))
-    else:
-        raise ValueError("one of scale, scale_tril / covariance_matrix / precision_matrix, or covariance must be "
-                         "given (cov_factor needs scale too).")
-    if covariance.event_size != n:
-        raise ValueError(f"covariance has event size {covariance.event_size}, but loc has size n = {n}.")
-    return covariance
-
-
-def _scale_covariance(n: int, scale: Tensor, cov_factor: Tensor | None) -> Covariance:
-    """The covariance of ``scale`` (diagonal) or of ``cov_factor`` with ``scale`` (low rank plus diagonal),
-    shape-checked."""
-    check_tensor("scale", scale)
-    if scale.dim() == 0 or scale.shape[-1] == 1:  # broadcast along the event, as torch.distributions.Normal
-        scale = scale.expand(scale.shape[:-1] + (n,))
-    if scale.shape[-1] != n:
-        raise ValueError(f"scale must have shape (..., n) with n = loc.shape[-1] = {n}, got {tuple(scale.shape)}; "
-                         "a number, or a tensor whose last dimension is 1, broadcasts along it.")
-    if cov_factor is None:
-        return DiagonalCovariance(scale)
-    check_tensor("cov_factor", cov_factor, min_dim=2)
-    if cov_factor.shape[-2] != n:
-        raise ValueError(f"cov_factor must have shape (..., n, r) with n = loc.shape[-1] = {n}, got "
-                         f"{tuple(cov_factor.shape)}.")
-    return LowRankCovariance(cov_factor, scale)
-
-
-def _scale_tril_from(n: int, covariance_matrix: Tensor | None, precision_matrix: Tensor | None,
-                     validate: bool, pending: list[tuple[Tensor, Callable[[], None]]] | None = None) -> Tensor:
-    r"""Lower Cholesky factor :math:`L` (:math:`LL^\top = \Sigma`) of ``covariance_matrix``, or of the inverse of
-    ``precision_matrix`` without forming it: :math:`JPJ = L_fL_f^\top` gives :math:`P = UU^\top`,
-    :math:`U = JL_fJ` upper, so :math:`L = U^{-\top}` (one Cholesky and one triangular solve, :math:`2n^3/3`
-    flops). ``ValueError`` naming the argument for a wrong shape, an asymmetric matrix (with ``validate``) or one
-    that is not positive definite. With ``validate`` and ``pending``, the value checks are not read here: their
-    verdict and the function that raises the precise error are appended to ``pending`` (read with the
-    distribution's other checks, :func:`_check_values`)."""
-    name, M = ("covariance_matrix", covariance_matrix) if covariance_matrix is not None else \
-        ("precision_matrix", precision_matrix)
-    M = check_tensor(name, M, min_dim=2)
-    if M.shape[-2:] != (n, n):
-        raise ValueError(f"{name} must have shape (..., n, n) with n = loc.shape[-1] = {n}, got {tuple(M.shape)}.")
-    original = M
-    if M.dtype in HALF_DTYPES:  # factorised in float32, the precision half-precision distributions compute in
-        M = M.to(torch.float32)
-    flipped = M if name == "covariance_matrix" else M.flip(-2, -1)
-    factor: Tensor
-    factor, info = torch.linalg.cholesky_ex(flipped)
-
-    def explain() -> None:  # the precise checks, each raising a ValueError that names what it found
-        if validate:
-            check_finite(name, original)
-            if not bool(torch.isclose(original, original.mT, rtol=1e-5, atol=1e-8).all()):
-                raise ValueError(f"{name} (shape {tuple(original.shape)}) must be symmetric; its largest asymmetry "
-                                 f"|M - M^T| is {(original - original.mT).abs().max().item():.3g}.")
-        if bool((info != 0).any()):
-            where = tuple(int(i) for i in (info != 0).nonzero()[0]) if info.dim() else ()
-            order = int(info[where])
-            raise ValueError(f"{name} must be positive definite, but its Cholesky factorisation fails"
-                             f"{f' at batch index {where}' if where else ''} (leading minor of order {order}"
-                             f"{' of the reversed matrix' if name == 'precision_matrix' else ''} is not positive).")
-
-    if is_tracing():
-        if validate:
-            check_finite(name, M)
-    elif validate and pending is not None:  # finite, symmetric, factorised: read with the distribution's checks
-        data = original.detach()
-        pending.append(((data.sum() * 0 == 0) & torch.isclose(data, data.mT, rtol=1e-5, atol=1e-8).all()
-                        & (info == 0).all(), explain))
-    else:
-        explain()
-    if name == "covariance_matrix":
-        return factor
-    lower_t = factor.flip(-2, -1).mT  # U^T, lower triangular
-    eye = torch.eye(n, dtype=M.dtype, device=M.device)
-    inverse: Tensor = torch.linalg.solve_triangular(lower_t, eye, upper=False)  # (U^T)^{-1} = U^{-T}
-    return inverse
