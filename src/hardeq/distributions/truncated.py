@@ -33,7 +33,8 @@ from .truncated_normaliser import _NormaliserParts
 from .truncated_sampling import METHODS as METHODS
 from .truncated_sampling import _SamplingParts
 from .truncated_support import ROW_RTOL as ROW_RTOL
-from .truncated_support import _Base, _BoxOnPlane, _full_precision, _sample_shape
+from .normal_checks import _sample_shape
+from .truncated_support import _Base, _BoxOnPlane, _full_precision
 
 __all__ = ["TruncatedConstrainedNormal"]
 

@@ -1,8 +1,8 @@
 r"""Sampling of :class:`~hardeq.TruncatedConstrainedNormal`: the method choice (``"auto"``: the pilots of
-:func:`hardeq.bounds.choice.choose_method`) and the dispatch to rejection, blocked Gibbs or exact HMC, started at
-a feasible point built without a host read (a grouped sum or one row) or else the mode, with auto's fallback from a stuck HMC chain to Gibbs. A mixin of the distribution
-(:class:`_SamplingParts`); :meth:`~hardeq.TruncatedConstrainedNormal.sample_with_info` documents the arguments and
-costs."""
+:func:`hardeq.bounds.choice.choose_method`) and the dispatch to rejection, blocked Gibbs or exact HMC, started at a
+feasible point built without a host read (a grouped sum or one row) or else the mode, with auto's fallback from a
+stuck HMC chain to Gibbs. A mixin of the distribution (:class:`_SamplingParts`);
+:meth:`~hardeq.TruncatedConstrainedNormal.sample_with_info` documents the arguments and costs."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import torch
 
 from ..bounds.rejection import AUTO_THRESHOLD, rejection_sample
 from ..bounds.result import TruncatedSamples
-from .truncated_support import _sample_shape, _Truncated
+from .normal_checks import _sample_shape
+from .truncated_support import _Truncated
 
 #: methods of :meth:`TruncatedConstrainedNormal.sample_with_info`
 METHODS = ("auto", "rejection", "gibbs", "hmc")

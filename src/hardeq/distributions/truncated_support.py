@@ -12,7 +12,7 @@ them imports :mod:`.truncated`.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, cast
 
 import torch
@@ -145,17 +145,6 @@ def _full_precision(method: _F) -> _F:
             return method(self, *args, **kwargs)
 
     return cast(_F, wrapper)
-
-
-def _sample_shape(sample_shape: object, name: str = "sample_shape") -> torch.Size:
-    """``sample_shape`` as a ``torch.Size`` of non-negative ints, or ``TypeError`` / ``ValueError`` naming it."""
-    try:
-        shape = torch.Size(cast("Iterable[int]", sample_shape))
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a tuple (or torch.Size) of ints, got {sample_shape!r}.") from None
-    if any(s < 0 for s in shape):
-        raise ValueError(f"{name} must have non-negative sizes, got {tuple(shape)}.")
-    return shape
 
 
 class _BoxOnPlane(constraints.Constraint):
