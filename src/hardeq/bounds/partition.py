@@ -36,8 +36,9 @@ class Pool:
     r""":math:`K` random partitions of the coordinates into blocks, with each block's direction and constants.
 
     Built once per sampler call (``K`` between :data:`POOL_MIN` and :data:`POOL_MAX`, fewer where the pool would pass
-    :data:`POOL_ELEMENTS` entries or an eighth of the call's sweeps times chains) from the generator; a sweep uses entry ``k`` drawn uniformly, independently of the
-    state, so a sweep is a mixture of fixed-partition Gibbs kernels and leaves the target invariant.
+    :data:`POOL_ELEMENTS` entries or an eighth of the call's sweeps times chains) from the generator; a sweep uses
+    entry ``k`` drawn uniformly, independently of the state, so a sweep is a mixture of fixed-partition Gibbs kernels
+    and leaves the target invariant.
 
     * **Partitions.** Even entries are uniform: the coordinates ordered by ``group + U(0, 1)`` (a uniformly random
       order inside each group of a grouped sum; of all coordinates otherwise). Odd entries are *stratified*: ordered
@@ -105,7 +106,8 @@ class Pool:
             assert A is not None
             Bq = max(Bp, A.shape[0])
             cols = blocks.expand(K, Bq, self.count, s).reshape(K, Bq, 1, self.count * s)
-            sub = A.unsqueeze(0).expand(K, Bq, *A.shape[-2:]).gather(-1, cols.expand(K, Bq, A.shape[-2], cols.shape[-1]))
+            cols = cols.expand(K, Bq, A.shape[-2], cols.shape[-1])
+            sub = A.unsqueeze(0).expand(K, Bq, *A.shape[-2:]).gather(-1, cols)
             sub = sub.reshape(K, Bq, A.shape[-2], self.count, s).permute(0, 1, 3, 4, 2)   # (K, Bq, Bk, s, a)
             d = torch.linalg.qr(sub, mode="complete")[0][..., -1]           # (K, Bq, Bk, s): A[:, S_b] d = 0
             blocks = blocks.expand(K, Bq, self.count, s)

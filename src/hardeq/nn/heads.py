@@ -139,9 +139,9 @@ class ConstrainedGaussianHead(DeviceCheckedModule):
     (cheap, biased; exact normaliser where ``n - a == 1``); in ``head.eval()`` or under ``torch.no_grad()`` it is the
     normalised density (report an NLL there). ``head(..., training=False)`` forces the normalised density (its
     gradient estimated with the sampler's draws, unbiased, slow), ``training=True`` the head's chains, a
-    :class:`~hardeq.bounds.PersistentChains` those chains. The closed-form ``expected_l2`` / ``expected_l1`` belong to the untruncated law
-    (``head(features, k, lower=None, upper=None)`` with no bounds at construction, or ``dist.base``, see
-    :class:`~hardeq.TruncatedConstrainedNormal`).
+    :class:`~hardeq.bounds.PersistentChains` those chains. The closed-form ``expected_l2`` / ``expected_l1`` belong to
+    the untruncated law (``head(features, k, lower=None, upper=None)`` with no bounds at construction, or
+    ``dist.base``, see :class:`~hardeq.TruncatedConstrainedNormal`).
 
     Args:
         in_features (int): size of the features.
@@ -265,8 +265,9 @@ class ConstrainedGaussianHead(DeviceCheckedModule):
         """The distribution of the outputs given ``features`` ``(*batch, in_features)`` and the right-hand side
         (default: the fixed one). ``lower`` / ``upper`` replace the head's bounds for this call (``None``: no such
         bound; omitted: the head's). ``training``: the truncated law's training mode (:func:`training_mode`;
-        default: persistent chains in ``train()`` with grad on, the normalised density otherwise). Returns a :class:`~hardeq.ConstrainedNormal`, or a
-        :class:`~hardeq.TruncatedConstrainedNormal` when a bound is in force."""
+        default: persistent chains in ``train()`` with grad on, the normalised density otherwise). Returns a
+        :class:`~hardeq.ConstrainedNormal`, or a :class:`~hardeq.TruncatedConstrainedNormal` when a bound is in
+        force."""
         lower = self.lower if lower is ... else check_bound(lower, "lower", self.out_features, "forward")
         upper = self.upper if upper is ... else check_bound(upper, "upper", self.out_features, "forward")
         check_bounds(lower, upper, "forward")

@@ -193,9 +193,9 @@ def grouped_rsample(cov: "Covariance", constraint: "EqualityConstraint", loc: Te
     once): scales whose squares underflow the dtype (:math:`\sigma^2` subnormal) are then an error, not a detour
     through the normalised general path.
 
-    Cost: one host synchronisation (the verdict; two when its screen fails; none without host reads); forward 6 products with ``A`` or
-    :math:`A^\top` and 5 elementwise passes over ``n``, backward 2 products and 3 passes (O(n) for a
-    :class:`~hardeq.SumConstraint`); for a :class:`~hardeq.SumConstraint` no Python beyond one lookup of its
+    Cost: one host synchronisation (the verdict; two when its screen fails; none without host reads); forward 6
+    products with ``A`` or :math:`A^\top` and 5 elementwise passes over ``n``, backward 2 products and 3 passes (O(n)
+    for a :class:`~hardeq.SumConstraint`); for a :class:`~hardeq.SumConstraint` no Python beyond one lookup of its
     per-index operations."""
     if type(cov) is not DiagonalCovariance or eps.requires_grad or eps.shape[-1] != cov.event_size:
         return None
