@@ -4,8 +4,8 @@ Each path is the steady state of a training loop (the ``A`` / index tensors used
 distribution with ``validate_args=False`` per call; ``tests/budget_cases.py``). Host reads: none, on every path
 (each would be a device-to-host synchronisation on a GPU). ATen calls (each a kernel launch on a GPU): at most
 :data:`CEILINGS`, the counts of this code, so that a regression fails here. The issue's budgets
-(``tests.budget_cases.BUDGETS``): the paths in :data:`MET` meet theirs (B's sample and log_prob, C's sample, sparse); D's
-ceiling is to move down to its budget.
+(``tests.budget_cases.BUDGETS``): the paths in :data:`MET` meet theirs (B's sample and log_prob, C's sample,
+sparse); D's ceiling is to move down to its budget.
 """
 
 from __future__ import annotations

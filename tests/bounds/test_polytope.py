@@ -31,7 +31,8 @@ def test_bound_types_and_shapes():
         hardeq.ConstrainedNormal(torch.zeros(4), 1.0, constraint=hardeq.SumConstraint(
             torch.tensor([0, 0, 1, 1]), torch.ones(2))).truncate(lower=torch.tensor(0.1, dtype=torch.float64))
     two_rows = hardeq.ConstrainedNormal(torch.zeros(4, dtype=torch.float64), 1.0, constraint=hardeq.LinearConstraint(
-        torch.tensor([[1.0, 1, 1, 1], [1, -1, 0, 0]], dtype=torch.float64), torch.tensor([1.0, 0.0], dtype=torch.float64)))
+        torch.tensor([[1.0, 1, 1, 1], [1, -1, 0, 0]], dtype=torch.float64),
+        torch.tensor([1.0, 0.0], dtype=torch.float64)))
     with pytest.raises(ValueError, match="normaliser='exact' needs one free dimension"):
         two_rows.truncate(0.0, 1.0, normaliser="exact")
     assert d.truncate(0.0, 1.0, normaliser="exact").normaliser_exact  # grouped sums, diagonal: the 1-D convolution

@@ -160,8 +160,8 @@ def test_gradient_against_the_oracle():
         return (fn(eps) - fn(-eps)) / (2 * eps)
 
     for i in range(3):
-        g_mu = fd(lambda e: oracle3(w, [m + e * (j == i) for j, m in enumerate(mu)], s, lo, hi, k)[0])
-        g_s = fd(lambda e: oracle3(w, mu, [v + e * (j == i) for j, v in enumerate(s)], lo, hi, k)[0])
+        g_mu = fd(lambda e, i=i: oracle3(w, [m + e * (j == i) for j, m in enumerate(mu)], s, lo, hi, k)[0])
+        g_s = fd(lambda e, i=i: oracle3(w, mu, [v + e * (j == i) for j, v in enumerate(s)], lo, hi, k)[0])
         assert abs(float(loc.grad[i]) - g_mu) < 1e-4, (i, float(loc.grad[i]), g_mu)
         assert abs(float(scale.grad[i]) - g_s) < 1e-4, (i, float(scale.grad[i]), g_s)
     g_k = fd(lambda e: oracle3(w, mu, s, lo, hi, k + e)[0])

@@ -1,5 +1,6 @@
 """The static (sync-free) sampler chunk by chunk (``hardeq.linalg.conditioning.fused_static``; per-sample scales:
-the fused factor's, ``static_dense``): the samples of the unfused static path on the same noise, to round-off, exact per row, with no host read; a failing row raises."""
+the fused factor's, ``static_dense``): the samples of the unfused static path on the same noise, to round-off, exact
+per row, with no host read; a failing row raises."""
 
 from __future__ import annotations
 

@@ -130,8 +130,8 @@ class ResidualCheck:
         In eager mode on the CPU the error is re-raised as :class:`~hardeq.NotPSDError` naming the row
         (:meth:`describe`, and ``cause(z)`` when given). Inside a ``torch.func`` transform (which has no batching rule
         for a device assertion) the vectors that fail are returned as NaN instead. Returns ``z``. Cost: one float64
-        copy of ``z`` (for float32), :math:`Az` and :math:`|A||z|` in float64 (O(n a), O(nnz) sparse) and a few elementwise passes
-        over ``(*sample, *batch, a)``."""
+        copy of ``z`` (for float32), :math:`Az` and :math:`|A||z|` in float64 (O(n a), O(nnz) sparse) and a few
+        elementwise passes over ``(*sample, *batch, a)``."""
         from ..._utils import is_tracing
 
         with torch.no_grad():
