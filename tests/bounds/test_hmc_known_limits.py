@@ -25,12 +25,19 @@ def test_the_portfolio_case_refuses_copies_and_auto_moves():
     c = hardeq.SumConstraint(torch.zeros(n, dtype=torch.long), torch.ones(1, dtype=torch.float64))
     truncated = hardeq.ConstrainedNormal(loc, scale, constraint=c).truncate(0.0, 1.0)
     assert int((truncated.mode[0] <= 0).sum()) >= 38
-    # every trajectory of some chain is capped: its draws would be copies of the mode, so HMC refuses (naming the
-    # pressed coordinate) instead of returning them; auto picks Gibbs, which has no bounces
+    # from the mode every trajectory of some chain is capped: its draws would be copies of the mode, so HMC refuses
+    # (naming the pressed coordinate) instead of returning them
+    lo, hi = torch.zeros(8, n, dtype=torch.float64), torch.ones(8, n, dtype=torch.float64)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the capped fraction may exceed 1% here
         with pytest.raises(ChainStuck, match=r"never moved.*No direction is thin.*standard deviations outside"):
-            truncated.sample_with_info((16,), method="hmc", burn_in=5)
+            exact_hmc(truncated.base, lo, hi, truncated.mode.expand(16, 8, n).contiguous(), num_samples=1, burn_in=5)
+        # the distribution starts a sum row's chains inside the polytope (bounds.start.feasible_start), off the
+        # pressed faces: there they move, and no draw is a copy of another chain's
+        hmc = truncated.sample_with_info((16,), method="hmc", burn_in=5).samples
+    assert bool(((hmc >= 0) & (hmc <= 1)).all()) and float((hmc.sum(-1) - 1).abs().max()) <= 1e-12 * n
+    assert bool(((hmc[1:] - hmc[:1]).abs().amax(-1) > 0).all())
+    # auto picks Gibbs, which has no bounces
     info = truncated.sample_with_info((16,), burn_in=5)
     assert info.method == "gibbs" and bool(((info.samples >= 0) & (info.samples <= 1)).all())
     assert float((info.samples.sum(-1) - 1).abs().max()) <= 1e-12 * n
