@@ -3,7 +3,10 @@ where every step builds a new distribution. Making the law (``truncate``) costs 
 which refuses what check_bounds and check_polytope refuse, with their messages); a fresh ``sample(method="gibbs")``
 on a grouped sum or one row costs the sampler's 2 reads, whatever the number of sweeps (the chains start at
 hardeq.bounds.start.feasible_start, not at the mode, a QP); a training step (persistent chains) adds at most 2 reads
-to those of the untruncated ``log_prob`` step (the law's check and the Gibbs run), none per sweep."""
+to those of the untruncated ``log_prob`` step (the law's check and the Gibbs run), none per sweep. A fresh
+``sample`` with the default ``method="auto"`` adds ONE read to the sampler's (the acceptance, the Gibbs pilot's score
+and checks, read together), plus, on the CPU, the untruncated conditioner's refinement guard in the acceptance pilot
+(under the GPU profile, hardeq.linalg.device.forced("gpu"), the conditioner is static and that check deferred)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import torch
 import hardeq
 from hardeq.bounds import PersistentChains, check_bounds, check_polytope
 from hardeq.bounds.polytope import check_box_and_polytope
+from hardeq.linalg.device import forced
 from hardeq.testing import count_calls
 
 F = torch.float64
@@ -45,6 +49,31 @@ def test_fresh_gibbs_sample_reads(kind, dtype):
         reads.append(count.host_reads)
     assert reads[0] == reads[1], reads                         # none per sweep
     assert reads[0] <= 2, reads
+
+
+@pytest.mark.parametrize("profile,budget", [("cpu", 4), ("gpu", 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("kind", ["sum", "dense"])
+def test_fresh_auto_sample_reads(kind, dtype, profile, budget):
+    """Where the cap rules HMC's pilot out (these cases), auto = the Gibbs run's 2 reads + 1 for the decision (+ 1 on
+    the CPU: the acceptance pilot's conditioner guard), whatever the number of sweeps; the choice and the draws are
+    those of the same generator again."""
+    with forced(profile):
+        base = _base(kind, 50, dtype)
+        base.conditioner  # noqa: B018  (the untruncated law's own setup, not counted here)
+        reads, infos = [], []
+        for sweeps in (20, 60, 60):
+            fresh = base.truncate(0.0, 1.0)
+            with count_calls() as count:
+                info = fresh.sample_with_info((64,), burn_in=sweeps - 1, generator=torch.Generator().manual_seed(1))
+            z = info.samples
+            assert z.shape == (64, 8, 50) and bool(((z >= 0) & (z <= 1)).all())
+            reads.append(count.host_reads)
+            infos.append(info)
+    assert infos[0].method == "gibbs", infos[0].method
+    assert reads[0] == reads[1] == reads[2], reads             # none per sweep
+    assert reads[0] <= budget, reads
+    assert infos[1].method == infos[2].method and torch.equal(infos[1].samples, infos[2].samples)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])

@@ -37,7 +37,8 @@ from ..linalg.covariance import FullCovariance
 from .hmc import exact_hmc
 from .target import PlaneTarget
 
-__all__ = ["HMC_BURN", "HMC_KEPT", "PILOT_BURN", "PILOT_CHAINS", "PILOT_KEPT", "choose_method", "seconds"]
+__all__ = ["HMC_BURN", "HMC_KEPT", "PILOT_BURN", "PILOT_CHAINS", "PILOT_KEPT", "PILOT_SEED", "choose_method",
+           "seconds"]
 
 #: chains of each pilot (fewer if the run asks for fewer)
 PILOT_CHAINS = 4
@@ -45,6 +46,9 @@ PILOT_CHAINS = 4
 PILOT_BURN, PILOT_KEPT = 10, 14
 #: ... and trajectories in the HMC pilot
 HMC_BURN, HMC_KEPT = 4, 8
+#: the seed of the Gibbs pilot's partition choices (drawing one from the generator would be a host read; the pilot's
+#: 1-D draws still come from the generator)
+PILOT_SEED = 0
 
 # the cost model (seconds): per step, and per chain-coordinate per step
 _GIBBS = (1.0e-3, 0.7e-6)
@@ -76,24 +80,33 @@ def _jumps(samples: Tensor) -> Tensor:
     return (x[1:] - x[:-1]).square().mean(dim=(0, 1))
 
 
-def _per_step(jumps: Tensor, variance: Tensor) -> float:
+def _per_step(jumps: Tensor, variance: Tensor) -> Tensor:
     r"""Effective draws per step from the lag-1 autocorrelation :math:`\rho = 1 - J / (2 \sigma^2)` (``J`` the mean
     squared jump, :math:`\sigma^2` the pooled variance of both pilots' draws), as for an AR(1) chain:
-    :math:`(1 - \rho) / (1 + \rho)`; the median over coordinates and batch elements (coordinates that never vary
-    left out; 0 where none varies)."""
+    :math:`(1 - \rho) / (1 + \rho)`; the (lower) median over coordinates and batch elements, coordinates that never
+    vary left out (NaN where none varies: read as 0). A 0-d float64 tensor, computed on the device (no host read)."""
     rho = (1.0 - jumps / (2.0 * variance)).clamp(0.0, 1.0)
     r = ((1.0 - rho) / (1.0 + rho)).flatten()
-    r = r[variance.flatten() > 0]
-    return float(r.median()) if r.numel() else 0.0
+    return torch.where(variance.flatten() > 0, r, torch.nan).nanmedian()
+
+
+def _read(values: list[Tensor]) -> list[float]:
+    """The host values of 0-d tensors, in ONE read (a stacked float64 copy); NaN read as 0."""
+    out: list[float] = torch.stack([v.reshape(()).to(torch.float64) for v in values]).tolist()
+    return [0.0 if math.isnan(v) else v for v in out]
 
 
 def choose_method(dist: object, lower: Tensor, upper: Tensor, mode: Tensor, *, num: int, chains: int,
-                  acceptance: float, threshold: float, generator: torch.Generator | None, burn_in: int = 100,
-                  thin: int = 1) -> tuple[str, dict[str, float]]:
+                  acceptance: float | Tensor, threshold: float, generator: torch.Generator | None,
+                  burn_in: int = 100, thin: int = 1) -> tuple[str, dict[str, float]]:
     """``(method, scores)``: the method with the most effective samples per modelled second (module docstring) and
     each candidate's score (effective draws per modelled second of the run asked for: ``num`` draws from ``chains``
     chains after ``burn_in`` steps, every ``thin``-th kept). ``mode`` ``(*batch, n)`` is the chains' start;
-    ``acceptance`` the smallest acceptance of rejection over the batch."""
+    ``acceptance`` the acceptance of rejection (a number, or a tensor over the batch whose smallest value counts).
+
+    Host reads: one, holding the acceptance, the Gibbs pilot's score and its checks (the Gibbs pilot itself reads
+    nothing: its partitions' seed is :data:`PILOT_SEED`, its checks deferred into that read); where the cap lets
+    HMC's pilot run, that pilot's own reads and one more for the pooled scores."""
     target = PlaneTarget.of(dist)
     n, B = target.event_size, max(1, target.batch_shape.numel())
     con, cov = target.constraint, target.covariance
@@ -103,20 +116,28 @@ def choose_method(dist: object, lower: Tensor, upper: Tensor, mode: Tensor, *, n
     dense = n if isinstance(cov, FullCovariance) else 0
     per_chain = max(1, math.ceil(num / chains))
     kept = per_chain / (burn_in + per_chain * thin)            # draws recorded per step: one more step's cost each
-    scores: dict[str, float] = {}
-    if acceptance >= threshold:
-        scores["rejection"] = num / seconds("rejection", numbers=int(math.ceil(num / acceptance)) * B * n, rows=rows)
     pilot = max(1, min(chains, PILOT_CHAINS))
     start = mode.expand((pilot,) + tuple(mode.shape)).contiguous()
     draws: dict[str, Tensor] = {}
+    pending = [acceptance.min() if isinstance(acceptance, Tensor)
+               else torch.tensor(float(acceptance), dtype=torch.float64, device=mode.device)]
     if gibbs_unsupported(target) is None:
+        checks: list[Tensor] = []
         draws["gibbs"] = blocked_gibbs(target, lower, upper, start, num_samples=PILOT_KEPT, burn_in=PILOT_BURN,
-                                       generator=generator).samples
+                                       generator=generator, seed=PILOT_SEED, deferred=checks).samples
+        z = draws["gibbs"]
+        pending += [_per_step(_jumps(z), z.double().flatten(0, 1).var(0)), checks[0]]
+    values = _read(pending)                                    # the one read of the decision
+    if len(values) == 3 and not values[2]:                    # a bad start or a non-finite state: the precise error
+        blocked_gibbs(target, lower, upper, start, num_samples=PILOT_KEPT, burn_in=PILOT_BURN, generator=generator)
+    scores: dict[str, float] = {}
+    if values[0] >= threshold:
+        scores["rejection"] = num / seconds("rejection", numbers=int(math.ceil(num / values[0])) * B * n, rows=rows)
     if not draws and not scores:
         return "hmc", scores                                   # the only sampler that applies: no pilot
     sweep = seconds("gibbs", numbers=chains * B * n, width=width, steps=1.0 + kept)
     step = seconds("hmc", numbers=chains * B * n, rows=rows, dense=dense)
-    own = {m: _per_step(_jumps(z), z.double().flatten(0, 1).var(0)) for m, z in draws.items()}
+    own = {"gibbs": values[1]} if draws else {}
     best = max([scores.get("rejection", 0.0)] + [own[m] * chains / sweep for m in own])
     # the most steps per HMC iteration with which HMC (at most one effective draw per chain and iteration) could
     # win, with a margin of 2 for the pilot's own error
@@ -134,8 +155,9 @@ def choose_method(dist: object, lower: Tensor, upper: Tensor, mode: Tensor, *, n
             scores[m] = own[m] * chains / sweep
         return max(scores, key=lambda m: scores[m]), scores
     variance = torch.cat([z.double().flatten(0, 1) for z in draws.values()]).var(0)
-    for m, z in draws.items():
-        per = _per_step(_jumps(z), variance)
+    names = list(draws)
+    pers = _read([_per_step(_jumps(draws[m]), variance) for m in names])
+    for m, per in zip(names, pers):
         scores[m] = per * chains / (sweep if m == "gibbs" else step * steps)
     method = max(scores, key=lambda m: scores[m])
     return method, scores

@@ -191,7 +191,8 @@ def _diagnostics(samples: Tensor) -> tuple[Tensor, Tensor]:
 @torch.no_grad()
 def blocked_gibbs(dist: object, lower: Tensor | float | None, upper: Tensor | float | None,
                   start: Tensor, *, num_samples: int, burn_in: int = 100, thin: int = 1,
-                  generator: torch.Generator | None = None) -> GibbsResult:
+                  generator: torch.Generator | None = None, seed: int | None = None,
+                  deferred: list[Tensor] | None = None) -> GibbsResult:
     r"""Random-partition blocked Gibbs draws of ``dist`` (:math:`z \mid Az = k`) truncated to
     ``lower <= z <= upper``.
 
@@ -212,6 +213,11 @@ def blocked_gibbs(dist: object, lower: Tensor | float | None, upper: Tensor | fl
         burn_in (int): sweeps discarded first (>= 0).
         thin (int): keep every ``thin``-th sweep after the burn-in (>= 1).
         generator: for the partitions and the 1-D draws.
+        seed (int | None): the seed of the partitions' choices (a Python stream); default drawn from
+            ``generator`` (read on the host with the start's check).
+        deferred (list | None): with ``seed`` given, the run makes no host read: the start's check and the
+            state's finiteness are appended to this list as one 0-d bool tensor (True: fine) instead of read, and
+            the caller reads it (rerunning without ``deferred`` raises the precise error). A pilot's form.
 
     Returns:
         GibbsResult: ``samples`` ``(num_samples, chains, *B, n)`` in the working dtype of ``dist`` (float32 for
@@ -280,11 +286,15 @@ def blocked_gibbs(dist: object, lower: Tensor | float | None, upper: Tensor | fl
     z = project(z0.to(_F64), lo64, hi64)
     # the one host read before the sweeps: the start and the bounds checked, the projected start finite, and the
     # seed of the partitions' choices (a Python stream: each sweep takes a view of one pool entry)
-    seed = torch.randint(0, 2 ** 62, (), device=device, generator=generator)
-    ok, seed_value = torch.stack([_all_fine(start, dtype, constraint, lo, hi, z).long(), seed]).tolist()
-    if not ok:
-        _raise_if_bad(lower, upper, start, shape, dtype, device, constraint)
-    choices = random.Random(seed_value)
+    fine = _all_fine(start, dtype, constraint, lo, hi, z)
+    defer = deferred is not None and seed is not None
+    if not defer:
+        drawn = torch.randint(0, 2 ** 62, (), device=device, generator=generator) if seed is None else fine.long()
+        ok, seed_value = torch.stack([fine.long(), drawn]).tolist()
+        if not ok:
+            _raise_if_bad(lower, upper, start, shape, dtype, device, constraint)
+        seed = seed_value if seed is None else seed
+    choices = random.Random(seed)
     zb = z.reshape(chains, B, n).transpose(0, 1).contiguous()          # (B, C, n)
 
     consts = Constants(device)
@@ -316,7 +326,10 @@ def blocked_gibbs(dist: object, lower: Tensor | float | None, upper: Tensor | fl
             if record:
                 out = project(z, lo64, hi64).to(dtype)
                 samples[(sweep - burn_in) // thin] = torch.maximum(torch.minimum(out, hi), lo)
-    if not bool(finite):
+    if defer:
+        assert deferred is not None
+        deferred.append(fine & finite)
+    elif not bool(finite):
         raise RuntimeError("blocked_gibbs: the state became non-finite; check that loc, the covariance and the bounds "
                            "are finite where they matter.")
     if num_samples >= MIN_DRAWS_FOR_DIAGNOSTICS:

@@ -45,7 +45,7 @@ class _SamplingParts:
 
             method = choose_method(self.base, self._lo, self._hi, self._chain_start(), num=max(num, 1),
                                    chains=chains if chains is not None else max(num, 1),
-                                   acceptance=float(acc.min()), threshold=threshold, generator=generator,
+                                   acceptance=acc, threshold=threshold, generator=generator,
                                    burn_in=burn_in, thin=thin)[0]
         elif method == "gibbs":
             reason = gibbs_unsupported(self.base)
