@@ -79,7 +79,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .augment import Augmentation, augmentation, augmentation_unsupported
+from .augment import augmentation, augmentation_unsupported
 from .diagnostics import ess_unchecked, rhat_unchecked
 from .checks import _box, _check_int, _check_start
 from .hmc import MIN_DRAWS_FOR_DIAGNOSTICS
