@@ -205,7 +205,7 @@ Kernel = Callable[[Tensor, Tensor, Tensor, int], Tensor]
 
 @torch.no_grad()
 def subset_log_normaliser(dist: object, lower: Tensor, upper: Tensor, kernel: Kernel, *, num: int,
-                          iterations: int = 4, keep: float = 0.25,
+                          iterations: int = 4, keep: float = 0.25, inflation: float = STDERR_INFLATION,
                           generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor]:
     r""":math:`\log Z = \log P(l \le z \le u \mid Az = k)` by subset simulation, for boxes too unlikely for
     :func:`mc_log_normaliser` (few or no untruncated draws inside). Returns ``(log_Z, stderr, levels)``, each
@@ -230,9 +230,11 @@ def subset_log_normaliser(dist: object, lower: Tensor, upper: Tensor, kernel: Ke
     Error: each level's :math:`\mathrm{Var}(\hat p_j)` is estimated with the population clustered by the seed each
     draw was moved from, :math:`\sum_c (\sum_{i \in c} (I_i - \hat p_j))^2 / N^2` (level 0's draws are
     independent: the binomial :math:`\hat p_j(1 - \hat p_j)/N`), since draws of one seed are correlated; ``stderr``
-    is :data:`STDERR_INFLATION` times :math:`\sqrt{\sum_j \mathrm{Var}(\hat p_j)/\hat p_j^2}`, the factor for the
-    correlation between levels that the sum ignores, calibrated against exact normalisers (the z-scores'
-    standard deviation went from 1.7-1.9 with the plain binomial sum to 1.35-1.5 clustered, hence 1.5; docs/bounds.md).
+    is ``inflation`` (default :data:`STDERR_INFLATION`) times :math:`\sqrt{\sum_j \mathrm{Var}(\hat p_j)/\hat p_j^2}`,
+    the factor for the correlation between levels that the sum ignores, calibrated against exact normalisers (the
+    z-scores' standard deviation went from 1.7-1.9 with the plain binomial sum to 1.35-1.5 clustered, hence 1.5;
+    docs/bounds.md). A kernel whose every move is an exact independent draw of the level's law (blocked Gibbs with
+    one free dimension: each sweep draws the whole segment) leaves no such correlation: its caller passes 1.
     The adaptive levels bias :math:`\log\hat Z` by :math:`O(J/N)` (Au & Beck 2001; Cérou et al. 2012).
 
     Cost: ``J`` levels of ``num x iterations`` kernel steps, :math:`J \approx \log Z / \log(\text{keep})`.
@@ -317,7 +319,7 @@ def subset_log_normaliser(dist: object, lower: Tensor, upper: Tensor, kernel: Ke
         done = done | (new_tau == 0)
         tau = new_tau
         if bool(done.all()):
-            return log_z, STDERR_INFLATION * var.sqrt(), levels
+            return log_z, inflation * var.sqrt(), levels
         # refill: resample the kept draws of each batch element, then move them within B(tau)
         weights = inside.to(torch.float64).flatten(1).T if batch else inside.to(torch.float64)[None]
         idx = torch.multinomial(weights, num, replacement=True, generator=generator)  # (B_flat, num)

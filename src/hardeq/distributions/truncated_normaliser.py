@@ -11,7 +11,8 @@ import torch
 from torch import Tensor
 
 from ..bounds.mode import ModeNotFound, truncated_mode
-from ..bounds.normaliser import null_direction, subset_log_normaliser
+from ..bounds.gibbs import gibbs_unsupported
+from ..bounds.normaliser import STDERR_INFLATION, null_direction, subset_log_normaliser
 from ..bounds.rejection import ROUND_ELEMENTS
 from ..bounds.sum_normaliser import SumRowLayout, sum_row_layout, sum_row_log_normaliser
 from ..bounds.volume import check_volume
@@ -112,9 +113,12 @@ class _NormaliserParts:
             rare = acc * self.normaliser_samples < SUBSET_BELOW_IN_BOX
             if bool(rare.any()):
                 with torch.no_grad():
+                    # (one free dimension under Gibbs: every move an exact draw of the segment, no inflation)
+                    exact_moves = self.free_dim == 1 and gibbs_unsupported(self.base) is None
                     log_s, se_s, _ = subset_log_normaliser(self.base, self._lo, self._hi, self._kernel,
                                                            num=max(64, self.normaliser_samples // 4),
-                                                           iterations=SUBSET_ITERATIONS)
+                                                           iterations=SUBSET_ITERATIONS,
+                                                           inflation=1.0 if exact_moves else STDERR_INFLATION)
                 log_z, stderr = torch.where(rare, log_s, log_z), torch.where(rare, se_s, stderr)
             self._cache["mc"] = (log_z, stderr, acc)
         mc: tuple[Tensor, Tensor, Tensor] = self._cache["mc"]
