@@ -33,8 +33,9 @@ def counts() -> None:
         for kind in ("sum", "dense", "lowrank"):
             g = torch.Generator().manual_seed(0)
             loc = torch.randn(batch, n, generator=g, dtype=F) * 0.3 - 0.2
-            con = (hardeq.SumConstraint(torch.zeros(n, dtype=torch.long), torch.ones(batch, 1, dtype=F))
-                   if kind == "sum" else hardeq.LinearConstraint(torch.ones(1, n, dtype=F), torch.ones(batch, 1, dtype=F)))
+            k = torch.ones(batch, 1, dtype=F)
+            con = (hardeq.SumConstraint(torch.zeros(n, dtype=torch.long), k)
+                   if kind == "sum" else hardeq.LinearConstraint(torch.ones(1, n, dtype=F), k))
             extra = {"cov_factor": torch.randn(n, 2, generator=g, dtype=F) * 0.1} if kind == "lowrank" else {}
             t = hardeq.ConstrainedNormal(loc, 0.3, constraint=con, validate_args=False, **extra).truncate(0.0, 1.0)
             t.mode  # noqa: B018
@@ -52,7 +53,8 @@ def auto() -> None:
     for share in (0.02, 0.001):
         for seed in (0, 1):
             X = torch.randn(6, 6, generator=torch.Generator().manual_seed(seed), dtype=F)
-            d = hardeq.ConstrainedNormal(torch.zeros(6, dtype=F), covariance_matrix=X @ X.T + share * torch.eye(6, dtype=F),
+            cov = X @ X.T + share * torch.eye(6, dtype=F)
+            d = hardeq.ConstrainedNormal(torch.zeros(6, dtype=F), covariance_matrix=cov,
                                          constraint=hardeq.LinearConstraint(torch.ones(1, 6, dtype=F),
                                                                             torch.tensor([0.5], dtype=F)))
             t = d.truncate(-1.0, 1.0)
@@ -83,8 +85,8 @@ def main() -> None:
         print("| n | batch | case | ATen calls per sweep | host reads per call (20, 60 sweeps) |")
         counts()
     if args.auto:
-        print("| diagonal share | seed | acceptance | auto | pilot Gibbs | pilot HMC | measured Gibbs ESS/s | measured HMC "
-              "ESS/s | pilot s |")
+        print("| diagonal share | seed | acceptance | auto | pilot Gibbs | pilot HMC | measured Gibbs ESS/s "
+              "| measured HMC ESS/s | pilot s |")
         auto()
 
 
