@@ -423,15 +423,20 @@ def test_distribution_bad_input(builder, error, match):
                                                  (False, "cpu", "not numerically positive definite"),
                                                  (True, "gpu", "misses a row of A z = k.*row 0"),
                                                  (False, "gpu", "misses a row of A z = k.*row 0")])
-def test_numerically_singular_gram_raises_precise_error(validate, kind, match):
+@pytest.mark.parametrize("n", [3, 5])
+def test_numerically_singular_gram_raises_precise_error(validate, kind, match, n):
     """The checked path refuses the factorisation (a CPU profile, where a read-back costs nothing); the sync-free
     one (a GPU profile, validated or not: validation checks the inputs, in one host read) checks the rows on the
-    device and raises (at once on the CPU) naming the row."""
+    device and raises (at once on the CPU) naming the row. With ``2a > n`` (n = 3) the sync-free null-space form
+    finds the rank deficiency first, on the device, and says so."""
     from hardeq.linalg.device import forced
 
-    A = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0 + 1e-9, 0.0]])
+    if kind == "gpu" and n == 3:
+        match = "null-space form .* cannot be trusted.*rank deficient"
+    A = torch.zeros(2, n)
+    A[:, :2] = torch.tensor([[1.0, 1.0], [1.0, 1.0 + 1e-9]])  # (equal rows in float32)
     c = hardeq.LinearConstraint(A, torch.zeros(2), validate_args=False)
-    d = hardeq.ConstrainedNormal(torch.zeros(3), torch.ones(3), constraint=c, validate_args=validate)
+    d = hardeq.ConstrainedNormal(torch.zeros(n), torch.ones(n), constraint=c, validate_args=validate)
     with forced(kind), pytest.raises(hardeq.NotPSDError, match=match):
         d.sample()
 

@@ -243,3 +243,65 @@ def test_entropy_of_many_constraints_in_float32_has_no_cancellation():
                                        constraint=hardeq.LinearConstraint(A.float(), k.float()))
         assert d32.conditioner.method == "nullspace"
         assert abs(d32.entropy().double() - ref).item() < 1e-5
+
+
+# ------------------------------------------------------------------------------------ static: no host read
+@pytest.mark.parametrize("structure", STRUCTURES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_static_build_reads_nothing_and_matches_the_checked_form(structure, dtype):
+    """``validate_args=False`` with the GPU's choices: the near-square form is built and used without a host read;
+    its samples meet every row, and its moments and density equal the checked conditioner's (same factor)."""
+    from hardeq.linalg.device import forced
+    from hardeq.testing import count_calls
+
+    g = torch.Generator().manual_seed(5)
+    B, n, a = 3, 10, 7
+    scale = 10 ** (6 * torch.rand(B, n, generator=g, dtype=torch.float64) - 3)
+    cov = make_cov(structure, scale, g).to(dtype=dtype)
+    A = torch.randn(a, n, generator=g, dtype=dtype)
+    k, loc = torch.randn(B, a, generator=g, dtype=dtype), torch.randn(B, n, generator=g, dtype=dtype) * 100
+    checked = hardeq.ConstrainedNormal(loc, covariance=cov, constraint=hardeq.LinearConstraint(A, k))
+    z = checked.sample((20,))
+
+    def fresh():
+        con = hardeq.LinearConstraint(A, k, validate_args=False)
+        return hardeq.ConstrainedNormal(loc, covariance=cov, constraint=con, validate_args=False)
+
+    with forced("gpu"):
+        fresh().sample()  # (first use of A: its decomposition is cached)
+        with count_calls() as count:
+            d = fresh()
+            zs = d.sample((20,))
+            lp = d.log_prob(z)
+        assert d.conditioner.static and d.conditioner.method == "nullspace"
+    assert count.host_reads == 0, count.host_read_names
+    assert rel_residual(A, k, zs) <= TOL[dtype]
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(lp, checked.log_prob(z), **tol)
+    torch.testing.assert_close(d.variance, checked.variance, **tol)
+
+
+def test_static_build_defers_an_error_where_the_checked_form_falls_back(monkeypatch):
+    """M' not numerically positive definite: the checked conditioner falls back to the base factor; the static one
+    cannot branch, so it raises (at once on a CPU; deferred on a GPU), and never samples a wrong law."""
+    from hardeq.errors import NotPSDError
+    from hardeq.linalg.device import forced
+
+    g = torch.Generator().manual_seed(6)
+    n, a = 6, 4
+    A, k = torch.randn(a, n, generator=g, dtype=torch.float64), torch.randn(a, generator=g, dtype=torch.float64)
+    scale = torch.rand(n, generator=g, dtype=torch.float64) + 0.5
+    real = torch.linalg.cholesky_ex
+
+    def failing(M, *args, **kwargs):  # the factor of M' (p x p, p = n - a) reports failure; every other one is real
+        L, info = real(M, *args, **kwargs)
+        return (L, torch.ones_like(info)) if M.shape[-1] == n - a else (L, info)
+
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", failing)
+    loc = torch.zeros(n, dtype=torch.float64)
+    checked = hardeq.ConstrainedNormal(loc, scale, constraint=hardeq.LinearConstraint(A, k))
+    assert checked.conditioner.method != "nullspace"
+    assert rel_residual(A, k, checked.sample((5,))) <= TOL[torch.float64]
+    with forced("gpu"), pytest.raises(NotPSDError, match=r"null-space form .* cannot be trusted"):
+        con = hardeq.LinearConstraint(A, k, validate_args=False)
+        hardeq.ConstrainedNormal(loc, scale, constraint=con, validate_args=False).sample()

@@ -37,16 +37,16 @@ pickles and ``torch.save``\ s. Escalating builds the next step's factor and make
 :attr:`~Conditioner.factor` (a new value; a factor is never modified after it is built).
 :attr:`~Conditioner.requires_grad` is derived from the inputs, not set from outside.
 
-**Static mode** (``static=True``; chosen by :class:`~hardeq.ConstrainedNormal` with ``validate_args=False``, and
-in every mode under ``torch.compile``, a ``torch.func`` transform or CUDA-graph capture): no data-dependent branch
-and no host read. The factor is chosen by structure only (grouped, else Cholesky in float64 of the equilibrated
-Gram matrix; the null-space form when ``2a > n``, in eager mode), determined coordinates are pinned without a
-branch, every vector gets :data:`STATIC_REFINEMENT_STEPS` refinement steps (one for float32, two for float64), and
-every row is then checked on the device with its error deferred (:meth:`.residual.ResidualCheck.defer`). The
-per-row criterion holds when :math:`\varepsilon_{64}\kappa(\tilde S)` is small (up to about 1e12 for float32
-vectors, 1e10 for float64); beyond, the deferred check raises. A shared dense ``A`` under per-sample diagonal scales
-gets :class:`~.static_dense.StaticPairsFactor`, the same float64 factor written as a few whole-batch calls, with
-its own sampler and log-density (:mod:`.static_dense`).
+**Static mode** (``static=True``; chosen by :class:`~hardeq.ConstrainedNormal` with ``validate_args=False``, and in
+every mode under ``torch.compile``, a ``torch.func`` transform or CUDA-graph capture): no data-dependent branch and
+no host read. The factor is chosen by structure only (grouped, else Cholesky in float64 of the equilibrated Gram
+matrix; the null-space form when ``2a > n``, in eager mode, its trust asserted on the device), determined
+coordinates are pinned without a branch, every vector gets :data:`STATIC_REFINEMENT_STEPS` refinement steps (one for
+float32, two for float64), and every row is then checked on the device with its error deferred
+(:meth:`.residual.ResidualCheck.defer`). The per-row criterion holds when :math:`\varepsilon_{64}\kappa(\tilde S)`
+is small (up to about 1e12 for float32 vectors, 1e10 for float64); beyond, the deferred check raises. A shared dense
+``A`` under per-sample diagonal scales gets :class:`~.static_dense.StaticPairsFactor`, the same float64 factor
+written as a few whole-batch calls, with its own sampler and log-density (:mod:`.static_dense`).
 
 Cost: factorisation O(batch n a^2 + batch a^3) (GEMM speed; grouped O(n)); each conditioned vector O(n a) (grouped:
 O(n); sparse: O(nnz)) plus the check, one more O(n a) product. :meth:`Conditioner.sample` fuses ``loc + F eps`` and the
@@ -208,8 +208,8 @@ class Conditioner:
         self.plan: tuple[PlanStep, ...] = default_plan(self.dtype, static) if method is None else forced_plan(
             method, self.dtype)
         self.stage = -1
-        # (the null-space form decides on the host whether it can be trusted: not under tracing; in eager static mode
-        # that is a read at construction, for the near-square constraints it applies to, 2a > n, only)
+        # (the null-space form, for the near-square constraints it applies to, 2a > n: in eager mode; a static one
+        # marks the batch elements it cannot trust on the device instead of reading a verdict)
         self.factor = self._next_factor(wrap_nullspace=method is None and not (static and is_tracing()))
 
     # ================================================================== choosing
@@ -225,7 +225,7 @@ class Conditioner:
             if step[0] == "grouped":
                 self.plan, self.stage = (step,), 0
             elif wrap_nullspace:
-                factor = NullspaceFactor.build(factor) or factor
+                factor = NullspaceFactor.build(factor, static=self.static) or factor
             return factor
         raise NotPSDError(
             f"no factorisation of A Sigma A^T meets A z = k to round-off in {self.dtype} "

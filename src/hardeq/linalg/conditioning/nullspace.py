@@ -12,6 +12,16 @@ gives an orthonormal basis ``N`` of :math:`\mathrm{null}(A)` (``n x p``, ``p = n
 O(n p) per vector instead of O(n a), with variances free of cancellation. :math:`Az - k = (Az_p - k) + (AN)t` is
 round-off for any :math:`\kappa(S)`: :math:`\hat z` is not added back, so there is no ``ulp(ẑ)`` term. The base
 factor keeps :meth:`whiten`, :meth:`logdet` and :meth:`gain_factor` (the density and the KL need :math:`S` itself).
+
+**Trust, with and without a host read.** The form needs ``A`` of full row rank (every pivot of ``R`` above
+:math:`10\varepsilon_{64}` times the largest) and :math:`M'` numerically positive definite (``cholesky_ex``
+succeeds; :math:`M' \succeq N^\top N/\lambda_{\max}(\Sigma') `, so this fails only for scales some eight decades
+apart in an unlucky geometry). The checked conditioner reads both verdicts and falls back to the base factor. A
+static one (:meth:`build` with ``static=True``) reads nothing: it asserts both on the device
+(``torch._assert_async``, raised as :class:`~hardeq.NotPSDError` at once on a CPU, at the next synchronisation on a
+GPU) and sets :math:`L_M` and :math:`z_p` of a failing batch element to NaN, so that nothing computed from it
+before the error surfaces is a finite wrong value (with a wrong :math:`L_M` the map would still meet :math:`Az =
+k`, with the wrong law).
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import torch
 from torch import Tensor
 
 from ..._utils import batch_mv
+from ...errors import NotPSDError
 from ..triangular import tri_solve_vec
 from .factor import Factor
 
@@ -48,10 +59,12 @@ class NullspaceFactor(Factor):
         self.LM = LM  # Cholesky factor of M' = N^T Sigma'^-1 N, (*batch, p, p), float64
 
     @classmethod
-    def build(cls, base: Factor) -> "NullspaceFactor | None":
+    def build(cls, base: Factor, static: bool = False) -> "NullspaceFactor | None":
         """The null-space form, or ``None`` when it does not pay or cannot be trusted: ``n - a >= a``; ``A``
         requires grad (the basis is not differentiated); ``A`` numerically rank deficient; :math:`M'` not
-        numerically positive definite; ``V`` much larger than the inputs; or the base factor is O(n) already."""
+        numerically positive definite; ``V`` much larger than the inputs; or the base factor is O(n) already.
+        With ``static`` the last two tests read nothing on the host: a failing batch element is marked instead
+        (module docstring, "Trust")."""
         con, cov = base.constraint, base.cov
         n, a = con.event_size, con.num_constraints
         if not base.nullspace_pays or 2 * a <= n or _operator_requires_grad(con):
@@ -63,18 +76,26 @@ class NullspaceFactor(Factor):
         with torch.no_grad():
             QA, R, N = con.orthonormal_decomposition()
         pivots = R.diagonal(dim1=-2, dim2=-1).abs()
-        if not bool((pivots > 10 * torch.finfo(gd).eps * pivots.amax(-1, keepdim=True)).all()):
+        rank_deficient = (pivots <= 10 * torch.finfo(gd).eps * pivots.amax(-1, keepdim=True)).any(-1)
+        if not static and bool(rank_deficient.any()):
             return None
         scov = cov.to(dtype=gd).scaled(base.c.to(gd))
         Ne = N.expand(batch + N.shape[-2:])
         Y = scov.inv_matvec(Ne.movedim(-1, 0)).movedim(0, -1)  # Sigma'^-1 N, (*batch, n, p)
         M = Ne.mT @ Y
         LM, info = torch.linalg.cholesky_ex(0.5 * (M + M.mT))
-        if bool((info > 0).any()):
+        failed = None
+        if static:  # no host read: a deferred error, and NaN where the form cannot be trusted (docstring, "Trust")
+            failed = (info > 0) | rank_deficient
+            _assert_trusted(failed)
+            LM = LM.masked_fill(failed[..., None, None], math.nan)
+        elif bool((info > 0).any()):
             return None
         V = torch.linalg.solve_triangular(LM, Ne.mT, upper=False).mT
         U = torch.linalg.solve_triangular(LM, Y.mT, upper=False).mT
         zp = batch_mv(QA, tri_solve_vec(R.mT, con.k.to(gd), upper=False))
+        if failed is not None:
+            zp = zp.masked_fill(failed.unsqueeze(-1), math.nan)
         return cls(base, QA, R, V, U, zp, LM)
 
     def _project(self, x: Tensor) -> Tensor:
@@ -132,6 +153,26 @@ class NullspaceFactor(Factor):
 
     def covariance_matrix(self) -> Tensor:
         return ((self.V @ self.V.mT) * self.c.to(self.V.dtype).square().unsqueeze(-1)).to(self.dtype)
+
+
+#: the deferred error of a static build that cannot be trusted
+UNTRUSTED_MESSAGE = (
+    "hardeq: the null-space form of a constraint with more rows than half its coordinates (2a > n) cannot be trusted "
+    "for at least one batch element: A is numerically rank deficient, or N^T Sigma^-1 N is not numerically positive "
+    "definite (scales about eight decades apart or more). Remove dependent rows of A or rescale; the checked path "
+    "(validate_args=True on a GPU, any eager call on a CPU) falls back to another factor there.")
+
+
+def _assert_trusted(failed: Tensor) -> None:
+    """Deferred: no batch element failed (raised at once on a CPU as :class:`~hardeq.NotPSDError`)."""
+    ok = ~failed.any()
+    if failed.device.type != "cpu":
+        torch._assert_async(ok, UNTRUSTED_MESSAGE)
+        return
+    try:
+        torch._assert_async(ok, UNTRUSTED_MESSAGE)
+    except RuntimeError:
+        raise NotPSDError(UNTRUSTED_MESSAGE) from None
 
 
 def _operator_requires_grad(constraint: "EqualityConstraint") -> bool:
