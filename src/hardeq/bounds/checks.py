@@ -12,7 +12,7 @@ from torch import Tensor
 if TYPE_CHECKING:
     from ..constraints.base import EqualityConstraint
 
-__all__ = ["_box", "_bound", "_check_int", "_check_start"]
+__all__ = ["StartOffPlane", "_box", "_bound", "_check_int", "_check_start"]
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -65,6 +65,12 @@ def _box(lower: object, upper: object, shape: torch.Size, dtype: torch.dtype,
     return lo, hi
 
 
+class StartOffPlane(ValueError):
+    r"""A sampler's start misses a row of ``A z = k`` by more than :math:`\sqrt\varepsilon` of its size (raised by
+    :func:`_check_start`; :class:`~hardeq.TruncatedConstrainedNormal` then starts again from the exact mode where
+    the start was its own sync-free one)."""
+
+
 @torch.no_grad()
 def _check_start(start: object, shape: torch.Size, lo: Tensor, hi: Tensor, constraint: EqualityConstraint,
                  dtype: torch.dtype, device: torch.device, read: bool = True) -> Tensor:
@@ -92,6 +98,6 @@ def _check_start(start: object, shape: torch.Size, lo: Tensor, hi: Tensor, const
     on_plane = constraint.check(z0, rtol=math.sqrt(torch.finfo(dtype).eps))
     if not bool(on_plane.all()):
         chain = tuple(int(i) for i in (~on_plane).nonzero()[0])
-        raise ValueError(f"start must lie on the plane A z = k: chain/batch index {chain} misses a row by more than "
+        raise StartOffPlane(f"start must lie on the plane A z = k: chain/batch index {chain} misses a row by more than "
                          f"sqrt(eps) of the row's size. Start from the mode or from rejection draws.")
     return z0

@@ -32,6 +32,7 @@ import warnings
 import torch
 from torch import Tensor
 
+from .checks import StartOffPlane
 from .gibbs import blocked_gibbs, gibbs_unsupported
 from ..linalg.covariance import FullCovariance
 from .hmc import exact_hmc
@@ -98,7 +99,8 @@ def _read(values: list[Tensor]) -> list[float]:
 
 def choose_method(dist: object, lower: Tensor, upper: Tensor, mode: Tensor, *, num: int, chains: int,
                   acceptance: float | Tensor, threshold: float, generator: torch.Generator | None,
-                  burn_in: int = 100, thin: int = 1) -> tuple[str, dict[str, float]]:
+                  burn_in: int = 100, thin: int = 1,
+                  start_verdict: Tensor | None = None) -> tuple[str, dict[str, float]]:
     """``(method, scores)``: the method with the most effective samples per modelled second (module docstring) and
     each candidate's score (effective draws per modelled second of the run asked for: ``num`` draws from ``chains``
     chains after ``burn_in`` steps, every ``thin``-th kept). ``mode`` ``(*batch, n)`` is the chains' start;
@@ -106,7 +108,9 @@ def choose_method(dist: object, lower: Tensor, upper: Tensor, mode: Tensor, *, n
 
     Host reads: one, holding the acceptance, the Gibbs pilot's score and its checks (the Gibbs pilot itself reads
     nothing: its partitions' seed is :data:`PILOT_SEED`, its checks deferred into that read); where the cap lets
-    HMC's pilot run, that pilot's own reads and one more for the pooled scores."""
+    HMC's pilot run, that pilot's own reads and one more for the pooled scores. ``start_verdict`` (a 0-d bool
+    tensor, a certificate of ``mode`` computed without a read) is read in the same read; False raises
+    :class:`~hardeq.bounds.checks.StartOffPlane` before anything is chosen."""
     target = PlaneTarget.of(dist)
     n, B = target.event_size, max(1, target.batch_shape.numel())
     con, cov = target.constraint, target.covariance
@@ -127,7 +131,12 @@ def choose_method(dist: object, lower: Tensor, upper: Tensor, mode: Tensor, *, n
                                        generator=generator, seed=PILOT_SEED, deferred=checks).samples
         z = draws["gibbs"]
         pending += [_per_step(_jumps(z), z.double().flatten(0, 1).var(0)), checks[0]]
+    if start_verdict is not None:
+        pending.append(start_verdict)
     values = _read(pending)                                    # the one read of the decision
+    if start_verdict is not None:
+        if not values.pop():
+            raise StartOffPlane("choose_method: the start's certificate (start_verdict) is False.")
     if len(values) == 3 and not values[2]:                    # a bad start or a non-finite state: the precise error
         blocked_gibbs(target, lower, upper, start, num_samples=PILOT_KEPT, burn_in=PILOT_BURN, generator=generator)
     scores: dict[str, float] = {}

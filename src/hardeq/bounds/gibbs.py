@@ -81,7 +81,7 @@ from torch import Tensor
 
 from .augment import augmentation, augmentation_unsupported
 from .diagnostics import ess_unchecked, rhat_unchecked
-from .checks import _box, _check_int, _check_start
+from .checks import StartOffPlane, _box, _check_int, _check_start
 from .hmc import MIN_DRAWS_FOR_DIAGNOSTICS
 from .partition import Pool, Projector
 from .sweep import Constants
@@ -192,7 +192,7 @@ def _diagnostics(samples: Tensor) -> tuple[Tensor, Tensor]:
 def blocked_gibbs(dist: object, lower: Tensor | float | None, upper: Tensor | float | None,
                   start: Tensor, *, num_samples: int, burn_in: int = 100, thin: int = 1,
                   generator: torch.Generator | None = None, seed: int | None = None,
-                  deferred: list[Tensor] | None = None) -> GibbsResult:
+                  deferred: list[Tensor] | None = None, start_verdict: Tensor | None = None) -> GibbsResult:
     r"""Random-partition blocked Gibbs draws of ``dist`` (:math:`z \mid Az = k`) truncated to
     ``lower <= z <= upper``.
 
@@ -218,6 +218,10 @@ def blocked_gibbs(dist: object, lower: Tensor | float | None, upper: Tensor | fl
         deferred (list | None): with ``seed`` given, the run makes no host read: the start's check and the
             state's finiteness are appended to this list as one 0-d bool tensor (True: fine) instead of read, and
             the caller reads it (rerunning without ``deferred`` raises the precise error). A pilot's form.
+        start_verdict (Tensor | None): a 0-d bool tensor read with the start's check (no read of its own): a
+            certificate the caller computed with the start, e.g. that it lies strictly inside the box
+            (:class:`~hardeq.TruncatedConstrainedNormal`'s sync-free start); False raises
+            :class:`~hardeq.bounds.checks.StartOffPlane`.
 
     Returns:
         GibbsResult: ``samples`` ``(num_samples, chains, *B, n)`` in the working dtype of ``dist`` (float32 for
@@ -287,12 +291,14 @@ def blocked_gibbs(dist: object, lower: Tensor | float | None, upper: Tensor | fl
     # the one host read before the sweeps: the start and the bounds checked, the projected start finite, and the
     # seed of the partitions' choices (a Python stream: each sweep takes a view of one pool entry)
     fine = _all_fine(start, dtype, constraint, lo, hi, z)
+    if start_verdict is not None:
+        fine = fine & start_verdict
     defer = deferred is not None and seed is not None
     if not defer:
         drawn = torch.randint(0, 2 ** 62, (), device=device, generator=generator) if seed is None else fine.long()
         ok, seed_value = torch.stack([fine.long(), drawn]).tolist()
         if not ok:
-            _raise_if_bad(lower, upper, start, shape, dtype, device, constraint)
+            _raise_if_bad(lower, upper, start, shape, dtype, device, constraint, start_verdict)
         seed = seed_value if seed is None else seed
     choices = random.Random(seed)
     zb = z.reshape(chains, B, n).transpose(0, 1).contiguous()          # (B, C, n)
@@ -350,8 +356,11 @@ def _all_fine(start: Tensor, dtype: torch.dtype, constraint: EqualityConstraint,
 
 
 def _raise_if_bad(lower: object, upper: object, start: Tensor, shape: torch.Size, dtype: torch.dtype,
-                  device: torch.device, constraint: EqualityConstraint) -> None:
-    """The checks that name the fault :func:`_all_fine` found (they read more)."""
+                  device: torch.device, constraint: EqualityConstraint, start_verdict: Tensor | None = None) -> None:
+    """The checks that name the fault :func:`_all_fine` (and the caller's ``start_verdict``) found (they read
+    more)."""
     lo, hi = _box(lower, upper, shape, dtype, device)
     _check_start(start, shape, lo, hi, constraint, dtype, device)
+    if start_verdict is not None and not bool(start_verdict):
+        raise StartOffPlane("blocked_gibbs: the start's certificate (start_verdict) is False.")
     raise RuntimeError("blocked_gibbs: the start is not finite after projection onto the plane.")

@@ -40,7 +40,7 @@ from .mode import _dense_solver, _finish_on_active_set, accept_rtol, dual_newton
 if TYPE_CHECKING:
     from ..constraints import EqualityConstraint
 
-__all__ = ["VOLUME_TOL", "check_line_section", "check_volume", "volume_tol"]
+__all__ = ["VOLUME_TOL", "check_line_section", "check_volume", "shrunk_box", "volume_tol"]
 
 #: the shrink (in conditional standard deviations, at most a quarter of a coordinate's width) below which a
 #: polytope counts as having no volume, by the distribution's dtype
@@ -57,6 +57,19 @@ def _margin(lo: Tensor, hi: Tensor, sd: Tensor, frozen: Tensor, tol: float) -> T
     width = (hi - lo).nan_to_num(posinf=torch.finfo(lo.dtype).max)
     s = torch.minimum(sd, width / 4)
     return torch.where(frozen, torch.zeros_like(s), tol * s)
+
+
+def shrunk_box(lower: Tensor, upper: Tensor, variance: Tensor, plane_variance: Tensor,
+               dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    r"""The box shrunk by :math:`t\,s_i` per coordinate (module docstring; not where the plane fixes the
+    coordinate), float64 ``(*batch, n)``: a point of the plane in it certifies that the polytope has volume. No host
+    read."""
+    f64 = torch.float64
+    lo, hi = lower.detach().to(f64), upper.detach().to(f64)
+    pv = plane_variance.detach().to(f64)
+    frozen = pv <= 16 * torch.finfo(dtype).eps * variance.detach().to(f64)
+    margin = _margin(lo, hi, pv.clamp_min(0).sqrt(), frozen, volume_tol(dtype))
+    return lo + margin, hi - margin
 
 
 def _names(mask: Tensor, limit: int = 8) -> str:

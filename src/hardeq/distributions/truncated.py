@@ -19,7 +19,9 @@ from torch.distributions import Distribution, constraints
 from ..bounds.mode import truncated_mode
 from ..bounds.normaliser import exact_log_normaliser, line_bounds
 from ..bounds.polytope import as_bound, check_box_and_polytope
+from ..bounds.checks import StartOffPlane
 from ..bounds.start import feasible_start
+from ..bounds.start_dual import dual_start
 from ..bounds.rejection import AUTO_THRESHOLD
 from ..bounds.result import TruncatedSamples
 from ..bounds.sum_normaliser import sum_row_layout
@@ -222,11 +224,31 @@ class TruncatedConstrainedNormal(_SamplingParts, _LogZParts, _NormaliserParts, D
         return mode
 
     def _chain_start(self) -> Tensor:
-        """The chains' start ``(*batch, n)`` in the compute dtype: a point of the polytope built without a host read
+        """The chains' start ``(*batch, n)`` in the compute dtype, built without a host read: a point of the polytope
         where every coordinate lies in at most one row (:func:`hardeq.bounds.start.feasible_start`), else the
-        :attr:`mode`."""
+        :attr:`mode` where it is known, else a fixed number of dual Newton steps towards it
+        (:func:`hardeq.bounds.start_dual.dual_start`), which the samplers' start check verifies (on failure,
+        sampling starts again from the exact mode: :meth:`_start_from_mode`)."""
         point = feasible_start(self.base, self._lo, self._hi)
-        return self._compute_mode() if point is None else point
+        if point is not None:
+            return point
+        if "mode" in self._cache:
+            return self._compute_mode()
+        if "start" not in self._cache:
+            self._cache["start"] = dual_start(self.base, self._lo, self._hi)[0]
+        start: Tensor = self._cache["start"]
+        return start
+
+    def _start_is_approximate(self) -> bool:
+        """Is :meth:`_chain_start` the unverified dual start (not a closed-form point nor the exact mode)?"""
+        return "start" in self._cache and "mode" not in self._cache
+
+    def _start_from_mode(self) -> None:
+        """Replace the dual start by the exact mode, after the full volume check: their host reads, and their
+        precise errors for an empty polytope or one without volume."""
+        del self._cache["start"]
+        self._check_volume()
+        self._compute_mode()
 
     # ------------------------------------------------------------------ normaliser
     @property
@@ -282,13 +304,27 @@ class TruncatedConstrainedNormal(_SamplingParts, _LogZParts, _NormaliserParts, D
         Cost: one :meth:`ConstrainedNormal.log_prob`; the first call of a Monte Carlo normaliser also draws
         ``normaliser_samples`` untruncated vectors and, when a gradient is needed, ``grad_samples`` truncated ones
         (cached on this object)."""
-        self._check_volume()
+        training = self.training is not None and not self._line_exact
+        # a training step's persistent chains read the host anyway: the volume check is folded into that read
+        verdict = self._deferred_volume_check() if training and self._needs_grad() else None
+        if verdict is None:
+            self._check_volume()
         lp = self.base.log_prob(value)
         v = self.base._as_event("value", value)
         # a NaN value is neither inside nor outside: its NaN log-density is passed on, never -inf
         inside = ((v >= self._lo) & (v <= self._hi)).all(-1) | torch.isnan(v).any(-1)
-        training = self.training is not None and not self._line_exact
-        out = lp - self.base._out(self._training_log_z(value) if training else self._log_z())
+        if training:
+            try:
+                log_z = self._training_log_z(value, verdict)
+            except StartOffPlane:
+                if verdict is None:
+                    raise
+                del self._cache["start"]
+                self._check_volume()  # (its reads, and its precise error for an empty polytope or a face)
+                log_z = self._training_log_z(value, None)
+        else:
+            log_z = self._log_z()
+        out = lp - self.base._out(log_z)
         return torch.where(inside, out, torch.full_like(out, -float("inf")))
 
     # ------------------------------------------------------------------ sampling

@@ -28,9 +28,11 @@ class _LogZParts:
                                             or any(t.requires_grad for t in base.covariance.tensors())
                                             or base.constraint.k.requires_grad)
 
-    def _training_log_z(self: _Truncated, value: Tensor) -> Tensor:
+    def _training_log_z(self: _Truncated, value: Tensor, verdict: Tensor | None = None) -> Tensor:
         """Training mode: no :math:`\\log Z`, only the zero-valued surrogate whose gradient is the persistent chains'
-        estimate of :math:`\\nabla\\log Z` (:mod:`hardeq.bounds.training`); ``batch_shape``, compute dtype."""
+        estimate of :math:`\\nabla\\log Z` (:mod:`hardeq.bounds.training`); ``batch_shape``, compute dtype.
+        ``verdict``: the pending certificate of :meth:`_deferred_volume_check` (its point is the chains' fallback
+        start), read with the chains' start check (False: :class:`~hardeq.bounds.checks.StartOffPlane`)."""
         chains = self.training
         assert chains is not None
         if not self._needs_grad():
@@ -40,23 +42,29 @@ class _LogZParts:
         shape = self.batch_shape + self.event_shape
         rtol = math.sqrt(torch.finfo(lo.dtype).eps)
         with torch.no_grad():
+            point = feasible_start(base, lo, hi)
+            if point is None and verdict is not None:
+                point = self._cache["start"]
             start = chains.start(shape, lo, hi, lambda z: base.constraint.check(z, rtol=rtol),
-                                 base._as_event("value", value), self._compute_mode,
-                                 feasible_start(base, lo, hi))
-            draws = self._chain(start, chains.sweeps)
+                                 base._as_event("value", value), self._compute_mode, point)
+            draws = self._chain(start, chains.sweeps, verdict)
+            self._certified(verdict, read=False)  # (read with the chains' start check)
         chains.state = draws[-1].detach()
         chains.steps += 1
         return surrogate(self._plane_log_prob(), draws.flatten(0, 1))
 
     @torch.no_grad()
-    def _chain(self: _Truncated, start: Tensor, sweeps: int) -> Tensor:
+    def _chain(self: _Truncated, start: Tensor, sweeps: int, verdict: Tensor | None = None) -> Tensor:
         """``sweeps`` states ``(sweeps, chains, *batch, n)`` of blocked Gibbs (exact HMC where Gibbs does not
-        apply, stuck chains allowed) from ``start``, in the compute dtype."""
+        apply, stuck chains allowed) from ``start``, in the compute dtype; ``verdict`` as in
+        :meth:`_training_log_z`."""
         from ..bounds.gibbs import blocked_gibbs, gibbs_unsupported
         from ..bounds.hmc import exact_hmc
 
         if gibbs_unsupported(self.base) is None:
-            return blocked_gibbs(self.base, self._lo, self._hi, start, num_samples=sweeps, burn_in=0).samples
+            return blocked_gibbs(self.base, self._lo, self._hi, start, num_samples=sweeps, burn_in=0,
+                                 start_verdict=verdict).samples
+        self._certified(verdict)  # (HMC reads the host anyway)
         return exact_hmc(self.base, self._lo, self._hi, start, num_samples=sweeps, burn_in=0,
                          allow_stuck=True).samples
 

@@ -15,7 +15,9 @@ from ..bounds.gibbs import gibbs_unsupported
 from ..bounds.normaliser import STDERR_INFLATION, null_direction, subset_log_normaliser
 from ..bounds.rejection import ROUND_ELEMENTS
 from ..bounds.sum_normaliser import SumRowLayout, sum_row_layout, sum_row_log_normaliser
-from ..bounds.volume import check_volume
+from ..bounds.mode_base import accept_rtol
+from ..bounds.start_dual import dual_start
+from ..bounds.volume import check_volume, shrunk_box
 from .truncated_support import _Truncated
 
 #: a batch element whose untruncated draws put fewer than this many in the box gets the subset-simulation
@@ -38,7 +40,7 @@ class _NormaliserParts:
             return
         base = self.base
         con = base.constraint
-        if self.free_dim >= 2 and con.group_index is None and con.num_constraints >= 2:
+        if self._volume_in_question():
             def second_opinion(lo: Tensor, hi: Tensor) -> bool:
                 try:
                     truncated_mode(base, lo.to(self._lo.dtype), hi.to(self._lo.dtype))
@@ -50,6 +52,29 @@ class _NormaliserParts:
                 check_volume(con, base._unbroadcasted_loc, base.covariance.variance, self._lo, self._hi,
                              base.conditioner.variance(), self._lo.dtype, second_opinion)
         self._cache["volume"] = True
+
+    def _volume_in_question(self: _Truncated) -> bool:
+        """Can a combination of rows and bounds leave the polytope without volume (two or more rows that are not
+        a grouped sum, ``n - a >= 2``), which no row-by-row check sees?"""
+        con = self.base.constraint
+        return self.free_dim >= 2 and con.group_index is None and con.num_constraints >= 2
+
+    def _deferred_volume_check(self: _Truncated) -> Tensor | None:
+        """The samplers' form of :meth:`_check_volume`, without a host read: where the volume is in question and not
+        yet certified, a point of the plane strictly inside the box (the shrunk box of
+        :func:`~hardeq.bounds.volume.shrunk_box`, by :func:`~hardeq.bounds.start_dual.dual_start`) becomes the
+        chains' start, and its certificate (every row within the mode's acceptance) is returned as a 0-d bool tensor
+        for the samplers to read with their own check. None where nothing is pending. False there makes sampling
+        run the full check (its precise error) and start from the exact mode."""
+        if "volume" in self._cache or not self._volume_in_question():
+            return None
+        base = self.base
+        lo_in, hi_in = shrunk_box(self._lo, self._hi, base.covariance.variance, base.conditioner.variance(),
+                                  self._lo.dtype)
+        point, met = dual_start(base, lo_in, hi_in, rtol=accept_rtol(self._lo.dtype))
+        inside = torch.minimum(torch.maximum(point.to(self._lo.dtype), self._lo), self._hi)
+        self._cache["start"] = inside
+        return met.all()
 
     def _sum_layout(self: _Truncated) -> SumRowLayout | None:
         """:func:`~hardeq.bounds.sum_normaliser.sum_row_layout` of the base law (computed once)."""

@@ -10,6 +10,7 @@ import math
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from ..bounds.rejection import AUTO_THRESHOLD, rejection_sample
 from ..bounds.result import TruncatedSamples
@@ -24,14 +25,39 @@ class _SamplingParts:
     """The sampling machinery of :class:`~hardeq.TruncatedConstrainedNormal`."""
 
     @torch.no_grad()
-    def _sample_compute(self: _Truncated, sample_shape: object, method: str, *, chains: int | None = None,
-                        burn_in: int = 100, thin: int = 1, travel_time: tuple[float, float] | None = None,
-                        threshold: float = AUTO_THRESHOLD,
-                        max_draws: int | None = None, generator: torch.Generator | None = None) -> TruncatedSamples:
+    def _sample_compute(self: _Truncated, sample_shape: object, method: str, **kwargs: Any) -> TruncatedSamples:
+        """:meth:`_draw`, again from the exact mode where the chains' sync-free start (rows that share coordinates:
+        :func:`hardeq.bounds.start_dual.dual_start`) failed the samplers' start check: only then are the mode's host
+        reads paid (and its error names an empty polytope)."""
+        from ..bounds.checks import StartOffPlane
+
+        try:
+            return _SamplingParts._draw(self, sample_shape, method, **kwargs)
+        except StartOffPlane:
+            if not self._start_is_approximate():
+                raise
+            self._start_from_mode()
+            return _SamplingParts._draw(self, sample_shape, method, **kwargs)
+
+    def _certified(self: _Truncated, verdict: Tensor | None, read: bool = True) -> None:
+        """Record a certificate of :meth:`_deferred_volume_check` as passed (after reading it, unless a sampler
+        read it already); a False one raises :class:`~hardeq.bounds.checks.StartOffPlane`."""
+        if verdict is None:
+            return
+        if read and not bool(verdict):
+            from ..bounds.checks import StartOffPlane
+
+            raise StartOffPlane("the chains' sync-free start is not a certified interior point of the polytope.")
+        self._cache["volume"] = True
+
+    def _draw(self: _Truncated, sample_shape: object, method: str, *, chains: int | None = None,
+              burn_in: int = 100, thin: int = 1, travel_time: tuple[float, float] | None = None,
+              threshold: float = AUTO_THRESHOLD,
+              max_draws: int | None = None, generator: torch.Generator | None = None) -> TruncatedSamples:
         sample_shape = _sample_shape(sample_shape)
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
-        self._check_volume()
+        verdict = self._deferred_volume_check()  # (None, or a certificate read with the samplers' first read)
         num = sample_shape.numel()
         batch, n = self.batch_shape, self.event_shape[0]
         from ..bounds.gibbs import blocked_gibbs, gibbs_unsupported
@@ -46,13 +72,18 @@ class _SamplingParts:
             method = choose_method(self.base, self._lo, self._hi, self._chain_start(), num=max(num, 1),
                                    chains=chains if chains is not None else max(num, 1),
                                    acceptance=acc, threshold=threshold, generator=generator,
-                                   burn_in=burn_in, thin=thin)[0]
+                                   burn_in=burn_in, thin=thin, start_verdict=verdict)[0]
+            self._certified(verdict, read=False)  # (read with the decision)
+            verdict = None
         elif method == "gibbs":
             reason = gibbs_unsupported(self.base)
             if reason is not None:
                 raise ValueError(reason)
             if travel_time is not None:
                 raise ValueError(f"travel_time is an HMC control; method='gibbs' takes none, got {travel_time!r}.")
+        if method != "gibbs":  # rejection and HMC read the host anyway: the certificate too, now
+            self._certified(verdict)
+            verdict = None
         if method == "rejection":
             z, acc = rejection_sample(self.base, self._lo, self._hi, num, max_draws=max_draws, generator=generator)
             ess = torch.full(batch + (n,), float(num), dtype=torch.float64, device=z.device)
@@ -68,7 +99,8 @@ class _SamplingParts:
         start = self._chain_start().expand((chains,) + batch + (n,))
         if method == "gibbs":
             res_g = blocked_gibbs(self.base, self._lo, self._hi, start, num_samples=per_chain, burn_in=burn_in,
-                                  thin=thin, generator=generator)
+                                  thin=thin, generator=generator, start_verdict=verdict)
+            self._certified(verdict, read=False)  # (read with the start's check)
             samples, ess, rhat = res_g.samples, res_g.ess, res_g.rhat
         else:
             kwargs: dict[str, Any] = {} if travel_time is None else {"travel_time": travel_time}
