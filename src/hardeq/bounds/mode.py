@@ -72,6 +72,7 @@ from torch import Tensor
 
 from .mode_base import (ACCEPT_RTOL, CONVERGED_RTOL, JACOBIAN_RIDGE, MAX_ACTIVE_SET_FACTOR, MAX_NEWTON,
                         ModeNotFound, _Operator, _Solver, accept_rtol, clamped_rtol)
+from .start_dual import box_metric
 from .mode_dual import _dense_solver, _min_norm_solve, dual_newton, grouped_box_mode, grouped_box_multipliers
 from .mode_general import DETERMINED_RTOL, MAX_PDAS, active_set, primal_dual_active_set
 from .target import PlaneTarget
@@ -146,6 +147,7 @@ def truncated_mode(dist: object, lower: Tensor, upper: Tensor) -> Tensor:
         kf = k.reshape(B, -1)
         matvec, abs_matvec = _operators(con, batch)
         inside = torch.zeros(B, dtype=torch.bool, device=mu.device)
+        primal = torch.zeros(B, dtype=torch.bool, device=mu.device)  # diagonal Sigma: finished by the primal methods
         mean = mu  # replaced by the conditional mean below where it is used
         if con.group_index is not None:
             sizes = con.group_sizes
@@ -170,14 +172,29 @@ def truncated_mode(dist: object, lower: Tensor, upper: Tensor) -> Tensor:
                                    accept=accept)
             z = torch.where(inside.unsqueeze(-1), mean.to(f64).reshape(B, n), z)
             ok = ok | inside
+            # a converged dual solve is the mode (z(lambda) minimises the Lagrangian over the box, and the rows
+            # hold); where it stalled, what follows is a point of P only, which the primal methods below finish
+            primal = ~ok
             if not bool(ok.all()):  # (a general covariance's start point: the same diagonal problem, finished)
                 z, ok = _finish_on_active_set(z, ok, *flat, Af, kf, accept)
+            if not bool(ok.all()):  # variances over many decades stall it: a point of P in the box's metric
+                box_v = box_metric(flat[2], flat[3])
+                z_box, _, ok_box = dual_newton(flat[0], box_v, flat[2], flat[3], kf, matvec, rmatvec, abs_matvec,
+                                               _dense_solver(Af, box_v), accept=accept)
+                if not bool((ok | ok_box).all()):
+                    z_box, ok_box = _finish_on_active_set(z_box, ok_box, flat[0], box_v, flat[2], flat[3], Af, kf,
+                                                          accept)
+                use = ~ok & ok_box
+                z, ok = torch.where(use.unsqueeze(-1), z_box, z), ok | ok_box
         _raise_unless(ok, z, matvec, abs_matvec, kf, batch, "the mode's dual Newton iteration")
         z = z.reshape(batch + (n,))
-        if not cov.is_diagonal:
+        if not cov.is_diagonal or bool(primal.any()):  # (from a point of P, the primal methods find the mode)
             A = con.dense_matrix().detach()
             A = A.expand(batch + A.shape[-2:])
             z_pd, settled = primal_dual_active_set(mu, cov, A, k, lo, hi, z, batch)
+            if cov.is_diagonal:  # only where the dual solve stalled: elsewhere it is the exact mode already
+                settled = settled | ~primal.reshape(batch)
+                z_pd = torch.where(primal.reshape(batch).unsqueeze(-1), z_pd, z)
             z = torch.where(settled.unsqueeze(-1), z_pd, z)
             z, ok = active_set(mu, cov, A, k, lo, hi, z, batch, done=settled)
             # clamped before the rows are checked: a coordinate the rows fix may end a round-off outside the box
