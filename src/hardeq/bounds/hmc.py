@@ -242,7 +242,8 @@ def exact_hmc(dist: object, lower: Tensor, upper: Tensor, start: Tensor, *, num_
     movable_lo, movable_hi = movable & torch.isfinite(lo_x), movable & torch.isfinite(hi_x)
     window = 64 * torch.finfo(dtype).eps
     corner_limit = 2 * n + 8
-    total_bounces, total_refreshes, total_capped, total_steps, draws = 0, 0, 0, 0, []
+    total_bounces, total_capped, total_steps, draws = 0, 0, 0, []
+    refreshes = torch.zeros((), dtype=torch.long, device=device)  # (read once, at the end)
     moved = torch.zeros(start.shape[:-1], dtype=torch.bool, device=device)   # a trajectory of the chain was kept
     iterations = burn_in + num_samples * thin
     for iteration in range(iterations):
@@ -268,11 +269,15 @@ def exact_hmc(dist: object, lower: Tensor, upper: Tensor, start: Tensor, *, num_
             c, s = torch.cos(dt), torch.sin(dt)
             x, v = x * c + v * s, v * c - x * s
             remaining = remaining - dt.squeeze(-1)
-            if not bool(hit.any()):
-                break
             count += hit
             over = hit & (count >= max_bounces)
-            if bool(over.any()):  # rejected: stop these trajectories; they return to x_start below
+            stuck = torch.where(hit & ~over & (t_hit < window), stuck + 1, 0)
+            corner = stuck > corner_limit
+            # the event's one host read: any bounce left, any trajectory capped, any chain in a corner
+            any_hit, any_over, any_corner = torch.stack([hit.any(), over.any(), corner.any()]).tolist()
+            if not any_hit:
+                break
+            if any_over:  # rejected: stop these trajectories; they return to x_start below
                 capped = capped | over
                 hit = hit & ~over
             j = wall % n
@@ -290,19 +295,17 @@ def exact_hmc(dist: object, lower: Tensor, upper: Tensor, start: Tensor, *, num_
             x, v = torch.where(keep, x_new, x), torch.where(keep, v_new, v)
             last = torch.where(hit, wall, -1)
             active = hit
-            stuck = torch.where(hit & (t_hit < window), stuck + 1, 0)
-            corner = stuck > corner_limit
-            if bool(corner.any()):  # a start on several walls: refresh the velocity (see the module docstring)
+            if any_corner:  # a start on several walls: refresh the velocity (see the module docstring)
                 v = torch.where(corner.unsqueeze(-1), plane.velocity(S, generator), v)
                 stuck = stuck.masked_fill(corner, 0)
                 last = last.masked_fill(corner, -1)
-                total_refreshes += int(corner.sum())
-        total_bounces += int(count.sum())
+                refreshes = refreshes + corner.sum()
         moved |= ~capped
-        if bool(capped.any()):
-            x = torch.where(capped.unsqueeze(-1), x_start, x)
-            total_capped += int(capped.sum())
-        if not bool(torch.isfinite(x).all()):
+        x = torch.where(capped.unsqueeze(-1), x_start, x)
+        # the iteration's one host read: the bounces, the capped trajectories, the state's finiteness
+        bounces, n_capped, finite = torch.stack([count.sum(), capped.sum(), torch.isfinite(x).all()]).tolist()
+        total_bounces, total_capped = total_bounces + int(bounces), total_capped + int(n_capped)
+        if not finite:
             raise RuntimeError(f"exact_hmc: the state became non-finite at iteration {iteration}; check that loc, "
                                "the covariance and the bounds are finite where they matter.")
         if iteration >= burn_in and (iteration - burn_in) % thin == thin - 1:
@@ -317,6 +320,7 @@ def exact_hmc(dist: object, lower: Tensor, upper: Tensor, start: Tensor, *, num_
         ess = torch.full(shape, math.nan, dtype=torch.float64, device=device)
         rhat = ess.clone()
     trajectories = iterations * S.numel()
+    total_refreshes = int(refreshes)
     if total_capped > 0.01 * trajectories:
         warnings.warn(f"exact_hmc: {total_capped} of {trajectories} trajectories ({total_capped / trajectories:.1%}) "
                       f"reached max_bounces = {max_bounces} and were rejected; the chains mix slowly (check ess and "

@@ -50,8 +50,9 @@ class _Plane:
         r""":math:`\Sigma e_i` for the coordinate ``index`` ``(*shape)`` of each trajectory, ``(*shape, n)``: one
         covariance product with a one-hot vector (O(n) diagonal, O(n r) low rank, O(n^2) full). The wall normal
         on the plane is its projection, :math:`\bar\Sigma e_i = (I - KA)\Sigma e_i`."""
-        e = torch.nn.functional.one_hot(index, self.mean.shape[-1]).to(self.dtype)
-        column: Tensor = self.cov.matvec(e)
+        # (one_hot reads the indices' range on the host: a scatter does not)
+        e = torch.zeros(index.shape + self.mean.shape[-1:], dtype=self.dtype, device=index.device)
+        column: Tensor = self.cov.matvec(e.scatter_(-1, index.unsqueeze(-1), 1.0))
         return column
 
 

@@ -270,7 +270,8 @@ class SumConstraint(EqualityConstraint):
         return self.matvec(variance)
 
     def dense_matrix(self) -> Tensor:
-        return torch.nn.functional.one_hot(self.index, self.num_constraints).mT.to(self.k.dtype)
+        rows = torch.zeros((self.num_constraints,) + self.index.shape, dtype=self.k.dtype, device=self.k.device)
+        return rows.scatter_(0, self.index.unsqueeze(0), 1.0)  # (one_hot would read the index range on the host)
 
     def logdet_gram_identity(self) -> Tensor:
         r""":math:`\log\det(AA^\top) = \sum_j \log c_j` (group sizes), a scalar; O(a)."""

@@ -169,7 +169,8 @@ class BlockDiagonalCovariance(Covariance):
     def factor_part(self) -> Tensor | None:
         r""":math:`\tilde W`, the ``(*batch, n, G r)`` block matrix (formed only by the generic pairwise trace)."""
         W = self.cov_factor
-        onehot = torch.nn.functional.one_hot(self.index, self.num_groups).to(W.dtype)  # (n, G)
+        onehot = torch.zeros(self.index.shape + (self.num_groups,), dtype=W.dtype, device=W.device)  # (n, G)
+        onehot.scatter_(-1, self.index.unsqueeze(-1), 1.0)  # (one_hot would read the index range on the host)
         return (onehot.unsqueeze(-1) * W.unsqueeze(-2)).flatten(-2)
 
     def max_abs_sqrt(self) -> Tensor:
