@@ -358,3 +358,29 @@ def test_few_draws_give_nan_diagnostics_and_float64_bounds_round_inward():
     res = exact_hmc(dist, lower, 1.0, start, num_samples=2, burn_in=3, generator=torch.Generator().manual_seed(0))
     assert bool(torch.isnan(res.ess).all() and torch.isnan(res.rhat).all())
     assert bool((res.samples.double() >= 0.1).all())
+
+
+def test_host_reads_one_per_bounce_event_and_one_per_iteration():
+    """Each event of the trajectories (a step to the next wall) reads the host once, whatever it finds (a bounce
+    left, a capped trajectory, a chain in a corner); each iteration once more (bounces, capped, finiteness); the
+    rest is a constant (the start's checks, the diagnostics). Before: three per event and four per iteration.
+    Counted under the GPU profile (a CPU's checked conditioner also reads, for free, in each draw's conditioning)."""
+    profile = "gpu"
+    from hardeq.linalg.device import forced
+    from hardeq.testing import count_calls
+
+    g = torch.Generator().manual_seed(3)
+    n, a = 20, 3
+    A = torch.rand(a, n, generator=g, dtype=torch.float64)
+    loc = torch.rand(4, n, generator=g, dtype=torch.float64)
+    with forced(profile):
+        d = hardeq.ConstrainedNormal(loc, 0.4, constraint=hardeq.LinearConstraint(A, 0.5 * A.sum(-1)),
+                                     validate_args=False)
+        lo, hi = torch.zeros(n, dtype=torch.float64), torch.ones(n, dtype=torch.float64)
+        start = d.truncate(lo, hi).mode.expand(3, 4, n)
+        iterations = 6
+        with count_calls() as count:
+            res = exact_hmc(d, lo, hi, start, num_samples=iterations, burn_in=0,
+                            generator=torch.Generator().manual_seed(0))
+    assert res.bounces > 0
+    assert count.host_reads <= res.steps + iterations + 12, (count.host_reads, res.steps)
