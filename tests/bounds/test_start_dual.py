@@ -163,3 +163,15 @@ def test_training_step_falls_back_where_the_start_fails(monkeypatch):
     assert loc.grad is not None and bool(torch.isfinite(loc.grad).all())
     # the dual start failed its certificate: dropped, the full volume check ran, and the data started the chains
     assert law._cache.get("volume") is True and "start" not in law._cache
+
+
+def test_an_empty_polytope_is_named_through_every_method():
+    """z0 + z1 = 1.5 and z0 - z1 + z3 / 2 = 1.3 in [0, 1]^4: each row alone can be met in the box, together not
+    (their sum gives z0 = 1.4 - z3 / 4, and z0 <= 1 needs z3 >= 1.6): the sync-free start's certificate fails, and
+    the full volume check names the polytope empty."""
+    A = torch.tensor([[1., 1, 0, 0], [1, -1, 0, 0.5]], dtype=F)
+    d = hardeq.ConstrainedNormal(torch.zeros(4, dtype=F), 1.0,
+                                 constraint=hardeq.LinearConstraint(A, torch.tensor([1.5, 1.3], dtype=F)))
+    for method in ("gibbs", "auto", "hmc", "rejection"):
+        with pytest.raises(ValueError, match=r"is empty for batch element \(\): no point of the plane lies in the box"):
+            d.truncate(0.0, 1.0).sample((3,), method=method)
