@@ -6,7 +6,7 @@ asked for (``chains`` chains of a law with ``B`` batch elements and ``n`` coordi
 * **rejection**, where the acceptance (measured by the caller's pilot, or exact) is at least the threshold: iid draws,
   so ``num`` effective draws for ``num / acceptance`` untruncated ones;
 * **gibbs**, where :func:`~hardeq.bounds.gibbs.gibbs_unsupported` is ``None``: :data:`PILOT_BURN` + :data:`PILOT_KEPT`
-  sweeps of :data:`PILOT_CHAINS` chains from the mode; effective draws per sweep and chain from the lag-1
+  sweeps of :data:`PILOT_CHAINS` chains from the chains' start; effective draws per sweep and chain from the lag-1
   autocorrelation (:func:`_per_step`), the median over coordinates and batch elements;
 * **hmc**: the same with :data:`HMC_BURN` + :data:`HMC_KEPT` trajectories; its cost follows the event loop's
   steps (:attr:`~hardeq.bounds.hmc.HMCResult.steps`). Its pilot caps the bounces of a trajectory at the most with

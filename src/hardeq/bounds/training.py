@@ -15,8 +15,10 @@ blocked Gibbs (exact HMC where Gibbs does not apply) started from where the chai
 **Where the chains start.** At the first step, or where a kept state no longer lies in the current polytope (``k``
 or the box changed, or the batch shape), each chain starts at the observed value ``y`` of its batch element when
 ``log_prob`` is given one value per batch element that is feasible (contrastive divergence: the data are draws of
-the target once the model fits), else at a point of the polytope built without a host read where every coordinate
-lies in at most one row (:func:`~hardeq.bounds.start.feasible_start`), else at the mode.
+the target once the model fits), else at a point of the polytope built without a host read: where every coordinate
+lies in at most one row :func:`~hardeq.bounds.start.feasible_start`'s, else
+:func:`~hardeq.bounds.start_dual.dual_start`'s (certified with the chains' start check; where that fails, at the
+mode).
 
 **What is biased.** A draw after finitely many sweeps from a start not drawn from the current law is not distributed
 as that law, so the gradient estimate is biased, by an amount that shrinks with ``sweeps`` and, because the chains
@@ -89,7 +91,8 @@ class PersistentChains:
               data: Tensor | None, mode: Callable[[], Tensor], point: Tensor | None = None) -> Tensor:
         """The chains' start ``(chains, *shape)`` in ``lower.dtype``: the kept state where it is feasible for the
         current polytope, else the data point of the batch element where given and feasible, else ``point`` (a
-        point of the polytope, ``shape``: :func:`~hardeq.bounds.start.feasible_start`) where given, else the mode
+        point of the polytope, ``shape``: :mod:`hardeq.bounds.start`, :mod:`hardeq.bounds.start_dual`) where given,
+        else the mode
         (module docstring). ``on_plane(z) -> (*z.shape[:-1])`` bool, ``mode() -> shape``. With ``point`` no host
         read; without it one (whether every chain has a start), and ``mode`` is called only where one has none."""
         full = (self.chains,) + tuple(shape)
