@@ -43,8 +43,8 @@ class _LogZParts:
         rtol = math.sqrt(torch.finfo(lo.dtype).eps)
         with torch.no_grad():
             point = feasible_start(base, lo, hi)
-            if point is None and verdict is not None:
-                point = self._cache["start"]
+            if point is None:  # the dual start where one was made (certified, or pending with ``verdict``)
+                point = self._cache.get("start")
             start = chains.start(shape, lo, hi, lambda z: base.constraint.check(z, rtol=rtol),
                                  base._as_event("value", value), self._compute_mode, point)
             draws = self._chain(start, chains.sweeps, verdict)
