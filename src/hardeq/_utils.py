@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -128,6 +129,19 @@ def is_tracing() -> bool:
     (``bool(tensor)``, ``.item()``) must be avoided (a host synchronisation is an error during capture)."""
     return (torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is not None
             or cuda_graph_capturing())
+
+
+def assert_deferred(ok: Tensor, message: str, error: Callable[[], Exception]) -> None:
+    """``torch._assert_async(ok, message)``: no host read, the failure raised at the device's next synchronisation.
+    A CPU raises it at once, and there (in eager mode) it is re-raised as ``error()``, which may read the host to
+    name what failed. ``ok``: a one-element bool tensor."""
+    if is_tracing() or ok.device.type != "cpu":
+        torch._assert_async(ok, message)
+        return
+    try:
+        torch._assert_async(ok, message)
+    except RuntimeError:
+        raise error() from None
 
 
 def cuda_graph_capturing() -> bool:

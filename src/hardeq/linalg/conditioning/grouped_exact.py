@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from ..._utils import assert_deferred
 from ...errors import NotPSDError
 
 __all__ = ["ExactSumOps", "exact_sum_rsample"]
@@ -146,14 +147,12 @@ def _assert_finite(residual: Tensor, ops: ExactSumOps) -> None:
     """Deferred: every group's residual is finite (a NaN or an infinity anywhere in a group makes it so). On the
     CPU the failure is raised at once, as :class:`~hardeq.NotPSDError` naming the first failing group."""
     finite = torch.linalg.vector_norm(residual, float("inf")) < float("inf")  # (NaN propagates: fails too)
-    if residual.device.type != "cpu":
-        torch._assert_async(finite, NONFINITE_MESSAGE)
-        return
-    try:
-        torch._assert_async(finite, NONFINITE_MESSAGE)
-    except RuntimeError:
+
+    def named() -> NotPSDError:
         bad = (~torch.isfinite(residual)).reshape(-1, residual.shape[-1]).any(0).nonzero()
-        raise NotPSDError(f"{NONFINITE_MESSAGE} First such group: {int(bad[0])} of {ops.a}.") from None
+        return NotPSDError(f"{NONFINITE_MESSAGE} First such group: {int(bad[0])} of {ops.a}.")
+
+    assert_deferred(finite, NONFINITE_MESSAGE, named)
 
 
 def exact_sum_rsample(loc: Tensor, scale: Tensor, k: Tensor, eps: Tensor, ops: ExactSumOps) -> Tensor:

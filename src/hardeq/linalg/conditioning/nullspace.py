@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from ..._utils import batch_mv
+from ..._utils import assert_deferred, batch_mv
 from ...errors import NotPSDError
 from ..triangular import tri_solve_vec
 from .factor import Factor
@@ -165,14 +165,7 @@ UNTRUSTED_MESSAGE = (
 
 def _assert_trusted(failed: Tensor) -> None:
     """Deferred: no batch element failed (raised at once on a CPU as :class:`~hardeq.NotPSDError`)."""
-    ok = ~failed.any()
-    if failed.device.type != "cpu":
-        torch._assert_async(ok, UNTRUSTED_MESSAGE)
-        return
-    try:
-        torch._assert_async(ok, UNTRUSTED_MESSAGE)
-    except RuntimeError:
-        raise NotPSDError(UNTRUSTED_MESSAGE) from None
+    assert_deferred(~failed.any(), UNTRUSTED_MESSAGE, lambda: NotPSDError(UNTRUSTED_MESSAGE))
 
 
 def _operator_requires_grad(constraint: "EqualityConstraint") -> bool:

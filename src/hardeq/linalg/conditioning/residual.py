@@ -132,7 +132,7 @@ class ResidualCheck:
         for a device assertion) the vectors that fail are returned as NaN instead. Returns ``z``. Cost: one float64
         copy of ``z`` (for float32), :math:`Az` and :math:`|A||z|` in float64 (O(n a), O(nnz) sparse) and a few
         elementwise passes over ``(*sample, *batch, a)``."""
-        from ..._utils import is_tracing
+        from ..._utils import assert_deferred
 
         with torch.no_grad():
             wide = self.wide()
@@ -145,15 +145,12 @@ class ResidualCheck:
             met = miss <= torch.add(self.base(rtol), scale, alpha=rtol)
         if torch._C._functorch.maybe_current_level() is not None:  # vmap / grad: NaN marks a failing vector
             return torch.where(met.all(-1, keepdim=True), z, torch.nan)
-        ok = met.all()
-        if is_tracing() or z.device.type != "cpu":
-            torch._assert_async(ok, DEFERRED_MESSAGE)
-            return z
-        try:
-            torch._assert_async(ok, DEFERRED_MESSAGE)
-        except RuntimeError:
+
+        def named() -> NotPSDError:
             why = "" if cause is None else f"; {cause(z)}"
-            raise NotPSDError(f"{DEFERRED_MESSAGE} {self.describe(z)}{why}") from None
+            return NotPSDError(f"{DEFERRED_MESSAGE} {self.describe(z)}{why}")
+
+        assert_deferred(met.all(), DEFERRED_MESSAGE, named)
         return z
 
     def base(self, rtol: float) -> Tensor:
