@@ -192,7 +192,7 @@ def dual_newton(mu: Tensor, v: Tensor, lo: Tensor, hi: Tensor, k: Tensor, matvec
         delta = -solve(v * free, F)
         slope = -(F * delta).sum(-1)  # directional derivative of theta along delta (>= 0)
         th0 = theta(lam, z)
-        t = torch.ones(B, dtype=mu.dtype, device=mu.device)
+        t = _exact_step(y, v, lo, hi, rmatvec(delta), (k * delta).sum(-1))
         accepted = done | stuck
         new_lam = lam.clone()
         for _ in range(60):
@@ -229,6 +229,33 @@ def dual_newton(mu: Tensor, v: Tensor, lo: Tensor, hi: Tensor, k: Tensor, matvec
     F = matvec(z) - k
     done = (F.abs() <= accept * (abs_matvec(z.abs()) + k.abs())).all(-1)
     return z, lam, done
+
+
+def _exact_step(y: Tensor, v: Tensor, lo: Tensor, hi: Tensor, g: Tensor, kd: Tensor) -> Tensor:
+    r"""The exact line search of :func:`dual_newton`: the maximiser :math:`t^\star` of the concave piecewise-quadratic
+    :math:`\phi(t) = \theta(\lambda + t\delta)`, whose derivative
+    :math:`\phi'(t) = k^\top\delta - \sum_i g_i\,\mathrm{clip}(y_i + t v_i g_i, l_i, u_i)` (:math:`g = A^\top\delta`,
+    ``y`` the unclipped primal point at :math:`\lambda`) is non-increasing and piecewise linear. Each term is
+    :math:`\mathrm{clip}(g_iy_i + t\,v_ig_i^2,\ \min(g_il_i, g_iu_i),\ \max(g_il_i, g_iu_i))`, so
+    :math:`\phi'(t) = 0` is the one-group breakpoint search of :func:`grouped_box_multipliers`. Where :math:`J` is
+    singular (fewer coordinates free than rows), its ridge makes the Newton step some 1e10 times too long, and
+    halving from ``t = 1`` took one bound per iteration: 113 coordinates under 55 rows needed 800 iterations, and
+    the cap of 100 refused feasible problems. Returns ``(B,)``; 1 where :math:`t^\star` is not positive and finite
+    (the Armijo halving then decides). A sort of ``2n`` breakpoints per element."""
+    B, n = y.shape
+    vg = v * g * g
+    flat = vg == 0  # (g_i = 0, or its square underflows: the term does not move)
+    pos = g > 0
+    gl, gu = g * lo, g * hi
+    mu_ = torch.where(flat, 0.0, g * y)
+    v_ = torch.where(flat, 1.0, vg)
+    l_ = torch.where(flat, 0.0, torch.where(pos, gl, gu))
+    u_ = torch.where(flat, 0.0, torch.where(pos, gu, gl))
+    index = torch.zeros(n, dtype=torch.long, device=y.device)
+    sizes = torch.full((1,), n, dtype=torch.long, device=y.device)
+    target = torch.minimum(torch.maximum(kd, l_.sum(-1)), u_.sum(-1)).unsqueeze(-1)  # (beyond: the last breakpoint)
+    t = grouped_box_multipliers(mu_, v_, l_, u_, index, sizes, target).squeeze(-1)
+    return torch.where(torch.isfinite(t) & (t > 0), t, torch.ones_like(t))
 
 
 def _min_norm_solve(J: Tensor, r: Tensor) -> Tensor:

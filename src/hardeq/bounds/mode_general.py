@@ -24,10 +24,8 @@ def _eq_qp(mu: Tensor, cov: Covariance, A: Tensor, k: Tensor, W: Tensor, values:
     working sets padded by zero rows; equilibrated Cholesky and two refinement steps. Returns ``(z, nu, ok)``: ``z``
     ``(*batch, n)`` (the ``W`` coordinates set to their values exactly), ``nu`` ``(*batch, n)`` the multipliers of the
     bound rows (0 off ``W``; :math:`\Sigma^{-1}(z - \mu) = A^\top\lambda + \nu`), ``ok`` ``(*batch)`` (factorised:
-    the rows are independent), and with ``determined`` the mask ``(*batch, n)`` of the coordinates the rows fix:
-    those whose conditional variance given :math:`Rz = r`,
-    :math:`\Sigma_{jj} - (\Sigma R^\top)_j (R\Sigma R^\top)^{-1} (R\Sigma)_j`, is at most
-    :data:`DETERMINED_RTOL` of :math:`\Sigma_{jj}` (``None`` without; one more ``m x n`` triangular solve).
+    the rows are independent), and with ``determined`` the mask ``(*batch, n)`` of the coordinates the rows fix
+    (:func:`_determined`; ``None`` without).
     A determined coordinate's bound is a combination of the rows: adding it would make them dependent."""
     n = mu.shape[-1]
     a = A.shape[-2]
@@ -63,16 +61,33 @@ def _eq_qp(mu: Tensor, cov: Covariance, A: Tensor, k: Tensor, W: Tensor, values:
     nu = torch.zeros_like(z).scatter(-1, order, y[..., a:] * valid)
     if not determined:
         return z, nu, ok, None
-    G = torch.cholesky_solve(SR.mT / s.unsqueeze(-1), L) / s.unsqueeze(-1)  # (*batch, a + m, n): S^-1 R Sigma
-    prior = cov.variance.expand(z.shape)
-    conditional = prior - (SR.mT * G).sum(-2)
-    return z, nu, ok, (conditional <= DETERMINED_RTOL * prior) | W
+    return z, nu, ok, _determined(R, pad) | W
+
+
+def _determined(R: Tensor, pad: Tensor) -> Tensor:
+    r"""The coordinates that the rows ``R`` ``(*batch, m, n)`` fix (``pad`` ``(*batch, m)``: the zero rows of
+    padding): :math:`e_j` in the row space of ``R``, tested as
+    :math:`1 - e_j^\top \hat R^\top(\hat R\hat R^\top)^{-1}\hat R e_j \le` :data:`DETERMINED_RTOL` with the rows
+    scaled to unit length (:math:`\hat R`). Whether the rows fix a coordinate is a property of ``R`` alone. Measured
+    in the covariance's metric instead (its conditional variance as a fraction of its variance), a coordinate whose
+    variance is many decades above its neighbours' looked fixed while its step was real: it was left out of the
+    ratio test, left the box, and the clamp then broke the rows. One ``m x m`` Cholesky and one ``m x n`` solve."""
+    norms = R.norm(dim=-1).clamp_min(torch.finfo(R.dtype).tiny)
+    Rn = R / norms.unsqueeze(-1)
+    T = Rn @ Rn.mT + torch.diag_embed(pad.to(R.dtype))
+    L, info = torch.linalg.cholesky_ex(T)
+    eye = torch.eye(T.shape[-1], dtype=T.dtype, device=T.device)
+    L = torch.where((info == 0).unsqueeze(-1).unsqueeze(-1), L, eye)  # (dependent rows: the caller refuses them)
+    free = 1.0 - (Rn * torch.cholesky_solve(Rn, L)).sum(-2)
+    determined: Tensor = free <= DETERMINED_RTOL
+    return determined
 
 
 #: iterations of the primal-dual active-set phase before the primal method takes over
 MAX_PDAS = 10
-#: a coordinate whose conditional variance given the working rows is at most this fraction of its variance is
-#: taken as fixed by them (its computed step is round-off; float64 leaves about 1e-16 times the conditioning)
+#: a coordinate whose unit vector lies within this squared sine of the working rows' span (rows scaled to unit
+#: length) is taken as fixed by them (its computed step is round-off; float64 leaves about 1e-16 times the
+#: conditioning of the scaled rows)
 DETERMINED_RTOL = 1e-10
 
 
