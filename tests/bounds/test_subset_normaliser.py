@@ -79,8 +79,14 @@ def test_it_gives_up_with_a_precise_error(monkeypatch):
 
     monkeypatch.setattr(module, "MAX_LEVELS", 2)
     d, lo, hi = pairs_problem(4, torch.float64, 2.0)
-    with pytest.raises(RuntimeError, match="not reached in 2 levels"):
+    with pytest.raises(RuntimeError, match="not reached in 2 levels") as info:
         subset_log_normaliser(d, lo, hi, hmc_kernel(d, 0), num=50)
+    message = str(info.value)
+    # the element, the bound on its log Z that the levels reached, and what 2 levels resolve (2 log 0.25); before,
+    # "P(box | plane) below about 0" (0.25 ** 1000 underflows)
+    assert "batch element ()" in message and "2 levels resolve log P down to about -2.77259" in message
+    bound = float(message.split("log P(box | plane) is below ")[1].split(" ")[0])
+    assert exact_pairs_log_z(torch.float64, 2.0) * 4 < bound <= 0.0
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [({"num": 3}, "num"), ({"num": 8, "iterations": 0}, "iterations"),

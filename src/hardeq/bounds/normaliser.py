@@ -252,7 +252,8 @@ def subset_log_normaliser(dist: object, lower: Tensor, upper: Tensor, kernel: Ke
         generator: for the resampling (the kernel has its own).
 
     Raises:
-        RuntimeError: more than :data:`MAX_LEVELS` levels (``Z`` below about ``keep ** MAX_LEVELS``).
+        RuntimeError: more than :data:`MAX_LEVELS` levels (``log Z`` below about ``MAX_LEVELS * log(keep)``,
+            -1386 at ``keep = 0.25``), naming the batch element and the bound on its ``log Z`` reached.
 
     Examples:
         >>> from hardeq.bounds import exact_hmc, subset_log_normaliser
@@ -328,5 +329,18 @@ def subset_log_normaliser(dist: object, lower: Tensor, upper: Tensor, kernel: Ke
         seeds = flat.gather(0, idx.T[..., None].expand(num, -1, z.shape[-1])).reshape(z.shape)
         seeds = torch.minimum(torch.maximum(seeds, level_lo), level_hi)
         z = kernel(level_lo, level_hi, seeds, iterations)
-    raise RuntimeError(f"subset_log_normaliser: the box was not reached in {MAX_LEVELS} levels of keep = {keep} "
-                       f"(P(box | plane) below about {keep ** MAX_LEVELS:.1g} in some batch element).")
+    raise RuntimeError(_unreached_message(done, log_z, tau, batch, keep))
+
+
+def _unreached_message(done: Tensor, log_z: Tensor, tau: Tensor, batch: torch.Size, keep: float) -> str:
+    """The error of :func:`subset_log_normaliser` when :data:`MAX_LEVELS` levels did not reach the box: the first
+    batch element left, the upper bound on its ``log Z`` that the levels reached (the probability of the last
+    widened box), and how far that box still was from the box."""
+    flat = int((~done).reshape(-1).nonzero()[0])
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), batch)) if len(batch) else ()
+    bound, width = float(log_z.reshape(-1)[flat]), float(tau.reshape(-1)[flat])
+    return (f"subset_log_normaliser: the box was not reached in {MAX_LEVELS} levels of keep = {keep} for batch "
+            f"element {index}: log P(box | plane) is below {bound:.6g} (the last level's box was still the box widened "
+            f"by {width:.3g} conditional standard deviations on each side); {MAX_LEVELS} levels resolve log P down to "
+            f"about {MAX_LEVELS * math.log(keep):.6g}. The model's mean is very far from "
+            "the box: move it closer (or widen the bounds) before asking for log Z or log_prob's value.")
