@@ -16,9 +16,10 @@ solve on it, in float64.
 :math:`\theta(\lambda) = \tfrac12\lVert z(\lambda) - \mu\rVert^2_{v^{-1}} - \lambda^\top(Az(\lambda) - k)`, so a
 semismooth Newton method with a line search on :math:`\theta` converges globally; its generalized Jacobian
 is the ``a x a`` matrix :math:`J = A\,\mathrm{diag}(v \odot f)\,A^\top` (``f`` marks the coordinates strictly inside
-the box). The line search is exact (:math:`\theta` is piecewise quadratic along a line: a breakpoint search), then
-Armijo's test: where fewer coordinates are free than rows, ``J`` is singular and its ridge makes the Newton step
-far too long, and halving from a unit step freed one bound per iteration. Once the active set is right, one Newton step is the exact solve on it (``F`` is linear there), and the
+the box). Where the unit step fails Armijo's test, the line search continues from the exact maximiser along the direction
+(:math:`\theta` is piecewise quadratic along a line: a breakpoint search) instead of halving: where fewer
+coordinates are free than rows, ``J`` is singular and its ridge makes the Newton step far too long, and halving
+from a unit step freed one bound per iteration. Once the active set is right, one Newton step is the exact solve on it (``F`` is linear there), and the
 iteration stops with every row within round-off.
 
 * grouped sums (:class:`~hardeq.SumConstraint`): ``J`` is diagonal (per-group sums of ``v f``); the multipliers
