@@ -178,3 +178,42 @@ def test_subset_stderr_is_calibrated_against_exact_normalisers():
     exact = float(line.truncate(0.0, 1.0).log_normaliser)
     z = _z_scores(lambda: line.truncate(0.0, 1.0, normaliser="monte-carlo"), exact, 30)
     assert abs(z.std(ddof=1) - 1.0) <= 0.3 and abs(z.mean()) < 0.5, (z.mean(), z.std(ddof=1))
+
+
+def test_a_normaliser_beyond_the_levels_is_refused_at_once(monkeypatch):
+    """A box some 200 standard deviations from the mean on the plane (log Z near -20,000): the normaliser refuses
+    before subset simulation starts (which ran 1,000 levels, over 9 CPU minutes, before its own error), naming the
+    element and the bound."""
+    import hardeq.distributions.truncated_normaliser as module
+
+    def never(*args, **kwargs):
+        raise AssertionError("subset simulation should not run")
+
+    monkeypatch.setattr(module, "subset_log_normaliser", never)
+    f64 = torch.float64
+    g = torch.Generator().manual_seed(3)
+    A = torch.randn(2, 6, generator=g, dtype=f64)
+    x = torch.full((6,), 0.5, dtype=f64)
+    loc = torch.stack([x, x + 40.0])  # element 0 near the box, element 1 far from it
+    d = hardeq.ConstrainedNormal(loc, 0.2, constraint=hardeq.LinearConstraint(A, A @ x))
+    t = d.truncate(torch.zeros(6, dtype=f64), torch.ones(6, dtype=f64))
+    with pytest.raises(RuntimeError, match=r"batch element \(1,\) is beyond what subset simulation resolves"):
+        t.log_normaliser
+
+
+def test_the_refusals_bound_is_an_upper_bound_on_log_z(monkeypatch):
+    """The bound log Phi(-d) (the tail beyond the supporting hyperplane at the mode) against the exact normaliser
+    of four independent pairs (each a line: its exact log Z), with the refusal forced (one level, no margin)."""
+    import hardeq.bounds.normaliser as levels
+    import hardeq.distributions.truncated_normaliser as module
+
+    monkeypatch.setattr(levels, "MAX_LEVELS", 1)
+    monkeypatch.setattr(module, "BEYOND_LEVELS_MARGIN", 0.0)
+    for shift in (1.0, 2.0, 4.0):
+        d, lo, hi = pairs_problem(4, torch.float64, shift)
+        t = d.truncate(lo, hi)
+        with pytest.raises(RuntimeError, match="beyond what subset simulation resolves") as info:
+            t._refuse_beyond_the_levels(torch.tensor(True))
+        bound = float(str(info.value).split("log Z <= ")[1].split(" ")[0])
+        exact = 4 * exact_pairs_log_z(torch.float64, shift)
+        assert exact <= bound < 0.0, (shift, exact, bound)
