@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from .claims import ALPHA, VOCABULARY, Claim, decide, family_sentence, family_size, format_p
+from .claims import ALPHA, VOCABULARY, Claim, decide, family_sentence, family_size, format_p, holm_floor
 from .results import markdown_table
 
 __all__ = ["bounds_claims_section", "as_hypotheses"]
@@ -35,7 +35,8 @@ def bounds_claims_section(title: str, claims: Sequence[Claim], intro: str = "", 
             for d in decisions]
     text = (f"## {title}\n\n" + (intro + "\n\n" if intro else "")
             + "These are hypotheses of this repository, not claims of the paper. "
-            + family_sentence(m, family_size(mine), alpha, "this section's rows" if family else "")
+            + family_sentence(m, family_size(mine), alpha, "this section's rows" if family else "",
+                              holm_floor(list(mine) + list(family)))
             + f" is one of six (docs/claims.md; for a hypothesis, reproduced means it holds): {VOCABULARY}.\n\n"
             + markdown_table(["claim (this repository)", "weighed against", "here", "p", "p (Holm)", "verdict"],
                              rows))

@@ -11,7 +11,7 @@ import pytest
 
 from hardeq_studies.claims import (
     BY_CONSTRUCTION, BY_DESIGN, NOT_AT_BUDGET, REFUTED, REPRODUCED, TIE, UNDECIDED, VERDICTS, Claim, claims_section,
-    decide, holm, smallest_wilcoxon_p,
+    decide, holm, holm_floor, smallest_wilcoxon_p,
 )
 from hardeq_studies.stats import paired_ttest, paired_wilcoxon, sign_flip_test
 
@@ -225,3 +225,46 @@ def test_sign_flip_test_against_enumeration_and_scipy():
         sign_flip_test([1.0, 2.0], [1.0])
     with pytest.raises(ValueError, match="n <= 20, got n = 21"):
         sign_flip_test([0.0] * 21, [1.0] * 21)
+
+
+def _wilcoxon_claim(n: int, worst_case: bool) -> Claim:
+    """A claim whose ``n`` pairs all go the paper's way (``worst_case``: the smallest p the test can give)."""
+    a = [1.0 + 0.01 * i for i in range(n)]
+    b = [x + (1.0 + 0.01 * i if worst_case else (-1) ** i * (1 + i)) for i, x in enumerate(a)]
+    return Claim("ours beats X", "paper", "here", test=paired_wilcoxon(a, b), differs="budget")
+
+
+def test_a_family_that_cannot_reject_says_so_and_whatever_the_data_rejects_nothing():
+    # 39 rank tests over 10 pairs: Holm's smallest attainable p is 39 * 2 / 2^10 = 0.076, so even 39 rows with every
+    # difference one way (each raw p at the floor) stay undecided, and each row says why
+    family = [_wilcoxon_claim(10, worst_case=True) for _ in range(39)]
+    assert holm_floor(family) == pytest.approx(39 * smallest_wilcoxon_p(10))
+    decisions = decide(family)
+    assert min(d.p_holm for d in decisions) == pytest.approx(holm_floor(family))
+    for d in decisions:
+        assert d.word == UNDECIDED
+        assert "no row of this study's family of 39 can reach a Holm p below 0.05" in d.verdict
+        assert "11 pairs per row" in d.verdict  # 39 * 2 / 2^11 = 0.038
+    text = claims_section(family[:1], family=family[1:])
+    assert "no row can be significant, whatever the data" in text and "0.076" in text
+    # 25 rows can: 25 * 2 / 2^10 = 0.049, and the same data are then reproduced, with the ordinary sentence
+    family = family[:25]
+    assert holm_floor(family) < 0.05
+    assert all(d.word == REPRODUCED for d in decide(family))
+    assert "no row can be significant" not in claims_section(family[:1], family=family[1:])
+    assert "the verdict reads the adjusted p" in claims_section(family[:1], family=family[1:])
+
+
+def test_the_floor_is_a_true_lower_bound_and_a_t_test_has_none():
+    rng = np.random.default_rng(3)
+    for _ in range(30):  # random pairs, ties included: no Holm p ever goes below the floor
+        n, m = int(rng.integers(6, 12)), int(rng.integers(1, 40))
+        family = [Claim("c", "p", "h", test=paired_wilcoxon(list(rng.integers(0, 4, n) * 1.0),
+                                                             list(rng.integers(0, 4, n) * 1.0)), differs="budget")
+                  for _ in range(m)]
+        family = [c for c in family if not math.isnan(c.p)]
+        if family:
+            assert min(holm([c.p for c in family])) >= holm_floor(family) * (1 - 1e-12)
+    t = Claim("c", "p", "h", test=paired_ttest([1.0, 2.0, 3.0], [2.0, 3.5, 4.2]), differs="budget")
+    assert holm_floor([t] * 50) == 0.0
+    assert math.isnan(holm_floor([Claim("c", "p", "h", construction="exact")]))
