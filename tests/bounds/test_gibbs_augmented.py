@@ -72,6 +72,28 @@ def test_augmented_gibbs_dense_rows_and_batch():
             assert stats.ks_2samp(z[:, b, i].numpy(), ref[:, b, i].numpy()).pvalue > 1e-4, (b, i)
 
 
+def test_the_split_of_a_float32_scale_tril_is_formed_from_its_factor_in_float64():
+    """A full covariance given by a float32 ``scale_tril`` with a small diagonal: its float32 product L L^T is
+    often indefinite (the split used to take it, floor the correlation's smallest eigenvalue at 0, and fail in
+    Cholesky), and even where it is not it holds Sigma only to float32. The split must reproduce L L^T of the
+    float32 L, computed in float64, to float64 round-off, for every one of 40 such factors."""
+    from hardeq.bounds.augment import augmentation
+    from hardeq.linalg.covariance import FullCovariance
+
+    indefinite = 0
+    for trial in range(40):
+        g = torch.Generator().manual_seed(trial)
+        L = (torch.tril(torch.randn(6, 6, generator=g, dtype=F), -1)
+             + torch.diag(1e-4 + 1e-3 * torch.rand(6, generator=g, dtype=F))).float()
+        indefinite += bool(torch.linalg.eigvalsh((L @ L.mT).double())[0] <= 0)
+        aug = augmentation(FullCovariance(L), torch.Size([]), 6)
+        sigma = L.double() @ L.double().mT
+        split = torch.diag_embed(aug.diag[0]) + aug.factor[0] @ aug.factor[0].mT
+        assert bool((aug.diag > 0).all()) and bool(torch.isfinite(aug.gain).all()), trial
+        assert float((split - sigma).abs().max()) <= 1e3 * torch.finfo(F).eps * float(sigma.abs().max()), trial
+    assert indefinite >= 5  # the case the test is about occurs
+
+
 # ---------------------------------------------------------------------------------------------- finding A
 def _thin():
     B = torch.tensor([[.5, .1, 0, .2], [.1, .4, .1, 0], [0, .1, .3, .1], [.2, 0, .1, .5]], dtype=F)

@@ -118,10 +118,12 @@ def augmentation(cov: Covariance, batch: torch.Size, n: int) -> Augmentation:
             diag = cov.diag_part().detach().to(_F64)  # type: ignore[union-attr]
             factor = cov.factor_part().detach().to(_F64)  # type: ignore[union-attr]
         else:
-            sigma = cov.dense().detach().to(_F64)
+            # formed in float64 from the structure's own factor (a float32 L L^T of an ill-conditioned L can lose
+            # definiteness); an eigenvalue at round-off is floored at n eps64, which moves Sigma by round-off only
+            sigma = cov.to(dtype=_F64).dense().detach()
             sd = sigma.diagonal(0, -2, -1).sqrt()
             corr = sigma / (sd.unsqueeze(-1) * sd.unsqueeze(-2))
-            lam_min = torch.linalg.eigvalsh(corr)[..., :1].clamp_min(0.0)
+            lam_min = torch.linalg.eigvalsh(corr)[..., :1].clamp_min(n * torch.finfo(_F64).eps)
             diag = 0.5 * lam_min * sd.square()
             evals, evecs = torch.linalg.eigh(sigma - torch.diag_embed(diag))
             factor = evecs * evals.clamp_min(0.0).sqrt().unsqueeze(-2)
