@@ -217,3 +217,73 @@ def test_the_refusals_bound_is_an_upper_bound_on_log_z(monkeypatch):
         bound = float(str(info.value).split("log Z <= ")[1].split(" ")[0])
         exact = 4 * exact_pairs_log_z(torch.float64, shift)
         assert exact <= bound < 0.0, (shift, exact, bound)
+
+
+def test_a_kernel_that_does_not_move_stops_the_levels_at_once():
+    """A kernel that returns its start: the population collapses onto copies of one draw and the levels stop
+    progressing. That is said after STALL_LEVELS levels without progress (StalledLevels, naming the element), not
+    after 1,000 levels that would each have taken log 4 off log Z (the levels creep while the estimate falls)."""
+    from hardeq.bounds.normaliser import STALL_LEVELS, StalledLevels
+
+    d, lo, hi = pairs_problem(3, torch.float64, 1.0)
+    calls = []
+
+    def frozen(lo_, hi_, start, steps):
+        calls.append(1)
+        return start
+
+    with pytest.raises(StalledLevels, match=r"batch element \(\) made no progress for 3 levels") as info:
+        subset_log_normaliser(d, lo, hi, frozen, num=64)
+    assert STALL_LEVELS == 3 and len(calls) < 20 and info.value.tau > 0
+    # a kernel that moves never trips it: the pairs problem's levels reach the box (test above)
+    log_z, _, levels = subset_log_normaliser(d, lo, hi, hmc_kernel(d, 2), num=200)
+    assert math.isfinite(float(log_z)) and int(levels) >= 2
+
+
+def test_a_gibbs_population_that_stalls_is_started_again_under_hmc(monkeypatch):
+    """Under a diagonal covariance the normaliser's kernel is blocked Gibbs; made to stall (a Gibbs that does not
+    move), subset simulation is started again under exact HMC and the estimate still matches the exact product of
+    lines."""
+    import hardeq.bounds.gibbs as gibbs_module
+
+    class Frozen:
+        def __init__(self, start):
+            self.samples = start[None]
+
+    monkeypatch.setattr(gibbs_module, "blocked_gibbs", lambda d, lo, hi, start, **kw: Frozen(start))
+    groups, shift = 6, 1.0
+    d, lo, hi = pairs_problem(groups, torch.float64, shift)
+    torch.manual_seed(1)
+    t = d.truncate(lo, hi)
+    exact = groups * exact_pairs_log_z(torch.float64, shift)
+    assert abs(float(t.log_normaliser) - exact) < 4 * float(t.log_normaliser_stderr) < 2.0
+
+
+def test_a_non_diagonal_covariance_takes_hmc_as_the_normalisers_kernel(monkeypatch):
+    """Augmented Gibbs mixes at the diagonal's share of the covariance, which a low-rank, block or full covariance
+    can make arbitrarily small; the normaliser's levels then creep while log Z falls. So only a diagonal covariance
+    gets Gibbs there, and the estimate of a low-rank one matches its exact value, which is the diagonal pairs
+    problem's when the factor lies in the row space of A (the law on the plane is then unchanged: the factor moves
+    only the rows' direction, which the constraint fixes)."""
+    from hardeq.distributions import truncated_normaliser as module
+
+    used = []
+    owner = module._NormaliserParts
+    original = owner._kernel
+
+    def spy(self, lo, hi, start, steps, method):
+        used.append(method)
+        return original(self, lo, hi, start, steps, method)
+
+    monkeypatch.setattr(owner, "_kernel", spy)
+    groups, shift = 4, 1.0
+    d0, lo, hi = pairs_problem(groups, torch.float64, shift)
+    # the factor 3 (1, ..., 1): the sum of A's rows, so it moves nothing on the plane
+    factor = torch.full((2 * groups, 1), 3.0, dtype=torch.float64)
+    d = hardeq.ConstrainedNormal(torch.zeros(2 * groups, dtype=torch.float64), 1.0, cov_factor=factor,
+                                 constraint=d0.constraint)
+    torch.manual_seed(2)
+    t = d.truncate(lo, hi)
+    exact = groups * exact_pairs_log_z(torch.float64, shift)
+    assert abs(float(t.log_normaliser) - exact) < 4 * float(t.log_normaliser_stderr) < 2.0
+    assert used and set(used) == {"hmc"}

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 __all__ = ["log_diff_ndtr", "null_direction", "line_bounds", "line_interval", "exact_log_normaliser",
            "mc_log_normaliser",
-           "surrogate", "subset_log_normaliser"]
+           "surrogate", "subset_log_normaliser", "StalledLevels"]
 
 
 def _log1mexp(x: Tensor) -> Tensor:
@@ -199,6 +199,19 @@ STDERR_INFLATION = 1.5
 #: the adaptive levels :func:`subset_log_normaliser` may take before it gives up (keep 1/4 per level: log Z down
 #: to about -1386)
 MAX_LEVELS = 1000
+#: consecutive levels without progress (the keep-quantile of the score not below the last level's) after which
+#: :func:`subset_log_normaliser` stops with :class:`StalledLevels`
+STALL_LEVELS = 3
+
+
+class StalledLevels(RuntimeError):
+    """Subset simulation made no progress for :data:`STALL_LEVELS` levels in a row: the kernel stopped moving the
+    population, which collapsed onto copies of one draw. ``element`` names the batch element, ``tau`` the widening
+    its levels were stuck at, ``bound`` the bound on its ``log Z`` they had reached."""
+
+    def __init__(self, message: str, element: tuple[int, ...], tau: float, bound: float) -> None:
+        super().__init__(message)
+        self.element, self.tau, self.bound = element, tau, bound
 
 Kernel = Callable[[Tensor, Tensor, Tensor, int], Tensor]
 
@@ -251,9 +264,15 @@ def subset_log_normaliser(dist: object, lower: Tensor, upper: Tensor, kernel: Ke
         keep (float): the fraction kept per level, in ``(0, 1)``.
         generator: for the resampling (the kernel has its own).
 
+    A level whose keep-quantile is not below the last level's made no progress: with a kernel that moves, at least
+    three quarters of the population would have to sit exactly on the last level's boundary, which has
+    probability 0. :data:`STALL_LEVELS` such levels in a row mean the kernel has stopped moving the population
+    (it collapsed onto copies of one draw), and the estimate stops there rather than running out of levels.
+
     Raises:
         RuntimeError: more than :data:`MAX_LEVELS` levels (``log Z`` below about ``MAX_LEVELS * log(keep)``,
             -1386 at ``keep = 0.25``), naming the batch element and the bound on its ``log Z`` reached.
+        StalledLevels: :data:`STALL_LEVELS` levels in a row without progress (a kernel that does not move).
 
     Examples:
         >>> from hardeq.bounds import exact_hmc, subset_log_normaliser
@@ -298,6 +317,7 @@ def subset_log_normaliser(dist: object, lower: Tensor, upper: Tensor, kernel: Ke
     done = torch.zeros(batch, dtype=torch.bool, device=lower.device)
     tau = torch.full(batch, math.inf, dtype=lower.dtype, device=lower.device)
     parent = torch.arange(num, device=lower.device).expand(max(1, batch.numel()), num)  # each draw's seed
+    stalled = torch.zeros(batch, dtype=torch.long, device=lower.device)   # consecutive levels without progress
     for _ in range(MAX_LEVELS):
         g = score(z)                                               # (num, *B)
         q = torch.quantile(g.to(torch.float64).flatten(1), keep, dim=0).reshape(batch).to(lower.dtype) \
@@ -317,10 +337,14 @@ def subset_log_normaliser(dist: object, lower: Tensor, upper: Tensor, kernel: Ke
         level_var = (sums.square().sum(1) / num ** 2).reshape(batch) / p.square()
         var = torch.where(done, var, var + level_var)
         levels = torch.where(done, levels, levels + 1)
+        stalled = torch.where(~done & (new_tau >= tau) & torch.isfinite(tau), stalled + 1, torch.zeros_like(stalled))
         done = done | (new_tau == 0)
         tau = new_tau
-        if bool(done.all()):
+        finished, stuck = torch.stack([done.all(), (stalled >= STALL_LEVELS).any()]).tolist()  # one host read
+        if finished:
             return log_z, inflation * var.sqrt(), levels
+        if stuck:
+            raise _stalled(stalled >= STALL_LEVELS, log_z, tau, batch)
         # refill: resample the kept draws of each batch element, then move them within B(tau)
         weights = inside.to(torch.float64).flatten(1).T if batch else inside.to(torch.float64)[None]
         idx = torch.multinomial(weights, num, replacement=True, generator=generator)  # (B_flat, num)
@@ -330,6 +354,18 @@ def subset_log_normaliser(dist: object, lower: Tensor, upper: Tensor, kernel: Ke
         seeds = torch.minimum(torch.maximum(seeds, level_lo), level_hi)
         z = kernel(level_lo, level_hi, seeds, iterations)
     raise RuntimeError(_unreached_message(done, log_z, tau, batch, keep))
+
+
+def _stalled(stuck: Tensor, log_z: Tensor, tau: Tensor, batch: torch.Size) -> StalledLevels:
+    """The :class:`StalledLevels` of the first stuck batch element."""
+    flat = int(stuck.reshape(-1).nonzero()[0])
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), batch)) if len(batch) else ()
+    bound, width = float(log_z.reshape(-1)[flat]), float(tau.reshape(-1)[flat])
+    return StalledLevels(
+        f"subset_log_normaliser: the levels of batch element {index} made no progress for {STALL_LEVELS} levels in a "
+        f"row, stuck at the box widened by {width:.3g} conditional standard deviations (log P(box | plane) <= "
+        f"{bound:.6g} so far): the kernel stopped moving the population, which collapsed onto copies of one draw. "
+        "Its estimate would say nothing; a kernel that mixes on this law is needed.", index, width, bound)
 
 
 def _unreached_message(done: Tensor, log_z: Tensor, tau: Tensor, batch: torch.Size, keep: float) -> str:
