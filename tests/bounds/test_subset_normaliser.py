@@ -259,12 +259,12 @@ def test_a_gibbs_population_that_stalls_is_started_again_under_hmc(monkeypatch):
     assert abs(float(t.log_normaliser) - exact) < 4 * float(t.log_normaliser_stderr) < 2.0
 
 
-def test_a_non_diagonal_covariance_takes_hmc_as_the_normalisers_kernel(monkeypatch):
-    """Augmented Gibbs mixes at the diagonal's share of the covariance, which a low-rank, block or full covariance
-    can make arbitrarily small; the normaliser's levels then creep while log Z falls. So only a diagonal covariance
-    gets Gibbs there, and the estimate of a low-rank one matches its exact value, which is the diagonal pairs
-    problem's when the factor lies in the row space of A (the law on the plane is then unchanged: the factor moves
-    only the rows' direction, which the constraint fixes)."""
+def test_a_full_covariance_takes_hmc_as_the_normalisers_kernel_and_low_rank_keeps_gibbs(monkeypatch):
+    """Augmented Gibbs mixes at the diagonal's share of the covariance; a full covariance's share is computed
+    (lambda_min(C) / 2 of its diagonal) and as small as its conditioning makes it, so a full covariance gets exact
+    HMC as the normaliser's kernel, while a low-rank one (its own diagonal) keeps Gibbs. Both estimates match the
+    exact value, which is the diagonal pairs problem's: the factor lies in the row space of A, so the law on the
+    plane is unchanged (the factor moves only the rows' direction, which the constraint fixes)."""
     from hardeq.distributions import truncated_normaliser as module
 
     used = []
@@ -278,12 +278,17 @@ def test_a_non_diagonal_covariance_takes_hmc_as_the_normalisers_kernel(monkeypat
     monkeypatch.setattr(owner, "_kernel", spy)
     groups, shift = 4, 1.0
     d0, lo, hi = pairs_problem(groups, torch.float64, shift)
-    # the factor 3 (1, ..., 1): the sum of A's rows, so it moves nothing on the plane
-    factor = torch.full((2 * groups, 1), 3.0, dtype=torch.float64)
-    d = hardeq.ConstrainedNormal(torch.zeros(2 * groups, dtype=torch.float64), 1.0, cov_factor=factor,
-                                 constraint=d0.constraint)
-    torch.manual_seed(2)
-    t = d.truncate(lo, hi)
+    n = 2 * groups
+    factor = torch.full((n, 1), 3.0, dtype=torch.float64)  # 3 (1, ..., 1): the sum of A's rows
+    zero = torch.zeros(n, dtype=torch.float64)
+    full = hardeq.ConstrainedNormal(zero, scale_tril=torch.linalg.cholesky(torch.eye(n, dtype=torch.float64)
+                                                                           + factor @ factor.T),
+                                    constraint=d0.constraint)
+    low_rank = hardeq.ConstrainedNormal(zero, 1.0, cov_factor=factor, constraint=d0.constraint)
     exact = groups * exact_pairs_log_z(torch.float64, shift)
-    assert abs(float(t.log_normaliser) - exact) < 4 * float(t.log_normaliser_stderr) < 2.0
-    assert used and set(used) == {"hmc"}
+    for d, kernel in ((full, "hmc"), (low_rank, "gibbs")):
+        used.clear()
+        torch.manual_seed(2)
+        t = d.truncate(lo, hi)
+        assert abs(float(t.log_normaliser) - exact) < 4 * float(t.log_normaliser_stderr) < 2.0, kernel
+        assert used and set(used) == {kernel}

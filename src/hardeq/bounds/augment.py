@@ -61,6 +61,13 @@ def _width(cov: Covariance) -> int:
     return cov.event_size if part is None else int(part.shape[-1])
 
 
+def split_is_structural(cov: Covariance) -> bool:
+    """True where the split's ``D`` is the structure's own diagonal (diagonal, low-rank, block-diagonal), False
+    where it is computed from a dense ``Sigma`` (a full covariance: ``D = lambda_min(C) / 2 diag(Sigma)``, which an
+    ill-conditioned ``Sigma`` makes arbitrarily small, and the chain with it). O(1)."""
+    return cov.is_diagonal or isinstance(cov, BlockDiagonalCovariance) or cov.diag_part() is not None
+
+
 def augmentation_unsupported(cov: Covariance) -> str | None:
     """Why :func:`augmentation` cannot split ``cov`` (a sentence), or ``None`` when it can (or when ``cov`` is
     diagonal and needs none). O(1)."""

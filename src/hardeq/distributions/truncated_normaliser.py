@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ..bounds.mode import ModeNotFound, truncated_mode
+from ..bounds.augment import split_is_structural
 from ..bounds.gibbs import gibbs_unsupported
 from ..bounds.normaliser import STDERR_INFLATION, StalledLevels, null_direction, subset_log_normaliser
 from ..bounds.rejection import ROUND_ELEMENTS
@@ -143,7 +144,7 @@ class _NormaliserParts:
             rare = acc * self.normaliser_samples < SUBSET_BELOW_IN_BOX
             if bool(rare.any()):
                 self._refuse_beyond_the_levels(rare)
-                gibbs = gibbs_unsupported(self.base) is None and self.base.covariance.is_diagonal
+                gibbs = gibbs_unsupported(self.base) is None and split_is_structural(self.base.covariance)
                 try:
                     log_s, se_s = self._subset("gibbs" if gibbs else "hmc")
                 except StalledLevels:
@@ -189,15 +190,18 @@ class _NormaliserParts:
     def _subset(self: _Truncated, method: str) -> tuple[Tensor, Tensor]:
         """``(log Z, stderr)`` by subset simulation with ``method``'s kernel (``"gibbs"`` or ``"hmc"``).
 
-        Blocked Gibbs is the kernel under a *diagonal* covariance, exact HMC under any other. Augmented Gibbs
-        mixes at a rate set by the diagonal's share of the covariance (the user's diagonal under a low-rank or
-        block covariance, ``lambda_min(C) / 2`` of it under a full one), which can be arbitrarily small, and a
-        slowly mixing kernel does worse here than widen the error: each level keeps the lowest quarter of a
-        population that barely moves, so the levels creep towards the box while ``log Z`` falls by ``log 4`` per
-        level. Measured on a full covariance (``cond(L)`` 1e5, 28 coordinates): Gibbs ran out of its 1,000 levels
-        ("below -1386"), HMC gave -20.7 +- 0.3 in 11 s; on a dominant low-rank factor (float32, 29 coordinates)
-        Gibbs stalled, HMC gave -47.2 +- 0.5. A Gibbs population that stalls
-        (:class:`~hardeq.bounds.normaliser.StalledLevels`) is started again under HMC."""
+        Blocked Gibbs is the kernel where the covariance's diagonal part is its own (diagonal, low-rank,
+        block-diagonal: :func:`~hardeq.bounds.augment.split_is_structural`), exact HMC under a full covariance.
+        Augmented Gibbs mixes at a rate set by the diagonal's share of the covariance, and a full covariance's
+        computed share, ``lambda_min(C) / 2``, is as small as its conditioning makes it; a slowly mixing kernel
+        does worse here than widen the error: each level keeps the lowest quarter of a population that barely
+        moves, so the levels creep towards the box while ``log Z`` falls by ``log 4`` per level. Measured on a
+        full covariance (``cond(L)`` 1e5, 28 coordinates): Gibbs ran out of its 1,000 levels ("below -1386"),
+        HMC gives -20.7 +- 0.3 in 11 s. A Gibbs population that stalls
+        (:class:`~hardeq.bounds.normaliser.StalledLevels`; measured on a dominant low-rank factor, float32, 29
+        coordinates) is started again under HMC (there -47.2 +- 0.5). Low-rank and block covariances keep Gibbs:
+        HMC took over 150 s per estimate on a 25-coordinate low-rank case that Gibbs estimates in about 10 s,
+        where Gibbs's own error is documented (docs/bounds.md)."""
         with torch.no_grad():
             # (one free dimension under Gibbs: every move an exact draw of the segment, no inflation)
             exact_moves = self.free_dim == 1 and method == "gibbs"
