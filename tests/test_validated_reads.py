@@ -224,3 +224,32 @@ def test_every_validated_method_reads_the_host_at_most_once():
             with count_calls() as count:
                 call(d, z, q)
             assert count.host_reads == reads, (name, dict(count.host_read_names))
+
+
+@pytest.mark.cpu_only(reason="the cases are built on the CPU")
+@pytest.mark.parametrize("kind", ["dense", "sum", "sparse"])
+def test_kl_between_two_fresh_distributions_on_one_operator_reads_nothing(kind):
+    """A training loop builds both sides of ``KL(q || p)`` each step, each with its own constraint object on the
+    same ``A`` (or group index) tensor: deciding that the two planes are parallel must not read the host (it did
+    for a ``SumConstraint``, whose ``torch.equal`` of the two indices ran even for the same tensor)."""
+    g = torch.Generator().manual_seed(3)
+    n, a = 40, 5
+    loc, scale, k = torch.randn(n, generator=g), 0.5 + torch.rand(n, generator=g), torch.randn(a, generator=g)
+    index = torch.arange(n) % a
+    A = torch.randn(a, n, generator=g)
+    sparse = (A * (torch.rand(a, n, generator=g) < 0.3) + torch.eye(a, n)).to_sparse_csr()
+    make = {"dense": lambda: hardeq.LinearConstraint(A, k, validate_args=False),
+            "sum": lambda: hardeq.SumConstraint(index, k, validate_args=False),
+            "sparse": lambda: hardeq.SparseConstraint(sparse, k, validate_args=False)}[kind]
+
+    def build(shift):
+        return hardeq.ConstrainedNormal(loc + shift, scale, constraint=make(), validate_args=False)
+
+    with forced("gpu"):
+        for _ in range(2):
+            torch.distributions.kl_divergence(build(0.0), build(1.0))
+        q, p = build(0.0), build(1.0)
+        with count_calls() as count:
+            kl = torch.distributions.kl_divergence(q, p)
+    assert count.host_reads == 0, dict(count.host_read_names)
+    assert bool(torch.isfinite(kl)) and float(kl) > 0
