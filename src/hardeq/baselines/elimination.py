@@ -132,15 +132,23 @@ _ELIMINATIONS: "weakref.WeakKeyDictionary[EqualityConstraint, tuple[Tensor, Tens
 
 def _elimination(constraint: EqualityConstraint, order: Tensor | None, n: int) -> tuple[Tensor, Tensor, Tensor]:
     """``(E, R0, dependent)`` of the Gaussian elimination of ``A`` (pivots from its entries); computed once per
-    constraint object when ``order`` is None and ``A`` needs no gradient."""
-    cached = _ELIMINATIONS.get(constraint) if order is None else None
+    operator tensor (:meth:`~hardeq.EqualityConstraint.operator_cache`: a new constraint on the same ``A``
+    each step reads the host only once, when the pivots are chosen), else once per constraint object, when
+    ``order`` is None and ``A`` needs no gradient."""
+    shared = constraint.operator_cache() if order is None else None
+    cached = None
+    if order is None:
+        cached = shared.get("elimination") if shared is not None else _ELIMINATIONS.get(constraint)
     if cached is not None:
         return cached
     A = constraint.dense_rows()  # Gaussian elimination chooses pivots from the entries of A
     dependent = greedy_pivots(A, _scan_order(order, n), shared=False, owner="constraint_layer")
     E, R0 = dependent_operator(A, dependent)
     if order is None and not A.requires_grad:
-        _ELIMINATIONS[constraint] = (E, R0, dependent)
+        if shared is not None:
+            shared["elimination"] = (E, R0, dependent)
+        else:
+            _ELIMINATIONS[constraint] = (E, R0, dependent)
     return E, R0, dependent
 
 

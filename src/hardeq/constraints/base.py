@@ -177,6 +177,13 @@ class EqualityConstraint(ABC):
         through :meth:`matvec`."""
         return self.matvec(X.movedim(-1, 0)).movedim(0, -1)
 
+    def operator_cache(self) -> dict[str, Any] | None:
+        """A dict for values derived from the operator ``A`` alone, shared by every constraint built on the same
+        unchanged operator tensor (a training loop builds a new constraint each step on the same ``A``), or
+        ``None`` where there is none (the default; an operator that requires grad). Callers key their entries by
+        name and fall back to computing per call on ``None``."""
+        return None
+
     def dense_rows(self) -> Tensor:
         r"""Materialises ``A``: a dense ``(*batch, a, n)`` tensor, for algorithms defined on the entries of the
         matrix (the dense baselines: elimination pivots, KKT layers built from a constraint). Costs ``a n``

@@ -251,6 +251,10 @@ class LinearConstraint(EqualityConstraint):
             self._derived = entry
         return self._derived
 
+    def operator_cache(self) -> dict[str, Any] | None:
+        """:meth:`derived` when this constraint's ``A`` is the tensor it was built on (not an expanded view)."""
+        return self.derived() if self.A is self._source and not self.A.requires_grad else None
+
     def abs_A(self) -> Tensor:
         """``|A|`` (elementwise), computed once per ``A`` tensor when it needs no gradient."""
         if self.A.requires_grad:

@@ -149,6 +149,10 @@ class SparseConstraint(_SparseOperator, EqualityConstraint):
     def operator_requires_grad(self) -> bool:
         return self._grad_A
 
+    def operator_cache(self) -> dict[str, Any] | None:
+        """The caches of this ``A`` tensor (shared by every constraint built on it), unless ``A`` requires grad."""
+        return None if self._grad_A else self._shared
+
     @property
     def sparse_matrix(self) -> Tensor:
         """``A`` as the CSR tensor ``(a, n)`` stored by this constraint (no copy)."""

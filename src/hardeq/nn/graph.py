@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from torch.distributions.utils import lazy_property
 
-from .._utils import LOG_2PI, is_tracing
+from .._utils import LOG_2PI, assert_deferred
 from ..constraints import SumConstraint
 from ..distributions.normal import HALF_DTYPES, ConstrainedNormal
 from ._device import DeviceCheckedModule
@@ -45,6 +45,10 @@ from .heads import check_bound, check_bounds, training_mode, truncate
 if TYPE_CHECKING:
     from ..bounds.training import PersistentChains
     from ..distributions.truncated import TruncatedConstrainedNormal
+
+#: the (deferred) error of a log-normaliser that is not finite
+NONFINITE_NORMALISER = ("variance must be positive and finite for log_prob and entropy, but the log-normaliser of a "
+                        "graph is not finite (a zero variance?).")
 
 __all__ = ["GraphGaussianHead", "GraphNormal", "graph_normal", "per_graph_log_prob", "variance_weighted_correction"]
 
@@ -144,10 +148,14 @@ class GraphNormal(ConstrainedNormal):
         v = self._node_variance
         n_g = self._graph_sum(torch.ones_like(v))
         out = -0.5 * ((n_g - 1) * LOG_2PI + self._graph_sum(v.log()) - self._graph_sum(v).log() + n_g.log())
-        if not is_tracing() and not bool(torch.isfinite(out).all()):
+
+        def named() -> ValueError:
             bad = (~torch.isfinite(out)).nonzero().flatten()[:4].tolist()
-            raise ValueError(f"variance must be positive and finite for log_prob and entropy, but the log-normaliser "
-                             f"of graph(s) {bad} is not finite (a zero variance?).")
+            return ValueError(f"variance must be positive and finite for log_prob and entropy, but the log-normaliser "
+                              f"of graph(s) {bad} is not finite (a zero variance?).")
+
+        # (no host read: on a GPU the error comes at the next synchronisation; a CPU raises it at once, named)
+        assert_deferred(torch.isfinite(out).all(), NONFINITE_NORMALISER, named)
         return out
 
     def log_prob(self, value: Tensor) -> Tensor:
