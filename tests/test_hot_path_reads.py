@@ -136,3 +136,45 @@ def test_a_graph_normal_with_a_zero_variance_still_names_the_graph():
             d = hn.GraphNormal(torch.zeros(4), variance, batch, torch.zeros(2), validate_args=False)
             with pytest.raises(ValueError, match=r"graph\(s\) \[0\]"):
                 d.entropy()
+
+
+def _covariance_case(form: str, kind: str) -> Callable[[], None]:
+    g = torch.Generator().manual_seed(13)
+    n, a, B = 30, 3, 2
+    loc, scale = torch.randn(B, n, generator=g), 0.3 + torch.rand(B, n, generator=g)
+    k = torch.randn(B, a, generator=g)
+    blocks = torch.arange(n) * 6 // n  # (6 covariance groups, each inside one of the 3 constraint groups below)
+    index = torch.arange(n) * a // n
+    factor = 0.4 * torch.randn(B, n, 2, generator=g)
+    tril = torch.tril(0.2 * torch.randn(B, n, n, generator=g), -1) + torch.diag_embed(scale)
+    A = torch.randn(a, n, generator=g)
+
+    def dist() -> hardeq.ConstrainedNormal:
+        con = (hardeq.SumConstraint(index, k, validate_args=False) if kind == "sum"
+               else hardeq.LinearConstraint(A, k, validate_args=False))
+        if form == "low-rank":
+            return hardeq.ConstrainedNormal(loc, scale, cov_factor=factor, constraint=con, validate_args=False)
+        if form == "full":
+            return hardeq.ConstrainedNormal(loc, scale_tril=tril, constraint=con, validate_args=False)
+        cov = hardeq.BlockDiagonalCovariance(blocks, factor, scale)
+        return hardeq.ConstrainedNormal(loc, covariance=cov, constraint=con, validate_args=False)
+
+    def step() -> None:
+        d = dist()
+        z = d.sample((3,))
+        d.log_prob(z)
+        torch.distributions.kl_divergence(d, dist())
+
+    return step
+
+
+@pytest.mark.cpu_only(reason="the cases are built on the CPU")
+@pytest.mark.parametrize("kind", ["sum", "dense"])
+@pytest.mark.parametrize("form", ["low-rank", "full", "block-diagonal"])
+def test_every_covariance_form_reads_nothing_per_step(form, kind):
+    """``sample``, ``log_prob`` and KL of a covariance built each step: a ``BlockDiagonalCovariance`` on the same
+    ``batch`` vector used to check its index (range, empty groups, layout) on every construction and on every
+    internal copy (up to 19 reads per ``sample``), and to test on the host whether its groups nest in a
+    ``SumConstraint``'s; both are now made once per index tensor (or pair of them)."""
+    reads, names = _reads(_covariance_case(form, kind))
+    assert reads == 0, names

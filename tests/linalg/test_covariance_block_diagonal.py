@@ -227,3 +227,26 @@ def test_never_forms_n_by_n():
     assert d.conditioner.method == "grouped"
     assert W.grad is not None and bool(torch.isfinite(W.grad).all())
     assert mode.largest <= 64 * n, f"a tensor of {mode.largest} entries (n = {n}, n^2 = {n * n})"
+
+
+@pytest.mark.parametrize("edit", ["in place", "through .data"])
+def test_an_edited_index_is_laid_out_again(edit):
+    """The layout of an index tensor is remembered while the tensor lives unchanged; an edit (which bumps its
+    version, or through ``.data``, which a content comparison sees on a CPU) gives the new groups, and a
+    constraint whose groups no longer contain the covariance's takes the general path (same law as dense)."""
+    index = torch.tensor([0, 0, 1, 1, 2, 2])
+    factor, scale = torch.ones(6, 1, dtype=torch.float64), torch.ones(6, dtype=torch.float64)
+    for _ in range(3):  # (laid out at the first two uses, then remembered)
+        cov = hardeq.BlockDiagonalCovariance(index, factor, scale)
+    assert cov.counts.tolist() == [2, 2, 2]
+    target = index if edit == "in place" else index.data
+    target[2] = 0
+    cov = hardeq.BlockDiagonalCovariance(index, factor, scale)
+    assert cov.counts.tolist() == [3, 1, 2]
+    expected = torch.ones(6, 6, dtype=torch.float64) * (index[:, None] == index[None, :]) + torch.eye(6)
+    torch.testing.assert_close(cov.dense(), expected)
+    total = hardeq.SumConstraint(torch.tensor([0, 0, 1, 1, 1, 1]), torch.tensor([1.0, 2.0], dtype=torch.float64))
+    d = hardeq.ConstrainedNormal(torch.zeros(6, dtype=torch.float64), covariance=cov, constraint=total)
+    reference = hardeq.ConstrainedNormal(torch.zeros(6, dtype=torch.float64), scale_tril=torch.linalg.cholesky(expected),
+                                         constraint=total)
+    torch.testing.assert_close(d.covariance_matrix, reference.covariance_matrix)

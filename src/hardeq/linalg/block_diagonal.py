@@ -20,17 +20,49 @@ keeps the O(n) grouped path: one pair registration (``"grouped"``) below.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor
 from torch.distributions import constraints
 
 from .._utils import check_group_index, check_same_dtype_device, check_tensor, is_tracing, stale_without_graph
 from ..constraints import SumConstraint, pairs
+from ..constraints._cache import PerTensorCache, no_host_reads
 from ..ops.group_sum import GroupSum
+from .device import profile
 from .covariance import (Covariance, _check_positive, _finite_verdict, _positive_verdict, low_rank_max_abs_sqrt,
                          register_trace_inv_mul)
 
 __all__ = ["BlockDiagonalCovariance"]
+
+#: per index tensor, ``{num_groups as given (None: the default): (num_groups, counts, GroupSum)}``: a training
+#: loop builds the covariance each step on the same ``batch`` vector, whose check and layout are made once
+_INDEX_LAYOUTS = PerTensorCache(snapshot_on_reuse=True)
+
+
+def _index_layout(index: Tensor, num_groups: int | None) -> tuple[int, Tensor, GroupSum]:
+    """``(G, counts, GroupSum)`` of a group-id vector, checked (values in ``[0, G)``, no empty group; ``G`` is
+    ``index.max() + 1`` unless given) the first times an index tensor is used and remembered while it lives
+    unchanged (the lookup compares its contents: on the host on a CPU, on the device and deferred where a read-back
+    synchronises, :mod:`hardeq.constraints._cache`). Under tracing: computed afresh."""
+    entries = None
+    if not is_tracing():
+        with no_host_reads(not profile(index.device).host_guards):
+            entries = _INDEX_LAYOUTS.get(index)
+        hit = None if entries is None else entries.get(num_groups)
+        if hit is not None:
+            return hit  # type: ignore[no-any-return]  # (the cache holds Any)
+    explicit = num_groups is not None
+    G = num_groups if num_groups is not None else (int(index.max()) + 1 if index.numel() else 0)
+    counts = check_group_index(index, G, "a = num_groups" if explicit else "a = index.max() + 1")
+    layout = (G, counts, GroupSum(index, G, counts))
+    if not is_tracing():
+        if entries is None:
+            entries = {}
+            _INDEX_LAYOUTS.put(index, entries)
+        entries[num_groups] = layout
+    return layout
 
 
 class BlockDiagonalCovariance(Covariance):
@@ -67,21 +99,21 @@ class BlockDiagonalCovariance(Covariance):
                              f"{n}, got {tuple(cov_factor.shape)} and {tuple(index.shape)}.")
         if index.device != scale.device:
             raise ValueError(f"index is on device {index.device} but scale is on {scale.device}.")
-        explicit = num_groups is not None
-        if num_groups is None:
-            num_groups = int(index.max()) + 1 if n else 0
-        self.counts = check_group_index(index, num_groups, "a = num_groups" if explicit else "a = index.max() + 1")
         try:
-            self.batch_shape = torch.broadcast_shapes(cov_factor.shape[:-2], scale.shape[:-1])
+            torch.broadcast_shapes(cov_factor.shape[:-2], scale.shape[:-1])
         except RuntimeError:
             raise ValueError(f"batch shapes of cov_factor {tuple(cov_factor.shape[:-2])} and scale "
                              f"{tuple(scale.shape[:-1])} do not broadcast.") from None
+        self._set(index, _index_layout(index, num_groups), cov_factor, scale)
+
+    def _set(self, index: Tensor, layout: tuple[int, Tensor, GroupSum], cov_factor: Tensor, scale: Tensor) -> None:
+        num_groups, self.counts, self._group_sum = layout
+        self.batch_shape = torch.broadcast_shapes(cov_factor.shape[:-2], scale.shape[:-1])
         self.index, self.num_groups = index, num_groups
         self.cov_factor, self.scale = cov_factor, scale
         self.rank = cov_factor.shape[-1]
-        self.event_size = n
-        self.noise_size = n + num_groups * self.rank
-        self._group_sum = GroupSum(index, num_groups)
+        self.event_size = scale.shape[-1]
+        self.noise_size = self.event_size + num_groups * self.rank
         self._cap_tril: Tensor | None = None
 
     # ------------------------------------------------------------------ identity
@@ -89,7 +121,12 @@ class BlockDiagonalCovariance(Covariance):
         return (self.cov_factor, self.scale)
 
     def with_tensors(self, *tensors: Tensor) -> "BlockDiagonalCovariance":
-        return BlockDiagonalCovariance(self.index.to(tensors[0].device), *tensors, num_groups=self.num_groups)
+        index = self.index.to(tensors[0].device)
+        if index is not self.index:
+            return BlockDiagonalCovariance(index, *tensors, num_groups=self.num_groups)
+        new = object.__new__(BlockDiagonalCovariance)  # (the same index: its checked layout, no second check)
+        new._set(index, (self.num_groups, self.counts, self._group_sum), *tensors)
+        return new
 
     def check_values(self) -> None:
         from .._utils import check_finite
@@ -193,6 +230,25 @@ def _trace_block_pair(p: BlockDiagonalCovariance, q: BlockDiagonalCovariance) ->
     return (p.inv_diagonal() * q.scale.square()).sum(-1) + (q.cov_factor * p.inv_matmul(q.cov_factor)).sum((-2, -1))
 
 
+#: the verdict of :func:`_groups_nest` per pair of group layouts (the covariance's, the constraint's), each made
+#: once per index tensor: a training loop pairs the same ``batch`` vector's constraint and covariance every step
+_NESTED: "weakref.WeakKeyDictionary[GroupSum, weakref.WeakKeyDictionary[GroupSum, bool]]" = weakref.WeakKeyDictionary()
+
+
+def _groups_nest(constraint: SumConstraint, covariance: BlockDiagonalCovariance) -> bool:
+    """Does every covariance group lie inside one constraint group? O(n) and one host read the first time a pair
+    of index tensors meets, then remembered with their layouts (which are remade when an index changes)."""
+    inner = _NESTED.setdefault(covariance._group_sum, weakref.WeakKeyDictionary())
+    verdict = inner.get(constraint._group_sum)
+    if verdict is None:
+        g, h = constraint.group_index, covariance.index.to(constraint.group_index.device)
+        G = covariance.num_groups
+        lo = torch.full((G,), g.numel(), dtype=g.dtype, device=g.device).scatter_reduce(0, h, g, "amin")
+        hi = torch.full((G,), -1, dtype=g.dtype, device=g.device).scatter_reduce(0, h, g, "amax")
+        verdict = inner[constraint._group_sum] = bool(torch.equal(lo, hi))
+    return verdict
+
+
 @pairs.register_pair("grouped", SumConstraint, BlockDiagonalCovariance)
 def _grouped_sum_block(constraint: SumConstraint, covariance: BlockDiagonalCovariance) -> pairs.Grouped | None:
     r"""Every covariance group inside one constraint group: :math:`\Sigma A^\top = \mathrm{diag}(w)A^\top` with
@@ -201,11 +257,7 @@ def _grouped_sum_block(constraint: SumConstraint, covariance: BlockDiagonalCovar
     groups."""
     if is_tracing():  # a data-dependent test: under torch.compile / torch.func the dense path is taken
         return None
-    g, h = constraint.group_index, covariance.index.to(constraint.group_index.device)
-    G = covariance.num_groups
-    lo = torch.full((G,), g.numel(), dtype=g.dtype, device=g.device).scatter_reduce(0, h, g, "amin")
-    hi = torch.full((G,), -1, dtype=g.dtype, device=g.device).scatter_reduce(0, h, g, "amax")
-    if not bool(torch.equal(lo, hi)):
+    if not _groups_nest(constraint, covariance):
         return None
     W = covariance.cov_factor
     sums = covariance._group_sum.matmul(W)  # (*, G, r)
