@@ -178,3 +178,39 @@ def test_every_covariance_form_reads_nothing_per_step(form, kind):
     ``SumConstraint``'s; both are now made once per index tensor (or pair of them)."""
     reads, names = _reads(_covariance_case(form, kind))
     assert reads == 0, names
+
+
+#: host reads per call of a ConstrainedPoisson built each step (GPU profile, validate_args=False): sampling reads
+#: its parameters' verdicts and its largest total once (integer totals are a precondition it always checks, and
+#: the largest decides the binomial chunks); expected_l1 and entropy sum a window of pmf terms whose length is data
+POISSON_READS = {"sample": 1, "rsample + backward": 1, "log_prob + backward": 0, "mean": 0,
+                 "expected_l2 + backward": 0, "expected_l1 + backward": 1, "entropy + backward": 2}
+
+
+@pytest.mark.cpu_only(reason="the cases are built on the CPU")
+@pytest.mark.parametrize("name", list(POISSON_READS))
+def test_poisson_paths_read_the_host_only_where_their_work_is_data(name):
+    """Each path used to check and lay out its group index again on every construction (13-40 reads per call);
+    the layout is now made once per index tensor and the sampler's checks are one batched read."""
+    g = torch.Generator().manual_seed(17)
+    n, a = 50, 5
+    index = torch.arange(n) % a
+    rate = (0.1 + torch.rand(4, n, generator=g)).requires_grad_()
+    total = torch.randint(0, 30, (4, a), generator=g).to(torch.float32)
+    y = torch.randint(0, 5, (4, n), generator=g).to(torch.float32)
+    z = hardeq.ConstrainedPoisson(rate, total, index=index).sample()
+
+    def dist() -> hardeq.ConstrainedPoisson:
+        return hardeq.ConstrainedPoisson(rate, total, index=index, validate_args=False)
+
+    calls: dict[str, Callable[[], Any]] = {
+        "sample": lambda: dist().sample((3,)),
+        "rsample + backward": lambda: dist().rsample((2,), estimator="marginal_expectation").sum().backward(),
+        "log_prob + backward": lambda: dist().log_prob(z).sum().backward(),
+        "mean": lambda: dist().mean,
+        "expected_l2 + backward": lambda: dist().expected_l2(y).sum().backward(),
+        "expected_l1 + backward": lambda: dist().expected_l1(y).sum().backward(),
+        "entropy + backward": lambda: dist().entropy().sum().backward(),
+    }
+    reads, names = _reads(calls[name])
+    assert reads == POISSON_READS[name], names

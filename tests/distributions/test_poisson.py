@@ -732,3 +732,20 @@ def test_method_argument_errors():
         d.expected_l2(torch.tensor([0.0, math.nan, 1.0]))
     with pytest.raises(ValueError, match="unknown estimator"):
         d.rsample(estimator="nope")
+
+
+def test_an_index_edited_in_place_is_laid_out_again():
+    """The split tree and the group sums of an index tensor are remembered while it lives at the same version; an
+    in-place edit (new groups) gives samples, means and probabilities of the new groups."""
+    index = torch.tensor([0, 0, 0, 1, 1, 1])
+    rate = torch.ones(6, dtype=torch.float64)
+    total = torch.tensor([6.0, 3.0], dtype=torch.float64)
+    for _ in range(3):  # (laid out at the first uses, then remembered)
+        d = ConstrainedPoisson(rate, total, index=index, validate_args=False)
+        d.sample((2,)), d.mean
+    index[2] = 1  # groups of 2 and 4 members
+    d = ConstrainedPoisson(rate, total, index=index, validate_args=False)
+    z = d.sample((50,))
+    torch.testing.assert_close(z[:, :2].sum(-1), torch.full((50,), 6.0, dtype=torch.float64))
+    torch.testing.assert_close(z[:, 2:].sum(-1), torch.full((50,), 3.0, dtype=torch.float64))
+    torch.testing.assert_close(d.mean, torch.tensor([3.0, 3.0, 0.75, 0.75, 0.75, 0.75], dtype=torch.float64))

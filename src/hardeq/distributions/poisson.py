@@ -2,6 +2,7 @@ r"""Independent Poissons conditioned on their (grouped) sums: products of multin
 
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import Any, NamedTuple, Self
 
@@ -9,11 +10,12 @@ import torch
 from torch import Tensor
 from torch.distributions import Binomial, Distribution, constraints
 
-from .._utils import check_finite, check_group_index
+from .._utils import assert_deferred, check_finite, check_group_index, is_tracing, validate_default
 from .._validation import not_a_tensor
 from ..constraints import EqualityConstraint, SumConstraint
+from ..constraints._cache import PerTensorCache, lookup_on_host, no_host_reads
 from ..estimators import poisson as _poisson_estimators  # noqa: F401  (registers the estimators)
-from ..ops import MAX_EXACT_COUNT, binomial_sample, gather, group_probs, group_sum, multinomial_log_pmf
+from ..ops import BINOMIAL_CHUNK, MAX_EXACT_COUNT, binomial_sample, gather, group_probs, group_sum, multinomial_log_pmf
 from ..estimators.registry import get_estimator
 from .poisson_losses import binomial_expected_l1, binomial_expected_l2
 from ..ops.binomial import _bd0, _stirlerr, binomial_log_pmf  # entropy: Loader's terms, no lgamma(k + 1) to cancel
@@ -178,13 +180,15 @@ class ConstrainedPoisson(Distribution):
         if total.device != rate.device:
             raise ValueError(f"total is on device {total.device} but rate is on {rate.device}.")
         exact = round(2 / torch.finfo(rate.dtype).eps)  # 2**24 in float32, 2**53 in float64, 2**11 in float16
-        if rate.dtype != torch.float64 and total.numel() and bool(((total > exact) & torch.isfinite(total)).any()):
-            raise ValueError(
-                f"total must be at most 2**{exact.bit_length() - 1} = {exact} when rate has dtype {rate.dtype} "
-                f"(larger counts are not exact integers in that dtype, so samples could not sum to the total), "
-                f"got {total.max().item():.6g}. Pass rate (and total) as torch.float64, which holds counts "
-                "exactly up to 2**53."
-            )
+        if rate.dtype != torch.float64 and total.numel():
+            too_large = ((total > exact) & torch.isfinite(total)).any()
+            message = (f"total must be at most 2**{exact.bit_length() - 1} = {exact} when rate has dtype {rate.dtype} "
+                       f"(larger counts are not exact integers in that dtype, so samples could not sum to the total)")
+            hint = ". Pass rate (and total) as torch.float64, which holds counts exactly up to 2**53."
+            # (on a device where a read-back synchronises: asserted there, deferred; a CPU raises it at once)
+            given = total
+            assert_deferred(~too_large, message + hint,
+                            lambda: ValueError(f"{message}, got {given.max().item():.6g}{hint}"))
         total = total.to(rate.dtype)
 
         if index is None:
@@ -199,7 +203,6 @@ class ConstrainedPoisson(Distribution):
                 )
             num_groups = total.shape[-1]
             total_batch = total.shape[:-1]
-            check_group_index(index, num_groups)
             group_total = total
         try:
             batch_shape = torch.broadcast_shapes(rate.shape[:-1], total_batch)
@@ -215,7 +218,7 @@ class ConstrainedPoisson(Distribution):
         self.rate = rate.expand(batch_shape + (n,))
         self.total = total.expand(batch_shape + total.shape[len(total_batch) :])
         self._group_total = group_total.expand(batch_shape + (num_groups,))  # shape: (*batch, a)
-        self._layout = _split_tree(index, n, num_groups, rate.device)
+        self._layout = _split_tree_of(index, n, num_groups, rate.device, validate_default(validate_args))
         super().__init__(batch_shape, torch.Size([n]), validate_args=validate_args)
         if self._validate_args:
             check_finite("rate", rate)
@@ -468,11 +471,12 @@ class ConstrainedPoisson(Distribution):
         rate = self._unbroadcasted_rate
         total = self._group_total
         bad_rate = ~(torch.isfinite(rate) & (rate > 0))
-        if bool(bad_rate.any()):
+        ok = torch.isfinite(total) & (total >= 0) & (total == torch.floor(total)) & (total <= MAX_EXACT_COUNT)
+        any_bad_rate, all_ok = torch.stack([bad_rate.any(), ok.all()]).tolist()  # (one host read for both)
+        if any_bad_rate:
             raise ValueError(f"entropy: rate must be positive and finite, got {rate[bad_rate].flatten()[:5].tolist()} "
                              "among its entries.")
-        ok = torch.isfinite(total) & (total >= 0) & (total == torch.floor(total)) & (total <= MAX_EXACT_COUNT)
-        if not bool(ok.all()):
+        if not all_ok:
             raise ValueError(f"entropy: total must hold non-negative integers up to 2**53, got "
                              f"{total[~ok].flatten()[:5].tolist()} among its entries (the pmf is 0 elsewhere).")
         p = group_probs(rate.to(torch.float64), self.index, self.num_groups)
@@ -549,7 +553,7 @@ class ConstrainedPoisson(Distribution):
         shape = sample_shape + batch + (n,)
         rate = self.rate.detach()
         total = self._group_total.detach()
-        _check_sampling_parameters(rate, total)
+        num_chunks = _check_sampling_parameters(rate, total)  # (the one host read of a sample)
         if S == 0 or B == 0:
             return torch.zeros(shape, dtype=self.rate.dtype, device=device)
         tree = self._layout
@@ -564,16 +568,26 @@ class ConstrainedPoisson(Distribution):
             parent, left, paired = tree.parent[level - 1], tree.is_left[level - 1], tree.paired[level - 1]
             at_parent = counts.index_select(-1, parent)  # shape: (S, B, M) for the M children
             ratio = (weights[level - 1] / weights[level].index_select(-1, parent)).clamp_(0.0, 1.0)
-            draw = binomial_sample(torch.where(paired, at_parent, 0.0), ratio)  # left children with a sibling
+            # left children with a sibling; no count exceeds the largest total, whose chunks are known
+            draw = binomial_sample(torch.where(paired, at_parent, 0.0), ratio, num_chunks=num_chunks)
             sibling = torch.nn.functional.pad(draw[..., :-1], (1, 0))  # a right child's left sibling's draw
             counts = torch.where(left, torch.where(paired, draw, at_parent), at_parent - sibling)
         out = counts.index_select(-1, tree.inverse_perm)
         return out.reshape(shape).to(self.rate.dtype)
 
 
-def _check_sampling_parameters(rate: Tensor, total: Tensor) -> None:
+def _check_sampling_parameters(rate: Tensor, total: Tensor) -> int:
     """Parameters the sampler cannot honour raise, whatever ``validate_args`` says (a total of 3.5 cannot be
-    met by integer counts; a non-positive rate has no multinomial)."""
+    met by integer counts; a non-positive rate has no multinomial). Returns the chunks of
+    :func:`~hardeq.ops.binomial_sample` the largest total needs. One host read (the verdicts and the largest
+    total together); more only to name what failed."""
+    rate_ok = (torch.isfinite(rate) & (rate > 0)).all()
+    total_ok = (torch.isfinite(total) & (total >= 0) & (total == torch.floor(total))).all()
+    largest = total.amax() if total.numel() else total.new_zeros(())
+    rate_good, total_good, top = torch.stack([rate_ok.to(torch.float64), total_ok.to(torch.float64),
+                                              largest.to(torch.float64)]).tolist()
+    if rate_good and total_good and top <= MAX_EXACT_COUNT:
+        return max(1, -(-int(top) // BINOMIAL_CHUNK))
     if not bool(torch.isfinite(rate).all() and (rate > 0).all()):
         bad = rate[~(torch.isfinite(rate) & (rate > 0))]
         raise ValueError(
@@ -592,6 +606,7 @@ def _check_sampling_parameters(rate: Tensor, total: Tensor) -> None:
             f"cannot sample: total must be at most 2**53 = {MAX_EXACT_COUNT} (the largest count float64 holds "
             f"exactly), got {total.max().item():.6g}."
         )
+    raise AssertionError("unreachable: a failed verdict above raises")  # pragma: no cover
 
 
 class _SplitTree(NamedTuple):
@@ -613,6 +628,40 @@ class _SplitTree(NamedTuple):
     parent: list[Tensor]
     is_left: list[Tensor]
     paired: list[Tensor]
+
+
+#: per index tensor, ``{num_groups: _SplitTree}``: a training loop builds the distribution each step on the same
+#: ``index``, whose check (values in range, no empty group) and tree are made once
+_TREES = PerTensorCache(snapshot_on_reuse=True)
+
+
+def _split_tree_of(index: Tensor | None, n: int, num_groups: int, device: torch.device, validate: bool) -> _SplitTree:
+    """The checked tree of ``index`` (:func:`check_group_index`, then :func:`_split_tree`), remembered per index
+    tensor while it lives unchanged (:mod:`hardeq.constraints._cache`: with validation the lookup compares the
+    contents, on the host on a CPU and on the device where a read-back synchronises; without, the version), and per
+    ``(n, device)`` without an index."""
+    if index is None:
+        return _single_group_tree(n, device)
+    if is_tracing():
+        check_group_index(index, num_groups)
+        return _split_tree(index, n, num_groups, device)
+    with no_host_reads(not lookup_on_host(validate, index.device)):
+        trees = _TREES.get(index, trust_version=not validate)
+    tree = None if trees is None else trees.get(num_groups)
+    if tree is None:
+        check_group_index(index, num_groups)
+        tree = _split_tree(index, n, num_groups, device)
+        if trees is None:
+            trees = {}
+            _TREES.put(index, trees)
+        trees[num_groups] = tree
+    return tree
+
+
+@functools.lru_cache(maxsize=16)
+def _single_group_tree(n: int, device: torch.device) -> _SplitTree:
+    """The tree of one group of ``n`` members (no ``index``)."""
+    return _split_tree(None, n, 1, device)
 
 
 def _split_tree(index: Tensor | None, n: int, num_groups: int, device: torch.device) -> _SplitTree:

@@ -128,7 +128,8 @@ BINOMIAL_CHUNK = 2**40
 MAX_EXACT_COUNT = 2**53
 
 
-def binomial_sample(count: Tensor, probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+def binomial_sample(count: Tensor, probs: Tensor, generator: torch.Generator | None = None, *,
+                    num_chunks: int | None = None) -> Tensor:
     r"""Exact draws :math:`Z \sim \mathrm{Bin}(k, p)`, broadcast over ``count`` and ``probs``, in float64.
 
     ``torch.binomial`` (inversion for :math:`k\min(p, 1-p) < 10`, BTRS rejection otherwise) is exact in
@@ -144,6 +145,8 @@ def binomial_sample(count: Tensor, probs: Tensor, generator: torch.Generator | N
         count (Tensor): :math:`k`, non-negative integers at most :math:`2^{53}` (float or integer dtype).
         probs (Tensor): :math:`p \in [0, 1]`.
         generator (torch.Generator, optional): the random stream.
+        num_chunks (int, optional): :math:`\lceil \max k / 2^{40}\rceil` (or more) when the caller knows a bound on
+            the counts; default: read from ``count`` (one host read).
 
     Returns:
         Tensor: float64, the broadcast shape; every entry an integer in ``[0, count]``.
@@ -154,7 +157,8 @@ def binomial_sample(count: Tensor, probs: Tensor, generator: torch.Generator | N
     count, probs = count.contiguous(), probs.contiguous()
     if count.numel() == 0:
         return torch.zeros_like(count)
-    num_chunks = int(-(-count.max().item() // BINOMIAL_CHUNK))
+    if num_chunks is None:
+        num_chunks = int(-(-count.max().item() // BINOMIAL_CHUNK))
     if num_chunks <= 1:
         return torch.binomial(count, probs, generator=generator)
     out = torch.binomial(count.clamp(max=BINOMIAL_CHUNK), probs, generator=generator)  # the first chunk

@@ -4,10 +4,16 @@ members (:func:`gather`) and per-group normalisation (:func:`group_probs`): the 
 
 from __future__ import annotations
 
+import functools
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
 from .._utils import is_tracing
+
+if TYPE_CHECKING:
+    from ..constraints._cache import PerTensorCache
 
 __all__ = ["GroupSum", "group_sum", "gather", "group_probs", "SUM_CHUNK"]
 
@@ -146,10 +152,36 @@ def _equal_block_size(index: Tensor, num_groups: int) -> int | None:
 
 
 def group_sum(x: Tensor, index: Tensor | None, num_groups: int = 1) -> Tensor:
-    r"""Per-group sums ``(*, n) -> (*, a)``; without ``index``, the sum over all coordinates, ``(*, 1)``."""
+    r"""Per-group sums ``(*, n) -> (*, a)``; without ``index``, the sum over all coordinates, ``(*, 1)``. The
+    :class:`GroupSum` of an index tensor (its layout: a few host reads) is made once while the tensor lives at the
+    same version (:func:`group_sum_of`)."""
     if index is None:
         return x.sum(-1, keepdim=True)
-    return GroupSum(index, num_groups)(x)
+    return group_sum_of(index, num_groups)(x)
+
+
+def group_sum_of(index: Tensor, num_groups: int) -> GroupSum:
+    """The :class:`GroupSum` of ``index`` with ``num_groups`` groups, remembered per index tensor and version (an
+    in-place change through the tensor lays it out again; see :mod:`hardeq.constraints._cache`, whose
+    unvalidated lookups trust the version the same way). Under tracing: made afresh."""
+    cache = _group_sums()
+    entries = cache.get(index, trust_version=True)
+    made = None if entries is None else entries.get(num_groups)
+    if made is None:
+        made = GroupSum(index, num_groups)
+        if entries is None:
+            entries = {}
+            cache.put(index, entries)
+        entries[num_groups] = made
+    return made
+
+
+@functools.cache
+def _group_sums() -> PerTensorCache:
+    """The cache of :func:`group_sum_of` (made at its first use: :mod:`hardeq.constraints` imports this module)."""
+    from ..constraints._cache import PerTensorCache  # (a leaf module, which imports nothing of ops)
+
+    return PerTensorCache()
 
 
 def gather(x: Tensor, index: Tensor | None) -> Tensor:
