@@ -73,10 +73,7 @@ class NullspaceFactor(Factor):
         batch = torch.broadcast_shapes(con.batch_shape, cov.batch_shape)
         if math.prod(batch) * n * (n - a) > max(4 * con.storage_numel, _MAX_ELEMS):
             return None
-        with torch.no_grad():
-            QA, R, N = con.orthonormal_decomposition()
-        pivots = R.diagonal(dim1=-2, dim2=-1).abs()
-        rank_deficient = (pivots <= 10 * torch.finfo(gd).eps * pivots.amax(-1, keepdim=True)).any(-1)
+        QA, R, N, rank_deficient = _decomposition(con)
         if not static and bool(rank_deficient.any()):
             return None
         scov = cov.to(dtype=gd).scaled(base.c.to(gd))
@@ -166,6 +163,24 @@ UNTRUSTED_MESSAGE = (
 def _assert_trusted(failed: Tensor) -> None:
     """Deferred: no batch element failed (raised at once on a CPU as :class:`~hardeq.NotPSDError`)."""
     assert_deferred(~failed.any(), UNTRUSTED_MESSAGE, lambda: NotPSDError(UNTRUSTED_MESSAGE))
+
+
+def _decomposition(constraint: "EqualityConstraint") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(Q_A, R, N, rank_deficient)``: the float64 complete QR of :math:`A^\top` and whether a pivot of ``R`` is
+    below :math:`10\varepsilon_{64}` times the largest (per batch element of ``A``), made once per operator tensor
+    (:meth:`~hardeq.EqualityConstraint.operator_cache`: O(n^2 a) and a few kernels that a training loop on one ``A``
+    would otherwise repeat every step), else per call."""
+    cache = constraint.operator_cache()
+    made = None if cache is None else cache.get("nullspace_qr")
+    if made is None:
+        with torch.no_grad():
+            QA, R, N = constraint.orthonormal_decomposition()
+            pivots = R.diagonal(dim1=-2, dim2=-1).abs()
+            rank_deficient = (pivots <= 10 * torch.finfo(R.dtype).eps * pivots.amax(-1, keepdim=True)).any(-1)
+        made = (QA, R, N, rank_deficient)
+        if cache is not None:
+            cache["nullspace_qr"] = made
+    return made
 
 
 def _operator_requires_grad(constraint: "EqualityConstraint") -> bool:
