@@ -201,6 +201,41 @@ def test_a_normaliser_beyond_the_levels_is_refused_at_once(monkeypatch):
         t.log_normaliser
 
 
+def test_a_normaliser_far_in_the_tail_warns_before_its_levels(monkeypatch):
+    """A box some 20 standard deviations from the mean on the plane (log Z below -200, at least 145 levels, within
+    what the levels resolve): a NumericalWarning names the element, the bound and the levels before subset
+    simulation starts; an element near the box does not warn."""
+    import hardeq.distributions.truncated_normaliser as module
+
+    class Started(Exception):
+        pass
+
+    def started(*args, **kwargs):
+        raise Started
+
+    monkeypatch.setattr(module, "subset_log_normaliser", started)
+    f64 = torch.float64
+    g = torch.Generator().manual_seed(3)
+    A = torch.randn(2, 6, generator=g, dtype=f64)
+    x = torch.full((6,), 0.5, dtype=f64)
+    loc = torch.stack([x, x + 4.0])  # element 0 near the box, element 1 about 20 standard deviations from it
+    d = hardeq.ConstrainedNormal(loc, 0.2, constraint=hardeq.LinearConstraint(A, A @ x))
+    t = d.truncate(torch.zeros(6, dtype=f64), torch.ones(6, dtype=f64))
+    with pytest.warns(hardeq.NumericalWarning, match=r"batch element \(1,\) is far in the tail.*at least \d+ levels"):
+        with pytest.raises(Started):
+            t.log_normaliser
+    near = hardeq.ConstrainedNormal(x, 0.2, constraint=hardeq.LinearConstraint(A, A @ x))
+    t = near.truncate(torch.zeros(6, dtype=f64), torch.ones(6, dtype=f64))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hardeq.NumericalWarning)
+        try:
+            t.log_normaliser
+        except Started:
+            pass
+
+
 def test_the_refusals_bound_is_an_upper_bound_on_log_z(monkeypatch):
     """The bound log Phi(-d) (the tail beyond the supporting hyperplane at the mode) against the exact normaliser
     of four independent pairs (each a line: its exact log Z), with the refusal forced (one level, no margin)."""
