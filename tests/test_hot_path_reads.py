@@ -12,6 +12,7 @@ log-normaliser checked its finiteness with ``bool(...)`` (1 read).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import pytest
@@ -214,3 +215,25 @@ def test_poisson_paths_read_the_host_only_where_their_work_is_data(name):
     }
     reads, names = _reads(calls[name])
     assert reads == POISSON_READS[name], names
+
+
+@pytest.mark.cpu_only(reason="the cases are built on the CPU")
+def test_the_vae_helpers_read_nothing_and_still_name_a_nan(monkeypatch):
+    """A constrained latent's KL to its prior and the importance-weighted bound read nothing per step (the bound's
+    NaN check read the host on every call); a NaN log-weight is still a ValueError on a CPU, whichever profile."""
+    monkeypatch.setattr(torch.distributions.Distribution, "_validate_args", False)  # (the layers' distributions)
+    torch.manual_seed(0)
+    plane = hardeq.SumConstraint(torch.tensor([0, 0, 0, 1, 1, 1]), torch.zeros(2), validate_args=False)
+    latent = hn.ConstrainedGaussianLatent(16, 6, plane)
+
+    def kl() -> None:
+        q = latent(S["features"])
+        torch.distributions.kl_divergence(q, latent.prior(q)).sum().backward()
+
+    for name, call in {"latent KL": kl, "importance_log_likelihood":
+                       lambda: hn.importance_log_likelihood(torch.randn(10, BATCH))}.items():
+        reads, names = _reads(call)
+        assert reads == 0, (name, names)
+    for kind in ("cpu", "gpu"):
+        with forced(kind), pytest.raises(ValueError, match="log_weights contains NaN"):
+            hn.importance_log_likelihood(torch.tensor([[0.0], [math.nan]]))

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributions import Distribution, Independent, Normal, kl_divergence
 
+from .._utils import assert_deferred
 from ..constraints import EqualityConstraint
 from ..distributions.normal import ConstrainedNormal
 from ._device import DeviceCheckedModule
@@ -296,7 +297,8 @@ def importance_log_likelihood(log_weights: Tensor, dim: int = 0) -> Tensor:
         raise TypeError("log_weights must be a floating-point tensor.")
     if log_weights.dim() == 0:
         raise ValueError("log_weights must have a sample dimension, got a scalar.")
-    if bool(torch.isnan(log_weights).any()):
-        raise ValueError("log_weights contains NaN.")
+    # (no host read: asserted on the device, raised at its next synchronisation; a CPU raises the ValueError at once)
+    assert_deferred(~torch.isnan(log_weights).any(), "log_weights contains NaN.",
+                    lambda: ValueError("log_weights contains NaN."))
     k = log_weights.shape[dim]
     return torch.logsumexp(log_weights, dim=dim) - math.log(k)
