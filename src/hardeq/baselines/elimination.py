@@ -98,7 +98,7 @@ def constraint_layer(y: Tensor, constraint: EqualityConstraint, order: Sequence[
 
     A grouped-sum constraint (one with a ``group_index``, e.g. :class:`~hardeq.SumConstraint`) takes an O(n)
     path: in each group the highest-ranked member becomes the group total minus the other members. Any other
-    constraint is materialised (``dense_rows()``, ``a x n``) and eliminated once per constraint object (O(a^2 n);
+    constraint is materialised (``dense_rows()``, ``a x n``) and eliminated once per ``A`` tensor (O(a^2 n);
     again on every call when ``A`` requires grad or an ``order`` is given).
 
     Args:
@@ -124,8 +124,8 @@ def constraint_layer(y: Tensor, constraint: EqualityConstraint, order: Sequence[
     return fill_dependent(y, constraint.k, *_elimination(constraint, order_t, n))
 
 
-#: eliminations of constraints whose matrix needs no gradient, per constraint object (and default order): the
-#: constrained_layer estimator calls the layer on every rsample of one distribution
+#: eliminations of constraints whose matrix needs no gradient and that have no operator cache, per constraint
+#: object (and default order): the constrained_layer estimator calls the layer on every rsample of one distribution
 _ELIMINATIONS: "weakref.WeakKeyDictionary[EqualityConstraint, tuple[Tensor, Tensor, Tensor]]" = \
     weakref.WeakKeyDictionary()
 
