@@ -10,8 +10,11 @@ from pathlib import Path
 
 
 def sleeper(seconds: float, folder: str, key: str) -> str:
-    """A unit that announces itself (``folder/KEY.pid`` holds its pid) and then works for ``seconds``."""
-    Path(folder, f"{key}.pid").write_text(str(os.getpid()))
+    """A unit that announces itself (``folder/KEY.pid`` holds its pid) and then works for ``seconds``. The file is
+    written under another name and renamed, so that it never exists empty (a reader that sees it reads the pid)."""
+    partial = Path(folder, f"{key}.pid.partial")
+    partial.write_text(str(os.getpid()))
+    partial.rename(Path(folder, f"{key}.pid"))
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         time.sleep(0.01)
