@@ -166,7 +166,7 @@ def _assert_trusted(failed: Tensor) -> None:
 
 
 def _decomposition(constraint: "EqualityConstraint") -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(Q_A, R, N, rank_deficient)``: the float64 complete QR of :math:`A^\top` and whether a pivot of ``R`` is
+    r"""``(Q_A, R, N, rank_deficient)``: the float64 complete QR of :math:`A^\top` and whether a pivot of ``R`` is
     below :math:`10\varepsilon_{64}` times the largest (per batch element of ``A``), made once per operator tensor
     (:meth:`~hardeq.EqualityConstraint.operator_cache`: O(n^2 a) and a few kernels that a training loop on one ``A``
     would otherwise repeat every step), else per call."""
