@@ -622,24 +622,36 @@ def test_fid_verdicts_of_the_committed_runs_read_their_evidence():
     mean anything (the CIFAR-10 run), or a bootstrap whose smallest p, Holm-adjusted over the tested claims,
     cannot reach the level (the same MNIST JSON with 100 replicates). With 2,000 replicates, 3 seeds and a
     10,000-image reference (the MNIST run) they are decided: the sampled DDPM last step's worse FID *differs by
-    design* (its beta_0 noise; the deterministic row, which leaves it out, costs a fraction of it), the DDIM rows
-    are *not reproduced at this budget* (the protocol differs), never *refuted*; the deterministic row is a tested
-    claim of its own (a paired t-test over the seeds' FIDs beside the exact sign-flip test: this JSON has no
-    bootstrap of that pair)."""
+    design* (its beta_0 noise; the deterministic row, which leaves it out, costs a fraction of it), and so does the
+    same step saved through `to_uint8_exact`; the deterministic row and the DDIM rows are *not reproduced at this
+    budget* (the protocol differs; the deterministic row's reason leaves out the step noise it does not have), never
+    *refuted*. The deterministic row is a tested claim of its own: its paired bootstrap where the run recorded one,
+    else a paired t-test over the seeds' FIDs beside the exact sign-flip test."""
+    import copy
+
     from hardeq_studies.claims import decide
     from hardeq_studies.diffusion.report import claims
+    from hardeq_studies.diffusion.verdicts import DET_DDPM
 
     def fid_verdicts(doc):
         return [d.verdict for d in decide(claims(doc)) if d.claim.extra.get("context")]
 
     mnist = _committed("diffusion.json")
     verdicts = fid_verdicts(mnist)
-    assert len(verdicts) == 3
-    assert verdicts[0].startswith("differs by design: the conditioned last step samples N(x0_hat, beta_0 = 0.0001 I)")
-    assert "scores FID 28.78 against DDPM's 28.58 (+0.2), the sampled one 47 (+18.4)" in verdicts[0]
-    assert all(v.startswith("not reproduced at this budget (paired bootstrap") for v in verdicts[1:])
-    assert all("one 0.27 M-parameter U-Net trained 2,000 steps on MNIST" in v for v in verdicts[1:])
-    det = next(d for d in decide(claims(mnist))
+    assert len(verdicts) == 5
+    sampled, deterministic, exact_u8, *ddim = verdicts
+    noise = "differs by design: the conditioned last step samples N(x0_hat, beta_0 = 0.0001 I)"
+    assert sampled.startswith(noise) and exact_u8.startswith(noise)
+    assert "scores FID 28.78 against DDPM's 28.58 (+0.2), the sampled one 47 (+18.4)" in sampled
+    assert "the sampled one 39.26 (+10.7)" in exact_u8
+    assert all(v.startswith("not reproduced at this budget (paired bootstrap") for v in [deterministic, *ddim])
+    assert all("one 0.27 M-parameter U-Net trained 2,000 steps on MNIST" in v for v in [deterministic, *ddim])
+    assert "extra noise" not in deterministic and all("whose extra noise can raise FID" in v for v in ddim)
+    # without a bootstrap of the deterministic pair: a paired t-test over the noise seeds and the exact sign flip
+    seeds_only = copy.deepcopy(mnist)
+    seeds_only["significance"] = [r for r in mnist["significance"] if not (
+        r["table"] == "3" and r["metric"] == "fid" and r["b"] == "DDPM" and r["a"] in ("DDPM + projection", DET_DDPM))]
+    det = next(d for d in decide(claims(seeds_only))
                if d.claim.claim.startswith("DDPM + ours (last step, deterministic): FID"))
     assert det.claim.test["name"] == "paired t over noise seeds" and det.claim.exact_test["p"] == pytest.approx(0.25)
     assert det.verdict.startswith("undecided (paired t over noise seeds, n = 3")
@@ -649,11 +661,11 @@ def test_fid_verdicts_of_the_committed_runs_read_their_evidence():
     assert fid_verdicts(mnist)[0].startswith("not reproduced at this budget")
     proj["mean"] -= 10.0
     mnist["model"]["train_steps"] = 40_000  # the protocol's description is the run's own, not a fixed text
-    assert all("trained 40,000 steps on MNIST" in v for v in fid_verdicts(mnist)[1:])
+    assert all("trained 40,000 steps on MNIST" in v for v in fid_verdicts(mnist)[3:])
     for r in mnist["significance"]:
         r["replicates"] = 100
     mnist["config"]["settings"]["fid"]["bootstrap"] = 100
-    assert all("Holm over 4 tested claims cannot bring that floor below 0.05" in v for v in fid_verdicts(mnist))
+    assert all("Holm over 5 tested claims cannot bring that floor below 0.05" in v for v in fid_verdicts(mnist))
     cifar = _committed("diffusion-cifar10/diffusion.json")
     verdicts = fid_verdicts(cifar)
     assert verdicts and all("the denoiser is too weak for FID differences to mean anything" in v for v in verdicts)
