@@ -11,6 +11,7 @@ import torch
 
 import hardeq
 from hardeq.constraints._cache import no_host_reads
+from hardeq.constraints.linear import _DERIVED
 from hardeq.constraints.sparse import _PREPARED
 from hardeq.constraints.sum import _LAYOUTS
 from hardeq.linalg.device import forced
@@ -71,13 +72,36 @@ def test_an_unvalidated_sparse_constraint_sees_in_place_edits_of_A_and_not_edits
         torch.testing.assert_close(checked.matvec(z), 6 * dense @ z)
 
 
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_an_unvalidated_dense_constraint_sees_in_place_edits_of_A_and_not_edits_through_data(profile):
+    g = torch.Generator().manual_seed(5)
+    A, k = torch.randn(3, 8, generator=g, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+    original = A.clone()
+    with forced(profile):
+        first = hardeq.LinearConstraint(A, k, validate_args=False)
+        assert hardeq.LinearConstraint(A, k, validate_args=False).derived() is first.derived()  # a hit
+        A.mul_(2)  # in place: bumps A._version, seen
+        second = hardeq.LinearConstraint(A, k, validate_args=False)
+        assert second.derived() is not first.derived()
+        torch.testing.assert_close(second.abs_A(), 2 * original.abs())
+        A.data.mul_(3)  # through .data: no version bump, not seen unvalidated (|A| is the stale one)
+        stale = hardeq.LinearConstraint(A, k, validate_args=False)
+        assert stale.derived() is second.derived()
+        torch.testing.assert_close(stale.abs_A(), 2 * original.abs())
+        checked = hardeq.LinearConstraint(A, k, validate_args=True)  # validated: compared, the edit is seen
+        assert checked.derived() is not second.derived()
+        torch.testing.assert_close(checked.abs_A(), 6 * original.abs())
+
+
 def test_a_trusted_hit_costs_no_aten_call_and_a_compared_one_does():
     index = RAGGED.clone()
     _sum(index, False)
     _sum(index, False)
     A = _sparse_A()
     hardeq.SparseConstraint(A, torch.ones(3, dtype=torch.float64), validate_args=False)
-    for cache, tensor in ((_LAYOUTS, index), (_PREPARED, A)):
+    dense = torch.randn(3, 8, dtype=torch.float64)
+    hardeq.LinearConstraint(dense, torch.ones(3, dtype=torch.float64), validate_args=False).derived()
+    for cache, tensor in ((_LAYOUTS, index), (_PREPARED, A), (_DERIVED, dense)):
         with count_calls() as trusted:
             assert cache.get(tensor, trust_version=True) is not None
         with no_host_reads(), count_calls() as compared:

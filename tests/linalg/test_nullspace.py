@@ -306,3 +306,79 @@ def test_static_build_defers_an_error_where_the_checked_form_falls_back(monkeypa
     with forced("gpu"), pytest.raises(NotPSDError, match=r"null-space form .* cannot be trusted"):
         con = hardeq.LinearConstraint(A, k, validate_args=False)
         hardeq.ConstrainedNormal(loc, scale, constraint=con, validate_args=False).sample()
+
+
+def _static_near_square(scale, A, k, loc):
+    con = hardeq.LinearConstraint(A, k, validate_args=False)
+    return hardeq.ConstrainedNormal(loc, scale, constraint=con, validate_args=False)
+
+
+def test_a_static_form_makes_its_base_factor_only_for_a_kl_and_once():
+    """The static null-space form samples, and gives the density, entropy and moments, without its base factor of S
+    (O(a^2 n), about a dozen kernels); a KL makes it on first use, once, and equals the checked conditioner's (which
+    built its own eagerly)."""
+    from hardeq.linalg.conditioning.factor import DeferredFactor
+    from hardeq.linalg.device import forced
+    from hardeq.testing import count_calls
+
+    g = torch.Generator().manual_seed(8)
+    B, n, a = 4, 40, 30
+    A, k = torch.randn(a, n, generator=g, dtype=torch.float64), torch.randn(B, a, generator=g, dtype=torch.float64)
+    scale, loc = torch.rand(B, n, generator=g, dtype=torch.float64) + 0.5, torch.randn(B, n, generator=g,
+                                                                                         dtype=torch.float64)
+    checked = hardeq.ConstrainedNormal(loc, scale, constraint=hardeq.LinearConstraint(A, k))
+    other = hardeq.ConstrainedNormal(loc.flip(-1), scale.flip(-1), constraint=hardeq.LinearConstraint(A, k))
+    z = checked.sample((6,))
+    with forced("gpu"):
+        _static_near_square(scale, A, k, loc).sample()  # (the decomposition of A is cached at first use)
+        d = _static_near_square(scale, A, k, loc)
+        factor = d.conditioner.factor
+        assert factor.name == "nullspace" and isinstance(factor._base, DeferredFactor)
+        with count_calls() as count:
+            zs = d.sample((6,))
+        lp, entropy, variance = d.log_prob(z), d.entropy(), d.variance
+        assert not factor._base.made and count.by_name["linalg_cholesky_ex"] == 0
+        assert rel_residual(A, k, zs) <= TOL[torch.float64]
+        kl = torch.distributions.kl_divergence(d, other)
+        assert factor._base.made
+        made = factor.base
+        torch.testing.assert_close(torch.distributions.kl_divergence(d, other), kl)
+        assert factor.base is made
+    tol = dict(rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(kl, torch.distributions.kl_divergence(checked, other), **tol)
+    torch.testing.assert_close(lp, checked.log_prob(z), **tol)
+    torch.testing.assert_close(entropy, checked.entropy(), **tol)
+    torch.testing.assert_close(variance, checked.variance, **tol)
+
+
+@pytest.mark.parametrize("built_with_grad", [True, False])
+def test_the_deferred_base_factor_keeps_the_grad_mode_of_the_construction(built_with_grad):
+    """Made later, the base factor is the one an eager construction would have made: with a graph to the scales
+    when the conditioner was built with gradients on (even if the KL that makes it runs under ``no_grad``), without
+    one when it was built under ``no_grad``; the KL's gradient matches the checked form's."""
+    from hardeq.linalg.conditioning.factor import DeferredFactor
+    from hardeq.linalg.device import forced
+
+    g = torch.Generator().manual_seed(9)
+    n, a = 12, 9
+    A, k = torch.randn(a, n, generator=g, dtype=torch.float64), torch.randn(a, generator=g, dtype=torch.float64)
+    scale = (torch.rand(n, generator=g, dtype=torch.float64) + 0.5).requires_grad_()
+    loc = torch.randn(n, generator=g, dtype=torch.float64)
+    other = hardeq.ConstrainedNormal(loc.flip(-1), scale.detach().flip(-1), constraint=hardeq.LinearConstraint(A, k))
+    with torch.set_grad_enabled(built_with_grad):
+        conditioner = Conditioner(DiagonalCovariance(scale), hardeq.LinearConstraint(A, k, validate_args=False),
+                                  static=True)
+    assert conditioner.method == "nullspace"
+    with torch.no_grad():
+        conditioner.logdet()  # (the base factor is made here, under no_grad)
+    assert conditioner.factor.base.L.requires_grad == built_with_grad
+    if built_with_grad:  # (a distribution builds its conditioner with gradients on where a parameter needs them)
+        with forced("gpu"):
+            d = _static_near_square(scale, A, k, loc)
+            assert isinstance(d.conditioner.factor._base, DeferredFactor)
+            with torch.no_grad():
+                torch.distributions.kl_divergence(d, other)
+            (grad,) = torch.autograd.grad(torch.distributions.kl_divergence(d, other), scale)
+        checked = hardeq.ConstrainedNormal(loc, scale, constraint=hardeq.LinearConstraint(A, k))
+        (expected,) = torch.autograd.grad(torch.distributions.kl_divergence(checked, other), scale)
+        torch.testing.assert_close(grad, expected, rtol=1e-8, atol=1e-10)

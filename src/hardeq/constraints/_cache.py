@@ -23,11 +23,13 @@ returns the entry and checks the contents on the device, deferred (``torch._asse
 once; on a GPU at the next synchronisation). An edit through ``.data`` of a cached tensor then raises instead of
 being recomputed around: build the constraint from a new tensor after editing one in place that way.
 
-**Unvalidated constructors** (``validate_args=False``) of :class:`~hardeq.SparseConstraint` (its converted layouts)
-and :class:`~hardeq.SumConstraint` (its group index's layout) look up with ``trust_version``: the same live tensor at
-the same ``_version`` is a hit, with no comparison at all (no kernel, no host read, on any device). Seen: every
-in-place operation on the tensor or on a view of it through autograd's version counter (``index[4] = 2``,
-``A.values().mul_(2)``, ``index.copy_(...)``), which bumps ``_version``: the entry is recomputed. Not seen: an edit
+**Unvalidated constructors** (``validate_args=False``) of :class:`~hardeq.SparseConstraint` (its converted
+layouts), :class:`~hardeq.SumConstraint` (its group index's layout) and :class:`~hardeq.LinearConstraint` (the
+constants derived from a dense ``A``: its float64 copy, QR, row pairs, ``|A|``) look up with ``trust_version``:
+the same live tensor at the same ``_version`` is a hit, with no comparison at all (no kernel, no host read, on any
+device). Seen: every in-place operation on the tensor or on a view of it through autograd's version counter
+(``index[4] = 2``, ``A.values().mul_(2)``, ``index.copy_(...)``), which bumps ``_version``: the entry is recomputed.
+Not seen: an edit
 through ``.data``, through ``torch.no_grad()`` writes on ``.data``, or by code that writes the storage without
 bumping the counter (another tensor sharing it through ``set_``, DLPack / NumPy views, a custom kernel); the stale
 layout is then used. Build the constraint from a new tensor after such an edit, or construct it with

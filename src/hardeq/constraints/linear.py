@@ -241,10 +241,12 @@ class LinearConstraint(EqualityConstraint):
 
     def derived(self) -> dict[str, Any] | None:
         """The constants derived from ``A`` alone, shared by every constraint built on the same unchanged ``A``
-        tensor (one lookup per instance, whose cost is one comparison of ``A`` with its snapshot); ``None`` when
-        ``A`` requires grad or under tracing (then nothing is cached)."""
+        tensor (one lookup per instance, whose cost is one comparison of ``A`` with its snapshot; an unvalidated
+        constraint trusts ``A``'s version counter instead, as a ``SumConstraint`` trusts its index's: no comparison,
+        see :mod:`hardeq.constraints._cache`); ``None`` when ``A`` requires grad or under tracing (then nothing is
+        cached)."""
         if self._derived is None and not self._source.requires_grad:
-            entry = _DERIVED.get(self._source)
+            entry = _DERIVED.get(self._source, trust_version=not getattr(self, "_validate_args", True))
             if entry is None:
                 entry = {}
                 _DERIVED.put(self._source, entry)

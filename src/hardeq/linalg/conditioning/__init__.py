@@ -55,6 +55,7 @@ Matheron step in place when no gradient is needed.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -63,7 +64,7 @@ from torch import Tensor
 from ..._utils import is_tracing
 from ...errors import NotPSDError
 from .cholesky import CholeskyFactor
-from .factor import Factor
+from .factor import DeferredFactor, Factor
 from .grouped import GroupedFactor
 from .nullspace import NullspaceFactor, _operator_requires_grad
 from .qr import QRFactor
@@ -214,18 +215,27 @@ class Conditioner:
 
     # ================================================================== choosing
     def _next_factor(self, wrap_nullspace: bool = False) -> Factor:
-        """The factor of the next applicable step of the plan after :attr:`stage` (the null-space form around the
-        first one); advances :attr:`stage`. A grouped factor, when it applies, ends the plan."""
-        for stage in range(self.stage + 1, len(self.plan)):
+        """The factor of the next applicable step of the plan after :attr:`stage` (see :meth:`_factor_from`)."""
+        return self._factor_from(self.stage + 1, wrap_nullspace)
+
+    def _factor_from(self, start: int, wrap_nullspace: bool = False) -> Factor:
+        """The factor of the first applicable step of the plan from ``start`` on (with ``wrap_nullspace``, the
+        null-space form around it where that form applies); sets :attr:`stage` to its step (never back). A grouped
+        factor, when it applies, ends the plan."""
+        for stage in range(start, len(self.plan)):
             step = self.plan[stage]
+            if wrap_nullspace and step[0] == "cholesky":
+                # the null-space form needs no factor of S (O(a^2 n), a dozen kernels) but for a KL: the first that
+                # applies from here on, made when asked for
+                deferred = DeferredFactor(partial(self._factor_from, stage), self.cov, self.constraint, self.c)
+                self.stage = stage
+                return NullspaceFactor.build(deferred, static=self.static) or deferred.get()
             factor = build_factor(step, self.cov, self.constraint, self.c, static=self.static)
             if factor is None:
                 continue
-            self.stage = stage
+            self.stage = max(self.stage, stage)
             if step[0] == "grouped":
                 self.plan, self.stage = (step,), 0
-            elif wrap_nullspace:
-                factor = NullspaceFactor.build(factor, static=self.static) or factor
             return factor
         raise NotPSDError(
             f"no factorisation of A Sigma A^T meets A z = k to round-off in {self.dtype} "

@@ -22,6 +22,7 @@ Factors never check residuals and never choose each other: :class:`~hardeq.linal
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from ...constraints.base import EqualityConstraint
     from ..covariance import Covariance
 
-__all__ = ["Factor", "check_pivots"]
+__all__ = ["DeferredFactor", "Factor", "check_pivots"]
 
 
 class Factor(ABC):
@@ -134,6 +135,43 @@ class Factor(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(n={self.cov.event_size}, a={self.constraint.num_constraints})"
+
+
+class DeferredFactor:
+    """A factor made on first use (:meth:`get`), for a wrapper that may never need it: the null-space form samples
+    without its base factor, which only the density and the KL ask for. It carries what the wrapper reads before
+    then (``cov``, ``constraint``, ``c``, ``dtype``, ``nullspace_pays``), and makes the factor under the gradient
+    and inference modes of its own creation, so that the factor is the one an eager construction would have made
+    (with a graph where the construction had one) whenever it is first asked for.
+
+    Args:
+        make: builds the factor (called once).
+        cov, constraint, c: as :class:`Factor`'s.
+        nullspace_pays: the made factor's :attr:`Factor.nullspace_pays`.
+    """
+
+    def __init__(self, make: Callable[[], Factor], cov: "Covariance", constraint: "EqualityConstraint", c: Tensor,
+                 *, nullspace_pays: bool = True) -> None:
+        self.cov, self.constraint, self.c, self.dtype = cov, constraint, c, constraint.dtype
+        self.nullspace_pays = nullspace_pays
+        self._make: Callable[[], Factor] | None = make
+        self._made: Factor | None = None
+        self._modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+
+    @property
+    def made(self) -> bool:
+        """Whether :meth:`get` has made the factor."""
+        return self._made is not None
+
+    def get(self) -> Factor:
+        """The factor, made on the first call (under the modes of this object's creation) and kept."""
+        if self._made is None:
+            assert self._make is not None  # (set until the factor is made)
+            grad, inference = self._modes
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                self._made = self._make()
+            self._make = None
+        return self._made
 
 
 def check_pivots(pivots: Tensor, tol: Tensor | float) -> None:

@@ -35,7 +35,7 @@ from torch import Tensor
 from ..._utils import assert_deferred, batch_mv
 from ...errors import NotPSDError
 from ..triangular import tri_solve_vec
-from .factor import Factor
+from .factor import DeferredFactor, Factor
 
 if TYPE_CHECKING:
     from ...constraints.base import EqualityConstraint
@@ -52,19 +52,27 @@ class NullspaceFactor(Factor):
 
     name = "nullspace"
 
-    def __init__(self, base: Factor, QA: Tensor, R: Tensor, V: Tensor, U: Tensor, zp: Tensor, LM: Tensor) -> None:
+    def __init__(self, base: Factor | DeferredFactor, QA: Tensor, R: Tensor, V: Tensor, U: Tensor, zp: Tensor,
+                 LM: Tensor) -> None:
         super().__init__(base.cov, base.constraint, base.c)
-        self.base = base
+        self._base = base
         self.QA, self.R, self.V, self.U, self.zp = QA, R, V, U, zp
         self.LM = LM  # Cholesky factor of M' = N^T Sigma'^-1 N, (*batch, p, p), float64
 
+    @property
+    def base(self) -> Factor:
+        """The factor of :math:`S` under this form (made on first use when it was given deferred)."""
+        return self._base.get() if isinstance(self._base, DeferredFactor) else self._base
+
     @classmethod
-    def build(cls, base: Factor, static: bool = False) -> "NullspaceFactor | None":
+    def build(cls, base: Factor | DeferredFactor, static: bool = False) -> "NullspaceFactor | None":
         """The null-space form, or ``None`` when it does not pay or cannot be trusted: ``n - a >= a``; ``A``
         requires grad (the basis is not differentiated); ``A`` numerically rank deficient; :math:`M'` not
         numerically positive definite; ``V`` much larger than the inputs; or the base factor is O(n) already.
         With ``static`` the last two tests read nothing on the host: a failing batch element is marked instead
-        (module docstring, "Trust")."""
+        (module docstring, "Trust"). A :class:`~.factor.DeferredFactor` base is made only when :meth:`whiten`,
+        :meth:`logdet`, :meth:`gain_factor` or :meth:`trace_correction` asks for it: the KL does; a sample, the
+        density, the entropy and the moments do not."""
         con, cov = base.constraint, base.cov
         n, a = con.event_size, con.num_constraints
         if not base.nullspace_pays or 2 * a <= n or _operator_requires_grad(con):
