@@ -26,12 +26,15 @@ class _Layout:
     groups of one and the operations of the one-node grouped sample (the last two computed on first use). Shared by
     every constraint on that index."""
 
-    __slots__ = ("any_single", "counts", "exact", "group_sum", "index", "mask", "ops")
+    __slots__ = ("any_single", "counts", "exact", "group_sum", "index", "mask", "ops", "sorted")
 
     def __init__(self, index: Tensor, a: int, counts: Tensor, *,
-                 known: tuple[int | None, Tensor | None, bool] | None = None) -> None:
+                 known: tuple[int | None, Tensor | None, bool] | None = None,
+                 sorted: tuple[Tensor, int] | None = None) -> None:
         self.index = index
         self.counts = counts
+        #: a sorted index's group offsets ``(a + 1,)`` and largest group (None when not known sorted)
+        self.sorted = sorted
         #: is there a group of one (None: not known yet), and its members, ``(n,)`` bool (computed on first use)
         self.any_single: bool | None = None if known is None else known[2]
         self.mask: Tensor | None = None
@@ -60,7 +63,7 @@ class _Layout:
             return None
         block = n // a if facts[3] == facts[4] else None
         segments = offsets if block is None and facts[4] <= SUM_CHUNK else None
-        return cls(index, a, counts, known=(block, segments, facts[3] == 1))
+        return cls(index, a, counts, known=(block, segments, facts[3] == 1), sorted=(offsets, int(facts[4])))
 
     def singles(self) -> tuple[Tensor | None, bool]:
         """``(mask, any)``: the members of groups of one, ``(n,)`` bool (None when there is none), and whether there
@@ -129,7 +132,7 @@ class _Layout:
         if mask is not None and any_single:
             members = mask.nonzero().squeeze(-1)
             groups = index.index_select(0, members)
-        self.exact = ExactSumOps(index, a, ops.matvec, last, members, groups)
+        self.exact = ExactSumOps(index, a, ops.matvec, last, members, groups, sorted=self.sorted)
         return self.exact
 
 

@@ -21,6 +21,8 @@ host-read guards            allowed where they save passes (a screen    never: t
 blocked drivers             the fused blocked Gram-Cholesky and the     the vendor's batched GEMM, Cholesky and sparse
                             blocked sparse products (``torch.mm`` of a  products
                             cached block layout)
+fused kernels               no: the ATen form (each operator a pass     the library's Triton kernels where Triton runs
+                            over memory, no launch cost)                (:func:`fused_kernels`), else the ATen form
 ==========================  ==========================================  ==============================================
 
 float64 is used on both for the factor of the Gram matrix and for log-densities (a GPU's float64 rate is lower, but
@@ -33,13 +35,15 @@ machine, and for measuring), e.g. ``with forced("gpu"): ...`` runs the GPU branc
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CHUNK_ELEMS", "DeviceProfile", "forced", "profile", "rows_per_chunk"]
+__all__ = ["CHUNK_ELEMS", "DeviceProfile", "forced", "fused_kernels", "interpreted_kernels", "profile",
+           "rows_per_chunk"]
 
 #: elements of one chunk of a chunked loop on the CPU (each transient of the chunk stays in cache)
 CHUNK_ELEMS = 1 << 21
@@ -57,11 +61,14 @@ class DeviceProfile:
     host_guards: bool
     #: the library's blocked drivers (fused blocked Gram-Cholesky, blocked sparse products)
     blocked_drivers: bool
+    #: the library's fused Triton kernels, where Triton runs on the device (:func:`fused_kernels`)
+    fused_kernels: bool
 
 
-_PROFILES = {"cpu": DeviceProfile("cpu", chunked=True, host_guards=True, blocked_drivers=True),
-             "gpu": DeviceProfile("gpu", chunked=False, host_guards=False, blocked_drivers=False)}
+_PROFILES = {"cpu": DeviceProfile("cpu", chunked=True, host_guards=True, blocked_drivers=True, fused_kernels=False),
+             "gpu": DeviceProfile("gpu", chunked=False, host_guards=False, blocked_drivers=False, fused_kernels=True)}
 _forced: str | None = None
+_interpreted = False  # (interpreted_kernels)
 
 
 def profile(device: torch.device) -> DeviceProfile:
@@ -69,6 +76,40 @@ def profile(device: torch.device) -> DeviceProfile:
     if _forced is not None:
         return _PROFILES[_forced]
     return _PROFILES["cpu" if device.type == "cpu" else "gpu"]
+
+
+def fused_kernels(device: torch.device) -> bool:
+    """Take the library's fused Triton kernels for tensors on ``device``: the profile wants them
+    (:attr:`DeviceProfile.fused_kernels`) and Triton runs there: a CUDA device with ``triton`` importable (every
+    CUDA build of torch installs it), or a CPU inside :func:`interpreted_kernels` (tests of the kernels on a machine
+    without a GPU, with the GPU's choices :func:`forced`)."""
+    if not profile(device).fused_kernels:
+        return False
+    if device.type == "cuda":
+        return _triton_importable()
+    return device.type == "cpu" and _interpreted and _triton_importable()
+
+
+@contextlib.contextmanager
+def interpreted_kernels(on: bool = True) -> Iterator[None]:
+    """Within the block, tensors on a CPU take the fused Triton kernels where the profile wants them (run by
+    Triton's interpreter: ``TRITON_INTERPRET=1`` must have been set before ``triton`` was first imported); with
+    ``on=False``, they do not. For tests."""
+    global _interpreted
+    previous, _interpreted = _interpreted, on
+    try:
+        yield
+    finally:
+        _interpreted = previous
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @contextlib.contextmanager

@@ -49,6 +49,7 @@ from torch.autograd.function import once_differentiable
 
 from ..._utils import assert_deferred
 from ...errors import NotPSDError
+from ..device import fused_kernels
 
 __all__ = ["ExactSumOps", "exact_sum_rsample"]
 
@@ -63,14 +64,16 @@ class ExactSumOps:
     sorted groups of at most :data:`~hardeq.ops.group_sum.SUM_CHUNK` members, else the two-level summation of
     :class:`~hardeq.ops.GroupSum`: in float64 their error is at most about ``1050`` units of round-off of the
     group's absolute sum), the index for the gather, the member of each group that takes the repair (``last``,
-    ``(a,)``) and the groups of one (``members``, ``groups``: two index lists, or None)."""
+    ``(a,)``), the groups of one (``members``, ``groups``: two index lists, or None) and, for a sorted index, its
+    group offsets and largest group (``sorted``: the layout of :mod:`.grouped_triton`'s kernels)."""
 
-    __slots__ = ("a", "groups", "index", "last", "members", "sum")
+    __slots__ = ("a", "groups", "index", "last", "members", "sorted", "sum")
 
     def __init__(self, index: Tensor, a: int, sum: Callable[[Tensor], Tensor], last: Tensor,
-                 members: Tensor | None, groups: Tensor | None) -> None:
+                 members: Tensor | None, groups: Tensor | None, *, sorted: tuple[Tensor, int] | None = None) -> None:
         self.index, self.a, self.sum, self.last = index, a, sum, last
         self.members, self.groups = members, groups
+        self.sorted = sorted  # a sorted index's offsets (a + 1,) and largest group: the fused kernels' layout
 
     def gather(self, u: Tensor) -> Tensor:
         r""":math:`A^\top u`, ``(*, a) -> (*, n)``."""
@@ -157,6 +160,13 @@ def _assert_finite(residual: Tensor, ops: ExactSumOps) -> None:
 
 def exact_sum_rsample(loc: Tensor, scale: Tensor, k: Tensor, eps: Tensor, ops: ExactSumOps) -> Tensor:
     """The sample of the module docstring, ``(*sample, *batch, n)`` (``eps``'s shape), differentiable once in
-    ``loc``, ``scale`` and ``k``. No host read."""
+    ``loc``, ``scale`` and ``k``. No host read. Where Triton runs (a GPU; :func:`~hardeq.linalg.device.fused_kernels`)
+    and the index is sorted, the same arithmetic in two fused kernels (:mod:`.grouped_triton`)."""
+    if ops.sorted is not None and fused_kernels(eps.device):
+        from .grouped_triton import fused_sum_rsample
+
+        fused = fused_sum_rsample(loc, scale, k, eps, *ops.sorted, NONFINITE_MESSAGE)
+        if fused is not None:
+            return fused
     out: Tensor = _ExactSumSample.apply(loc, scale, k, eps, ops)  # type: ignore[no-untyped-call]  # torch: unannotated
     return out
