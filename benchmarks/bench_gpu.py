@@ -239,7 +239,11 @@ def case_d(dev: torch.device, timer: Timer, graphs: int, max_nodes: int, repeats
     t = timed(timer, {"unconstrained": case.unconstrained, "hardeq": case.hardeq}, max(repeats, 50), budget_s)
     d = case.build()
     z = d.rsample((8,)).detach()
-    return {"case": "D", "graphs": graphs, "n": case.n, **t, "ratio": t["hardeq"] / t["unconstrained"],
+    from hardeq.linalg.device import fused_kernels
+
+    method = "fused Triton kernels" if fused_kernels(dev) else "ATen form"  # (grouped_triton.py, where Triton runs)
+    return {"case": "D", "graphs": graphs, "n": case.n, "method": method, **t,
+            "ratio": t["hardeq"] / t["unconstrained"],
             "goal": "<= 3x unconstrained", "met": t["hardeq"] / t["unconstrained"] <= 3.0,
             "residual": worst_residual(d.constraint, z)}
 
