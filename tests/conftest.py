@@ -4,10 +4,19 @@
 cannot run there carry ``@pytest.mark.cpu_only(reason=...)`` and are skipped under ``--device cuda`` only.
 """
 
+import importlib.util
+import os
+import sys
+
 import pytest
 import torch
 
 from tests import device as _device
+
+# Without a GPU, an installed triton runs in its interpreter for the whole session (tests/test_fused_kernels.py runs
+# the library's kernels that way): the mode is read when triton is first imported, by whichever module does so first.
+if not torch.cuda.is_available() and "triton" not in sys.modules and importlib.util.find_spec("triton") is not None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_addoption(parser):
