@@ -14,9 +14,10 @@ holds as stated there (with the smaller ``c``), and the gradients are its closed
 v_ig_i/s` and :math:`\hat g = g - q` (0 on a group of one), :math:`\bar\mu = \hat g`, :math:`\bar\sigma = \hat g
 \odot(\varepsilon + 2\sigma t)`, :math:`\bar k = q`.
 
-**Non-finite values** (a NaN or an infinity in a group's residual) clear a flag with one atomic per group; the flag
-is asserted on the device (``torch._assert_async``: deferred to the next synchronisation on a GPU; at once on a
-CPU, where :class:`~hardeq.NotPSDError` names the first such group from the residuals the kernel wrote).
+**Non-finite values** (a NaN or an infinity in a group's residual) clear a flag with one atomic in each such group
+(a finite group writes nothing to it); the flag is asserted on the device (``torch._assert_async``: deferred to the
+next synchronisation on a GPU; at once on a CPU, where :class:`~hardeq.NotPSDError` names the first such group from
+the residuals the kernel wrote).
 
 A first launch that fails (Triton cannot compile on the machine: no C compiler for its launcher, say) warns once
 and leaves the device to the ATen form.
@@ -87,7 +88,7 @@ def _kernels() -> tuple[Any, Any]:
         tl.store(sums_ptr + r * a + g, s)
         tl.store(sums_ptr + rows * a + r * a + g, residual)
         finite = tl.abs(residual) <= 1.7976931348623157e308  # (float64's largest: false for NaN and infinities)
-        tl.atomic_min(flag_ptr, finite.to(tl.int32))
+        tl.atomic_min(flag_ptr, finite.to(tl.int32), mask=finite == 0)  # (only a failing group: no contention)
 
     @triton.jit
     def backward(grad_ptr, scale_ptr, h_ptr, sums_ptr, offsets_ptr, g_loc_ptr, g_scale_ptr, g_k_ptr,  # type: ignore[no-untyped-def]
